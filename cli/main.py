@@ -1,0 +1,176 @@
+"""The `diloco` command line. It parses options and calls the library; nothing else lives here."""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import grpc
+import typer
+
+from diloco.config import ConfigError, RunConfig, parse_assignments
+from diloco.errors import DilocoError
+from diloco.logs import setup_logging
+from diloco.store import StoreError
+
+app = typer.Typer(
+    help="Resilient, low-communication distributed training (Decoupled DiLoCo).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", help="run.toml with [model], [data], [train], [sync], [coordinator]")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")]
+CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordinator's HOST:PORT")]
+
+
+def clear_errors(fn: F) -> F:
+    """Expected failures become one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (DilocoError, ConfigError, StoreError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except grpc.RpcError as e:
+            typer.echo(f"error: coordinator call failed: {e.code().name}: {e.details()}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def build_config(base: RunConfig, config: Path | None, sets: list[str] | None, flags: dict[str, Any]) -> RunConfig:
+    """base <- TOML file <- --set assignments <- dedicated flags; then validated."""
+    cfg = base.merged_with_toml(config) if config else base
+    cfg = cfg.with_overrides(parse_assignments(sets or []))
+    return cfg.with_overrides(flags).validate()
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGTERM / SIGINT set an event the worker loops watch: leases are returned, exit is 0."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+@app.command()
+@clear_errors
+def coordinator(
+    workdir: Annotated[Path, typer.Option(help="state dir: ledger, checkpoints, shards (unless --store)")],
+    dataset: Annotated[str | None, typer.Option(help='"stdlib", a directory, glob or file (local or s3://)')] = None,
+    store: Annotated[str | None, typer.Option(help="URI where shards and checkpoints go (default: the workdir)")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 0,
+) -> None:
+    """Serve membership, leases, the syncer and status over gRPC."""
+    from diloco.coordinator.server import serve
+
+    setup_logging("coordinator")
+    cfg = build_config(RunConfig(), config, set_, {"data.dataset": dataset, "data.store": store})
+    serve(cfg, str(workdir), host, port)
+
+
+@app.command()
+@clear_errors
+def data(coordinator: CoordinatorOpt) -> None:
+    """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
+    from diloco.data.worker import run_data_worker
+
+    setup_logging("data")
+    sys.exit(run_data_worker(coordinator, stop_on_signals()))
+
+
+@app.command()
+@clear_errors
+def compute(
+    coordinator: CoordinatorOpt,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: the run's config)")] = None,
+    threads: Annotated[int | None, typer.Option(help="torch intra-op threads for this learner")] = None,
+    step_delay: Annotated[float | None, typer.Option(help="injected delay per inner step, seconds (straggler experiments)")] = None,
+) -> None:
+    """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
+    from diloco.compute.learner import LocalOverrides, run_learner
+
+    setup_logging("learner")
+    sys.exit(run_learner(coordinator, LocalOverrides(device, threads, step_delay), stop_on_signals()))
+
+
+@app.command()
+@clear_errors
+def run(
+    minutes: Annotated[float, typer.Option(help="wall-clock budget (0: until the data or token budget ends)")] = 5.0,
+    tokens: Annotated[int, typer.Option(help="token budget over all learners (0: none)")] = 0,
+    learners: Annotated[int, typer.Option(help="learner processes (M)")] = 2,
+    data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
+    workdir: Annotated[Path | None, typer.Option(help="run directory (default: ./runs/<name>)")] = None,
+    name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
+    seed: Annotated[int | None, typer.Option(help="model init and sampling seed")] = None,
+    dataset: Annotated[str | None, typer.Option(help='"stdlib" (default), a directory, glob or file')] = None,
+    store: Annotated[str | None, typer.Option(help="URI for shards and checkpoints (default: the run dir)")] = None,
+    inner_steps: Annotated[int | None, typer.Option(help="H: inner steps between syncs")] = None,
+    quorum: Annotated[int | None, typer.Option(help="K: pushes a round needs (0: every live learner)")] = None,
+    fragments: Annotated[int | None, typer.Option(help="P: parameter fragments")] = None,
+    merge: Annotated[str | None, typer.Option(help="mean | token | rda")] = None,
+    slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="no live progress display")] = False,
+) -> None:
+    """Run a whole job on this machine: coordinator, data workers and learners as processes."""
+    from diloco.run import LocalRunOptions, default_run_config, run_local
+
+    if learners < 1 or data_workers < 1:
+        raise DilocoError("--learners and --data-workers must be at least 1")
+    cfg = build_config(default_run_config(), config, set_, {
+        "train.seed": seed, "data.dataset": dataset, "data.store": store, "train.inner_steps": inner_steps,
+        "sync.quorum": quorum, "sync.fragments": fragments, "sync.merge": merge,
+    })
+    run_local(LocalRunOptions(
+        config=cfg, minutes=minutes, tokens=tokens, learners=learners, data_workers=data_workers,
+        workdir=str(workdir) if workdir else None, name=name, slow_learner=slow_learner,
+        show_progress=not no_progress,
+    ))
+
+
+@app.command()
+@clear_errors
+def status(
+    coordinator: CoordinatorOpt,
+    as_json: Annotated[bool, typer.Option("--json", help="print the full status as JSON")] = False,
+) -> None:
+    """Show a running coordinator's state: chunks, shards, tokens, rounds, workers."""
+    from diloco.client import CoordinatorClient
+    from diloco.v1 import coordinator_pb2 as pb
+
+    client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5)
+    client.wait_ready(5)
+    detail = json.loads(client.call("Status", pb.StatusRequest(), timeout_s=10).detail_json)
+    client.close()
+    if as_json:
+        typer.echo(json.dumps(detail, indent=2))
+        return
+    typer.echo(f"run {detail['run_state']} epoch {detail['coordinator_epoch']}")
+    typer.echo(f"chunks {detail['chunks_done']}/{detail['chunks_total']} done, {detail['chunks_quarantined']} quarantined")
+    typer.echo(f"shards {detail['shards_total']} ({detail['shards_consumed']} consumed), tokens prepared {detail['tokens_prepared']:,}")
+    typer.echo(f"tokens trained {detail['tokens_trained']:,}, merged {detail['tokens_merged']:,}, rounds {detail['rounds']}")
+    typer.echo(f"fragment versions {detail['fragment_versions']}, last loss {detail['last_loss']}")
+    for w in detail["workers"]:
+        typer.echo(f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
+                   f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}")

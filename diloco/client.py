@@ -1,0 +1,160 @@
+"""A worker's connection to the coordinator: join, retries with jittered backoff, tensor streams.
+
+Every worker role goes through this one class, so retry and re-join behaviour is the same
+everywhere: transient failures (the coordinator restarting, a dropped connection) are retried
+with jittered exponential backoff up to a deadline; "unknown worker" (the coordinator forgot us,
+e.g. after we were declared lost) triggers one re-join. Pushes carry client-made ids, so a retry
+after a lost reply has no second effect.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from diloco.config import RunConfig
+from diloco.errors import DilocoError
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.v1 import coordinator_pb2_grpc as pb_grpc
+from diloco.wire.tensors import receive_groups, stream_tensors
+
+log = logging.getLogger("diloco.client")
+
+T = TypeVar("T")
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+CLIENT_MESSAGE_LIMIT = 64 << 20
+
+
+def backoff_delay(attempt: int, base_s: float = 0.2, cap_s: float = 5.0, rng: random.Random | None = None) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base·2^attempt)]."""
+    rng = rng or random
+    return rng.uniform(0, min(cap_s, base_s * (2**attempt)))
+
+
+class CoordinatorClient:
+    def __init__(self, address: str, role: int, retry_deadline_s: float = 60.0, worker_id: str | None = None):
+        self.address = address
+        self.role = role
+        self.retry_deadline_s = retry_deadline_s
+        self.worker_id = worker_id or f"{_role_name(role)}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_send_message_length", CLIENT_MESSAGE_LIMIT),
+                ("grpc.max_receive_message_length", CLIENT_MESSAGE_LIMIT),
+                ("grpc.keepalive_time_ms", 20_000),
+            ],
+        )
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.config: RunConfig | None = None
+        self.join_reply: pb.JoinReply | None = None
+
+    def close(self) -> None:
+        self.channel.close()
+
+    # -- connection -----------------------------------------------------------------------------
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError as e:
+            raise DilocoError(f"cannot reach the coordinator at {self.address} (waited {timeout_s:.0f}s)") from e
+
+    def join(self, timeout_s: float = 30.0) -> pb.JoinReply:
+        self.wait_ready(timeout_s)
+        request = pb.JoinRequest(role=self.role, host=socket.gethostname(), worker_id=self.worker_id)
+        reply = self._retry(lambda: self.stub.Join(request, timeout=10.0), "join", rejoin=False)
+        self.worker_id = reply.worker_id
+        self.join_reply = reply
+        self.config = RunConfig.from_json(reply.config_json)
+        log.info("joined %s as %s epoch=%d", self.address, self.worker_id, reply.coordinator_epoch)
+        return reply
+
+    def _retry(self, fn: Callable[[], T], what: str, rejoin: bool = True) -> T:
+        deadline = time.monotonic() + self.retry_deadline_s
+        attempt = 0
+        rejoined = False
+        while True:
+            try:
+                return fn()
+            except grpc.RpcError as e:
+                code = e.code()
+                if code == grpc.StatusCode.NOT_FOUND and rejoin and not rejoined:
+                    log.warning("%s: coordinator does not know us (%s); joining again", what, e.details())
+                    self.join()
+                    rejoined = True
+                    continue
+                if code not in RETRYABLE or time.monotonic() >= deadline:
+                    raise
+                delay = backoff_delay(attempt)
+                log.info("%s failed (%s); retrying in %.2fs", what, code.name, delay)
+                time.sleep(delay)
+                attempt += 1
+
+    def call(self, method: str, request: Any, timeout_s: float = 30.0) -> Any:
+        """A unary RPC with retries; `worker_id` is filled in when the request has one."""
+        rpc = getattr(self.stub, method)
+
+        def once() -> Any:
+            if hasattr(request, "worker_id"):
+                request.worker_id = self.worker_id
+            return rpc(request, timeout=timeout_s)
+
+        return self._retry(once, method)
+
+    # -- tensors --------------------------------------------------------------------------------
+
+    def _piece_bytes(self) -> int:
+        return self.config.coordinator.stream_chunk_bytes if self.config else 1 << 20
+
+    def init_parameters(self, tensors: Mapping[str, torch.Tensor]) -> pb.InitParametersReply:
+        def once() -> pb.InitParametersReply:
+            header = pb.TensorHeader(worker_id=self.worker_id)
+            return self.stub.InitParameters(stream_tensors(header, tensors, self._piece_bytes()), timeout=300.0)
+
+        return self._retry(once, "init")
+
+    def push(self, header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], timeout_s: float = 300.0) -> pb.PushReply:
+        """Stream one delta. The same push_id on every retry makes a lost reply harmless."""
+        if not header.push_id:
+            header.push_id = uuid.uuid4().hex
+
+        def once() -> pb.PushReply:
+            header.worker_id = self.worker_id
+            return self.stub.PushDelta(stream_tensors(header, tensors, self._piece_bytes()), timeout=timeout_s)
+
+        return self._retry(once, "push")
+
+    def pull(self, fragments: list[int], have_versions: list[int] | None = None, wait_s: float = 0.0
+             ) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+        """Fragments newer than the versions held (all wanted ones when none are held)."""
+        request = pb.PullRequest(fragments=fragments, have_versions=have_versions or [], wait_s=wait_s)
+
+        def once() -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+            request.worker_id = self.worker_id
+            stream = self.stub.PullParameters(request, timeout=wait_s + 300.0)
+            return list(receive_groups(stream, max_bytes=1 << 40))
+
+        return self._retry(once, "pull")
+
+    def leave(self, reason: str = "") -> None:
+        try:
+            self.stub.Leave(pb.LeaveRequest(worker_id=self.worker_id, reason=reason), timeout=5.0)
+        except grpc.RpcError as e:
+            log.info("leave not delivered (%s)", e.code().name)
+
+
+def _role_name(role: int) -> str:
+    return {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "learner", pb.ROLE_OBSERVER: "observer"}.get(role, "worker")
+
+
+def rpc_error_message(e: grpc.RpcError) -> str:
+    return f"{e.code().name}: {e.details()}"

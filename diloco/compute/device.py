@@ -1,0 +1,36 @@
+"""Where a learner computes: device choice and CPU thread count."""
+
+from __future__ import annotations
+
+import torch
+
+
+def pick_device(spec: str) -> torch.device:
+    """ "auto" -> cuda when available, else cpu; anything else is torch.device(spec), checked.
+
+    A cuda device that is not there is refused here, with the reason, rather than at the first
+    tensor moved onto it deep inside the training loop.
+    """
+    spec = spec.strip().lower()
+    if spec in ("", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {spec!r} (use auto, cpu, cuda or cuda:N)") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device {spec!r} requested but this machine has {count} CUDA device(s)")
+    return device
+
+
+def set_threads(n: int) -> None:
+    """Set torch's intra-op threads; n <= 0 leaves torch's default (all cores).
+
+    Several learners on one machine should split the cores between them, or they thrash.
+    """
+    if n > 0:
+        torch.set_num_threads(n)

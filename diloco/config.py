@@ -1,0 +1,270 @@
+"""One configuration object for the whole run, as plain data.
+
+It is loaded from TOML, overridden by CLI flags, stored by the coordinator, and handed to every
+worker at join (as JSON), so all roles train with the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used: unknown key, wrong type, impossible value."""
+
+
+@dataclass
+class ModelConfig:
+    """The built-in GPT (nanoGPT-shaped). vocab_size 0 means: take it from the tokenizer."""
+
+    vocab_size: int = 0
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    """Where raw data lives, how it is cut into chunks and turned into shards."""
+
+    # A directory, glob, single file, or "stdlib" (the embedded default corpus).
+    dataset: str = "stdlib"
+    # Where processed shards are written; "" means <workdir>/shards.
+    store: str = ""
+    chunk_bytes: int = 64 * 1024 * 1024
+    # Field holding the text in .jsonl records.
+    text_field: str = "text"
+    # "byte" (256 byte values + end-of-text) or a path/URI of a HF tokenizer.json.
+    tokenizer: str = "byte"
+    # Share of chunks held out for evaluation (never leased to learners).
+    eval_fraction: float = 0.05
+    # Learner-side queue of prefetched batches, in batches.
+    prefetch_batches: int = 64
+
+
+@dataclass
+class TrainConfig:
+    """The learner's inner loop."""
+
+    batch_size: int = 16
+    inner_steps: int = 50  # H: inner AdamW steps between syncs of a fragment
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # Token budget over all learners (0: until data or time runs out).
+    max_tokens: int = 0
+    # "auto" picks cuda when available, else cpu.
+    device: str = "auto"
+    # torch intra-op threads per learner (0: leave torch's default).
+    threads: int = 0
+    seed: int = 1337
+    # Injected delay per inner step, for straggler experiments (seconds).
+    step_delay_s: float = 0.0
+
+
+@dataclass
+class SyncConfig:
+    """The outer loop: how the coordinator's syncer merges learners' deltas."""
+
+    # Minimum quorum K: pushes needed before a round may close. 0 means every live learner
+    # (synchronous DiLoCo).
+    quorum: int = 0
+    fragments: int = 1
+    merge: str = "mean"  # mean | token | rda
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    # How many versions behind the current one a push may be based on and still be merged.
+    max_staleness: int = 0
+    # Longest a learner long-polls for a new version before asking again (seconds).
+    pull_wait_s: float = 10.0
+
+
+@dataclass
+class CoordinatorConfig:
+    """Leases, membership and message limits."""
+
+    lease_ttl_s: float = 30.0
+    heartbeat_s: float = 3.0
+    # Bytes of tensor data per streamed message; well below max_message_bytes.
+    stream_chunk_bytes: int = 1 << 20
+    max_message_bytes: int = 8 << 20
+    # A delta push larger than this is refused (guards memory against a broken client).
+    max_push_bytes: int = 2 << 30
+    grpc_workers: int = 64
+    # A chunk that fails this many times is quarantined.
+    max_chunk_attempts: int = 3
+
+
+@dataclass
+class RunConfig:
+    name: str = ""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        top = {k: v for k, v in self.to_dict().items() if not isinstance(v, dict)}
+        for key, value in top.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        for section, values in self.to_dict().items():
+            if isinstance(values, dict):
+                lines.append(f"\n[{section}]")
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file not found: {path}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+        return cls.from_dict(data)
+
+    def merged_with_toml(self, path: str | Path) -> RunConfig:
+        """This config with the keys a TOML file sets replaced (unknown keys are refused)."""
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError as e:
+            raise ConfigError(f"config file not found: {path}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+        return self.with_overrides(_flatten(data))
+
+    def with_overrides(self, overrides: dict[str, Any]) -> RunConfig:
+        """Apply dotted overrides such as {"train.inner_steps": 100}; None values are ignored."""
+        data = self.to_dict()
+        for dotted, value in overrides.items():
+            if value is None:
+                continue
+            *parents, leaf = dotted.split(".")
+            node = data
+            for p in parents:
+                if p not in node or not isinstance(node[p], dict):
+                    raise ConfigError(f"unknown config section {p!r} in {dotted!r}")
+                node = node[p]
+            if leaf not in node:
+                raise ConfigError(f"unknown config key {dotted!r}")
+            node[leaf] = value
+        return RunConfig.from_dict(data)
+
+    def validate(self) -> RunConfig:
+        m, t, s = self.model, self.train, self.sync
+        if m.n_embd % m.n_head:
+            raise ConfigError(f"model.n_embd ({m.n_embd}) must be a multiple of model.n_head ({m.n_head})")
+        if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
+            raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
+        if s.fragments < 1 or s.quorum < 0:
+            raise ConfigError("sync.fragments must be >= 1 and sync.quorum >= 0")
+        if s.merge not in ("mean", "token", "rda"):
+            raise ConfigError(f"sync.merge must be mean, token or rda, not {s.merge!r}")
+        if not 0.0 <= self.data.eval_fraction < 1.0:
+            raise ConfigError("data.eval_fraction must be in [0, 1)")
+        if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:
+            raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
+        return self
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {where or 'top level'} must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!r}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        f = fields[name]
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        path = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _build(type(default), value, path)
+        else:
+            kwargs[name] = _coerce(value, type(default), path)
+    return cls(**kwargs)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """`section.key=value` strings (from --set) into overrides; values are coerced later."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _coerce(value: Any, kind: type, path: str) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+            return value.lower() in ("true", "1")
+    elif kind is int and not isinstance(value, bool):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            return int(value)
+    elif kind is float and not isinstance(value, bool):
+        if isinstance(value, int | float):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str and isinstance(value, str):
+        return value
+    raise ConfigError(f"config key {path!r} expects {kind.__name__}, got {value!r}")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return repr(value)

@@ -1,0 +1,507 @@
+"""The coordinator's durable state: chunks, shards, leases, workers, pushes, rounds.
+
+One SQLite file in WAL mode. Every method that changes state runs in one transaction and returns
+after the commit, so an RPC that answers has its effect on disk. Time comes from an injected clock
+so lease expiry is tested with a fake one. Tensors never live here (see checkpoint.py).
+
+Data accounting: a shard's rows count as trained only through *merged* spans. A span is recorded
+with its push (state pending); the merge flips the push to merged in the same transaction that
+records the round, so a dropped push or a dead learner leaves its rows untrained and leasable.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from diloco.coordinator import leases
+from diloco.data.chunks import ChunkSpec
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (
+  id INTEGER PRIMARY KEY, spec TEXT NOT NULL, split TEXT NOT NULL, nbytes INTEGER NOT NULL,
+  state TEXT NOT NULL DEFAULT 'pending',          -- pending | leased | done | quarantined
+  holder TEXT, lease_expires REAL, attempts INTEGER NOT NULL DEFAULT 0, error TEXT
+);
+CREATE TABLE IF NOT EXISTS shards (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, chunk_id INTEGER NOT NULL UNIQUE REFERENCES chunks(id),
+  completion_id TEXT NOT NULL UNIQUE, uri TEXT NOT NULL, split TEXT NOT NULL,
+  rows INTEGER NOT NULL, tokens INTEGER NOT NULL, checksum TEXT NOT NULL, nbytes INTEGER NOT NULL,
+  state TEXT NOT NULL DEFAULT 'ready',            -- ready | leased | consumed
+  holder TEXT, lease_expires REAL, created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS workers (
+  id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL, joined REAL NOT NULL,
+  last_seen REAL NOT NULL, state TEXT NOT NULL, stats TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS pushes (
+  push_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, fragment INTEGER NOT NULL,
+  base_version INTEGER NOT NULL, steps INTEGER NOT NULL, tokens INTEGER NOT NULL,
+  state TEXT NOT NULL,                            -- pending | merged | dropped
+  merged_version INTEGER, reason TEXT, received REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS spans (
+  shard_id INTEGER NOT NULL REFERENCES shards(id), row_start INTEGER NOT NULL,
+  row_end INTEGER NOT NULL, push_id TEXT NOT NULL REFERENCES pushes(push_id)
+);
+CREATE INDEX IF NOT EXISTS spans_by_shard ON spans(shard_id);
+CREATE INDEX IF NOT EXISTS spans_by_push ON spans(push_id);
+CREATE TABLE IF NOT EXISTS rounds (
+  fragment INTEGER NOT NULL, version INTEGER NOT NULL, closed REAL NOT NULL,
+  pushes INTEGER NOT NULL, tokens INTEGER NOT NULL, steps INTEGER NOT NULL,
+  mean_loss REAL, reason TEXT, PRIMARY KEY (fragment, version)
+);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class ChunkLease:
+    chunk_id: int
+    spec: ChunkSpec
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ShardLease:
+    shard_id: int
+    uri: str
+    checksum: str
+    rows: int
+    todo: list[leases.Range]
+
+
+@dataclass(frozen=True)
+class Completion:
+    accepted: bool
+    reason: str
+    shard_id: int = 0
+
+
+class Ledger:
+    def __init__(self, path: str, clock: Callable[[], float] = time.time):
+        self.path = path
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self)
+
+    def _q(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        rows = self._q(sql, args)
+        return rows[0][0] if rows else None
+
+    # -- meta -----------------------------------------------------------------------------------
+
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        value = self._one("SELECT value FROM meta WHERE key = ?", (key,))
+        return default if value is None else value
+
+    def set_meta(self, **values: str) -> None:
+        with self._tx() as db:
+            for key, value in values.items():
+                db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    @property
+    def initialized(self) -> bool:
+        return self.get_meta("dataset") is not None
+
+    def initialize(self, chunks: Iterable[ChunkSpec], **meta: str) -> None:
+        """Record the dataset's chunks once; a restart keeps what is there."""
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM meta WHERE key = 'dataset'").fetchone():
+                return
+            for c in chunks:
+                db.execute(
+                    "INSERT INTO chunks(id, spec, split, nbytes) VALUES (?, ?, ?, ?)",
+                    (c.index + 1, c.to_json(), c.split, c.nbytes),
+                )
+            for key, value in meta.items():
+                db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def next_epoch(self) -> int:
+        """A new coordinator epoch: pushes that were in flight in the last one are gone."""
+        with self._tx() as db:
+            epoch = int(db.execute("SELECT COALESCE((SELECT value FROM meta WHERE key='epoch'), 0)").fetchone()[0]) + 1
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('epoch', ?)", (str(epoch),))
+            db.execute(
+                "UPDATE pushes SET state = 'dropped', reason = 'coordinator restarted before merge' WHERE state = 'pending'"
+            )
+        return epoch
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def join(self, worker_id: str, role: str, host: str) -> None:
+        now = self.clock()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO workers(id, role, host, joined, last_seen, state) VALUES (?, ?, ?, ?, ?, 'active') "
+                "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', host = excluded.host",
+                (worker_id, role, host, now, now),
+            )
+
+    def known_worker(self, worker_id: str) -> bool:
+        return self._one("SELECT 1 FROM workers WHERE id = ? AND state = 'active'", (worker_id,)) is not None
+
+    def heartbeat(self, worker_id: str, stats: dict[str, Any], ttl_s: float) -> None:
+        now = self.clock()
+        with self._tx() as db:
+            db.execute(
+                "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?", (now, json.dumps(stats), worker_id)
+            )
+
+    def renew(self, worker_id: str, chunk_ids: Sequence[int], shard_ids: Sequence[int], ttl_s: float) -> tuple[list[int], list[int]]:
+        """Move the named leases' deadlines on; return those this worker no longer holds."""
+        deadline = leases.lease_deadline(self.clock(), ttl_s)
+        lost_chunks: list[int] = []
+        lost_shards: list[int] = []
+        with self._tx() as db:
+            for cid in chunk_ids:
+                n = db.execute(
+                    "UPDATE chunks SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (deadline, cid, worker_id),
+                ).rowcount
+                if not n:
+                    lost_chunks.append(cid)
+            for sid in shard_ids:
+                n = db.execute(
+                    "UPDATE shards SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (deadline, sid, worker_id),
+                ).rowcount
+                if not n:
+                    lost_shards.append(sid)
+        return lost_chunks, lost_shards
+
+    def leave(self, worker_id: str, state: str = "left") -> None:
+        """The worker is gone: its leases go back to the pool at once."""
+        with self._tx() as db:
+            db.execute("UPDATE workers SET state = ? WHERE id = ?", (state, worker_id))
+            db.execute(
+                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL WHERE holder = ? AND state = 'leased'",
+                (worker_id,),
+            )
+            db.execute(
+                "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL WHERE holder = ? AND state = 'leased'",
+                (worker_id,),
+            )
+
+    def live_workers(self, role: str, ttl_s: float) -> list[str]:
+        now = self.clock()
+        rows = self._q("SELECT id, last_seen FROM workers WHERE role = ? AND state = 'active'", (role,))
+        return [r["id"] for r in rows if leases.is_live(r["last_seen"], now, ttl_s)]
+
+    def workers(self) -> list[sqlite3.Row]:
+        return self._q("SELECT * FROM workers ORDER BY joined")
+
+    def reclaim_expired(self, ttl_s: float) -> dict[str, int]:
+        """Expired leases back to the pool; silent workers marked lost (and their leases freed)."""
+        now = self.clock()
+        with self._tx() as db:
+            chunks = db.execute(
+                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL "
+                "WHERE state = 'leased' AND lease_expires <= ?",
+                (now,),
+            ).rowcount
+            shards = db.execute(
+                "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                "WHERE state = 'leased' AND lease_expires <= ?",
+                (now,),
+            ).rowcount
+            lost = db.execute(
+                "UPDATE workers SET state = 'lost' WHERE state = 'active' AND last_seen <= ?", (now - ttl_s,)
+            ).rowcount
+        return {"chunks": chunks, "shards": shards, "workers": lost}
+
+    # -- chunks (data workers) ------------------------------------------------------------------
+
+    def lease_chunk(self, worker_id: str, ttl_s: float) -> ChunkLease | str:
+        """A pending chunk, or "wait" (others hold the rest), or "done"."""
+        self.reclaim_expired(ttl_s)
+        with self._tx() as db:
+            row = db.execute("SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY id LIMIT 1").fetchone()
+            if row is None:
+                leased = db.execute("SELECT COUNT(*) FROM chunks WHERE state = 'leased'").fetchone()[0]
+                return "wait" if leased else "done"
+            db.execute(
+                "UPDATE chunks SET state = 'leased', holder = ?, lease_expires = ?, attempts = attempts + 1 WHERE id = ?",
+                (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
+            )
+            return ChunkLease(row["id"], ChunkSpec.from_json(row["spec"]), row["attempts"] + 1)
+
+    def complete_chunk(
+        self, worker_id: str, chunk_id: int, completion_id: str, uri: str, rows: int, tokens: int, checksum: str,
+        nbytes: int, stats: dict[str, int],
+    ) -> Completion:
+        """Record the chunk's one shard. First completion wins; a retry of it is answered again."""
+        with self._tx() as db:
+            prior = db.execute("SELECT id, chunk_id FROM shards WHERE completion_id = ?", (completion_id,)).fetchone()
+            if prior is not None:
+                return Completion(prior["chunk_id"] == chunk_id, "already recorded", prior["id"])
+            chunk = db.execute("SELECT state, split FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
+            if chunk is None:
+                return Completion(False, f"unknown chunk {chunk_id}")
+            if chunk["state"] == "done":
+                return Completion(False, "chunk already has a shard")
+            if chunk["state"] == "quarantined":
+                return Completion(False, "chunk is quarantined")
+            cur = db.execute(
+                "INSERT INTO shards(chunk_id, completion_id, uri, split, rows, tokens, checksum, nbytes, state, created) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (chunk_id, completion_id, uri, chunk["split"], rows, tokens, checksum, nbytes,
+                 "ready" if rows else "consumed", self.clock()),
+            )
+            db.execute(
+                "UPDATE chunks SET state = 'done', holder = NULL, lease_expires = NULL, error = NULL WHERE id = ?",
+                (chunk_id,),
+            )
+            for key, value in stats.items():
+                _bump(db, f"records.{key}", value)
+            return Completion(True, "recorded", int(cur.lastrowid))
+
+    def fail_chunk(self, worker_id: str, chunk_id: int, error: str, max_attempts: int) -> bool:
+        """Give a chunk back after a failure; quarantine it after max_attempts. True if quarantined."""
+        with self._tx() as db:
+            row = db.execute("SELECT attempts, state FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
+            if row is None or row["state"] in ("done", "quarantined"):
+                return row is not None and row["state"] == "quarantined"
+            quarantine = row["attempts"] >= max_attempts
+            db.execute(
+                "UPDATE chunks SET state = ?, holder = NULL, lease_expires = NULL, error = ? WHERE id = ?",
+                ("quarantined" if quarantine else "pending", error[:2000], chunk_id),
+            )
+            return quarantine
+
+    # -- shards (learners) ----------------------------------------------------------------------
+
+    def _spans(self, db: sqlite3.Connection, shard_id: int, states: Sequence[str]) -> list[leases.Range]:
+        marks = ",".join("?" * len(states))
+        rows = db.execute(
+            f"SELECT s.row_start, s.row_end FROM spans s JOIN pushes p ON p.push_id = s.push_id "
+            f"WHERE s.shard_id = ? AND p.state IN ({marks})",
+            (shard_id, *states),
+        ).fetchall()
+        return [(r[0], r[1]) for r in rows]
+
+    def _todo(self, db: sqlite3.Connection, shard_id: int, rows: int) -> list[leases.Range]:
+        return leases.subtract((0, rows), self._spans(db, shard_id, ("merged", "pending")))
+
+    def lease_shard(self, worker_id: str, ttl_s: float) -> ShardLease | str:
+        """A train shard with rows nobody has trained on, or "wait", or "done"."""
+        self.reclaim_expired(ttl_s)
+        with self._tx() as db:
+            for row in db.execute(
+                "SELECT id, uri, checksum, rows FROM shards WHERE split = 'train' AND state = 'ready' ORDER BY id"
+            ).fetchall():
+                todo = self._todo(db, row["id"], row["rows"])
+                if not todo:
+                    continue
+                db.execute(
+                    "UPDATE shards SET state = 'leased', holder = ?, lease_expires = ? WHERE id = ?",
+                    (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
+                )
+                return ShardLease(row["id"], row["uri"], row["checksum"], row["rows"], todo)
+            unfinished_chunks = db.execute(
+                "SELECT COUNT(*) FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
+            ).fetchone()[0]
+            open_shards = db.execute(
+                "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state != 'consumed'"
+            ).fetchone()[0]
+            return "wait" if unfinished_chunks or open_shards else "done"
+
+    def release_shards(self, worker_id: str, shard_ids: Iterable[int]) -> None:
+        with self._tx() as db:
+            for sid in shard_ids:
+                db.execute(
+                    "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                    "WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (sid, worker_id),
+                )
+
+    def shard(self, shard_id: int) -> sqlite3.Row | None:
+        rows = self._q("SELECT * FROM shards WHERE id = ?", (shard_id,))
+        return rows[0] if rows else None
+
+    # -- pushes and merges ----------------------------------------------------------------------
+
+    def push_state(self, push_id: str) -> sqlite3.Row | None:
+        rows = self._q("SELECT * FROM pushes WHERE push_id = ?", (push_id,))
+        return rows[0] if rows else None
+
+    def record_push(
+        self, push_id: str, worker_id: str, fragment: int, base_version: int, steps: int, tokens: int,
+        spans: Sequence[tuple[int, int, int]], released: Sequence[int], state: str = "pending", reason: str = "",
+    ) -> str | None:
+        """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
+
+        Spans must lie inside their shard and must not overlap rows already merged or pending:
+        that is the guard against counting a token twice.
+        """
+        with self._tx() as db:
+            if state == "pending":
+                for sid, a, b in spans:
+                    shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
+                    if shard is None or not 0 <= a < b <= shard["rows"]:
+                        return f"span {sid}:[{a},{b}) is not inside a known shard"
+                    taken = self._spans(db, sid, ("merged", "pending"))
+                    if leases.subtract((a, b), taken) != [(a, b)]:
+                        return f"span {sid}:[{a},{b}) overlaps rows already trained"
+            db.execute(
+                "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, received) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (push_id, worker_id, fragment, base_version, steps, tokens, state, reason or None, self.clock()),
+            )
+            if state == "pending":
+                db.executemany(
+                    "INSERT INTO spans(shard_id, row_start, row_end, push_id) VALUES (?, ?, ?, ?)",
+                    [(sid, a, b, push_id) for sid, a, b in spans],
+                )
+            for sid in released:
+                db.execute(
+                    "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                    "WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (sid, worker_id),
+                )
+            _bump(db, "tokens_trained", tokens)
+            _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
+        return None
+
+    def commit_merge(
+        self, fragment: int, version: int, push_ids: Sequence[str], tokens: int, steps: int,
+        mean_loss: float | None, reason: str,
+    ) -> None:
+        """One transaction: the round, its pushes merged, their shards' rows counted, version on."""
+        with self._tx() as db:
+            marks = ",".join("?" * len(push_ids))
+            db.execute(
+                f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE push_id IN ({marks})",
+                (version, *push_ids),
+            )
+            db.execute(
+                "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (fragment, version, self.clock(), len(push_ids), tokens, steps, mean_loss, reason),
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (f"fragment_version.{fragment}", str(version))
+            )
+            shard_ids = [
+                r[0] for r in db.execute(f"SELECT DISTINCT shard_id FROM spans WHERE push_id IN ({marks})", tuple(push_ids))
+            ]
+            merged_tokens = 0
+            for sid in shard_ids:
+                shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
+                per_row = shard["tokens"] // max(1, shard["rows"])
+                for a, b in db.execute(
+                    f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})", (sid, *push_ids)
+                ).fetchall():
+                    merged_tokens += (b - a) * per_row
+                if leases.covered_rows(self._spans(db, sid, ("merged",))) >= shard["rows"]:
+                    db.execute(
+                        "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?", (sid,)
+                    )
+            _bump(db, "tokens_merged", merged_tokens)
+            _bump(db, "rounds", 1)
+
+    def drop_pushes(self, push_ids: Sequence[str], reason: str) -> None:
+        """Pushes that will never merge: their rows become trainable again."""
+        with self._tx() as db:
+            for pid in push_ids:
+                db.execute(
+                    "UPDATE pushes SET state = 'dropped', reason = ? WHERE push_id = ? AND state = 'pending'",
+                    (reason, pid),
+                )
+
+    def fragment_version(self, fragment: int) -> int:
+        return int(self.get_meta(f"fragment_version.{fragment}", "0") or 0)
+
+    # -- reporting ------------------------------------------------------------------------------
+
+    def bump(self, name: str, by: float = 1) -> None:
+        with self._tx() as db:
+            _bump(db, name, by)
+
+    def counter(self, name: str) -> float:
+        return float(self._one("SELECT value FROM counters WHERE name = ?", (name,)) or 0)
+
+    def counters(self) -> dict[str, float]:
+        return {r["name"]: r["value"] for r in self._q("SELECT name, value FROM counters")}
+
+    def summary(self) -> dict[str, Any]:
+        """Counts for status and summary.json."""
+        def count(sql: str, args: Sequence[Any] = ()) -> int:
+            return int(self._one(sql, args) or 0)
+
+        return {
+            "chunks_total": count("SELECT COUNT(*) FROM chunks"),
+            "chunks_done": count("SELECT COUNT(*) FROM chunks WHERE state = 'done'"),
+            "chunks_quarantined": count("SELECT COUNT(*) FROM chunks WHERE state = 'quarantined'"),
+            "shards_total": count("SELECT COUNT(*) FROM shards"),
+            "shards_consumed": count("SELECT COUNT(*) FROM shards WHERE split = 'train' AND state = 'consumed'"),
+            "tokens_prepared": count("SELECT COALESCE(SUM(tokens), 0) FROM shards"),
+            "rounds": count("SELECT COUNT(*) FROM rounds"),
+            "quarantined": [
+                {"chunk": r["id"], "error": r["error"]}
+                for r in self._q("SELECT id, error FROM chunks WHERE state = 'quarantined' ORDER BY id")
+            ],
+            "eval_shards": [
+                {"uri": r["uri"], "checksum": r["checksum"], "rows": r["rows"]}
+                for r in self._q("SELECT uri, checksum, rows FROM shards WHERE split = 'eval' ORDER BY id")
+            ],
+            "first_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed LIMIT 1"),
+            "last_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed DESC LIMIT 1"),
+            "counters": self.counters(),
+        }
+
+    def chunk_shard_pairs(self) -> list[tuple[int, int, str]]:
+        """(chunk id, number of shards recorded for it, chunk state) for every chunk."""
+        rows = self._q(
+            "SELECT c.id, COUNT(s.id), c.state FROM chunks c LEFT JOIN shards s ON s.chunk_id = c.id GROUP BY c.id ORDER BY c.id"
+        )
+        return [(r[0], r[1], r[2]) for r in rows]
+
+
+class _Transaction:
+    """`with ledger._tx() as db:` — BEGIN IMMEDIATE ... COMMIT, under the ledger's lock."""
+
+    def __init__(self, ledger: Ledger):
+        self.ledger = ledger
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.ledger._lock.acquire()
+        self.ledger._db.execute("BEGIN IMMEDIATE")
+        return self.ledger._db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self.ledger._lock.release()
+
+
+def _bump(db: sqlite3.Connection, name: str, by: float) -> None:
+    db.execute(
+        "INSERT INTO counters(name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+        (name, by),
+    )

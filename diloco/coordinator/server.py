@@ -1,0 +1,131 @@
+"""Start the coordinator: open (or create) the ledger, partition the dataset once, serve gRPC."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from diloco import store
+from diloco.config import RunConfig
+from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.service import CoordinatorService
+from diloco.corpus import resolve_dataset
+from diloco.data.chunks import partition
+from diloco.errors import DilocoError
+from diloco.tokenizer import load_tokenizer
+from diloco.v1 import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger("diloco.coordinator")
+
+
+def grpc_options(config: RunConfig) -> list[tuple[str, int]]:
+    """Message limits set on purpose: tensors stream in pieces far below them."""
+    limit = config.coordinator.max_message_bytes
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+@dataclass
+class RunningCoordinator:
+    server: grpc.Server
+    service: CoordinatorService
+    ledger: Ledger
+    port: int
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        self.service.stop()
+        self.server.stop(grace_s).wait()
+        self.ledger.close()
+
+
+def store_root(config: RunConfig, workdir: str) -> str:
+    return config.data.store or str(Path(workdir).resolve())
+
+
+def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
+    """The ledger under <workdir>/state; on first start, partition the dataset into it.
+
+    On a restart the configuration recorded at first start wins: a run does not change its model
+    or data under a checkpoint.
+    """
+    state_dir = Path(workdir) / "state"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(str(state_dir / "ledger.sqlite"))
+    if ledger.initialized:
+        stored = RunConfig.from_json(ledger.get_meta("config") or "{}")
+        log.info("resuming run %s from %s", stored.name, state_dir)
+        return ledger, stored
+    try:
+        tokenizer = load_tokenizer(config.data.tokenizer)
+    except ValueError as e:
+        raise DilocoError(f"cannot load tokenizer {config.data.tokenizer!r}: {e}") from e
+    if config.model.vocab_size == 0:
+        config = config.with_overrides({"model.vocab_size": tokenizer.vocab_size})
+    elif config.model.vocab_size < tokenizer.vocab_size:
+        raise DilocoError(f"model.vocab_size {config.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}")
+    try:
+        files = resolve_dataset(config.data.dataset)
+    except (OSError, ValueError) as e:
+        raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
+    chunks = partition(files, config.data.chunk_bytes, config.data.eval_fraction)
+    if not chunks:
+        raise DilocoError(f"dataset {config.data.dataset!r} has no data")
+    ledger.initialize(chunks, dataset=config.data.dataset, config=config.to_json(), tokenizer_id=tokenizer.id)
+    log.info("partitioned %d files into %d chunks (%d eval)", len(files), len(chunks),
+             sum(c.split == "eval" for c in chunks))
+    return ledger, config
+
+
+def start_coordinator(config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0) -> RunningCoordinator:
+    config.validate()
+    ledger, config = open_ledger(config, workdir)
+    root = store_root(config, workdir)
+    shard_root = store.join(root, "shards")
+    checkpoint_root = store.join(root, "checkpoints")
+    for uri in (shard_root, checkpoint_root):
+        store.makedirs(uri)
+    service = CoordinatorService(config, ledger, checkpoint_root, shard_root)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
+        options=grpc_options(config),
+    )
+    pb_grpc.add_CoordinatorServicer_to_server(service, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        ledger.close()
+        raise DilocoError(f"cannot listen on {host}:{port} (port in use or address unavailable)")
+    server.start()
+    service.start()
+    address = f"{host}:{bound}"
+    info = {"address": address, "port": bound, "pid": os.getpid(), "epoch": service.epoch}
+    store.write_bytes_atomic(str(Path(workdir) / "coordinator.json"), json.dumps(info).encode())
+    log.info("coordinator listening on %s epoch=%d", address, service.epoch)
+    return RunningCoordinator(server, service, ledger, bound)
+
+
+def serve(config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Run until SIGTERM or SIGINT, then stop accepting RPCs and close the ledger."""
+    running = start_coordinator(config, workdir, host, port)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("coordinator stopping")
+    running.stop()

@@ -1,0 +1,173 @@
+"""The syncer's decisions, as pure functions of (state, now, config).
+
+Nothing here touches a clock, a socket or a lock: the service passes `now` in, so every decision
+(when a round may close, how deltas merge, the outer Nesterov step) is tested with a fake clock.
+Synchronous DiLoCo is the special case quorum = every live learner, one fragment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """The part of SyncConfig the decisions read."""
+
+    quorum: int = 0  # 0: every live learner (synchronous DiLoCo)
+    merge: str = "mean"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    max_staleness: int = 0
+    # Adaptive grace window factor γ and overlap τ (inner steps); γ = 0 disables the window.
+    grace_factor: float = 0.0
+    overlap_steps: int = 0
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One push waiting in an open round (its tensors are kept elsewhere)."""
+
+    worker_id: str
+    tokens: int
+    steps: int
+    arrived_at: float
+    base_version: int
+
+
+@dataclass
+class RoundState:
+    """The open round of one fragment: pushes against `version` that will produce version+1."""
+
+    fragment: int
+    version: int
+    opened_at: float
+    arrivals: list[Arrival] = field(default_factory=list)
+
+    def pushed_by(self) -> set[str]:
+        return {a.worker_id for a in self.arrivals}
+
+
+@dataclass(frozen=True)
+class CloseDecision:
+    close: bool
+    reason: str
+    # When nothing changes before then, ask again at this time (None: only on a new event).
+    recheck_at: float | None = None
+
+
+def quorum_needed(policy: SyncPolicy, live_learners: int) -> int:
+    """Pushes a round needs. K = 0 means all live learners; never more than are alive."""
+    if policy.quorum <= 0:
+        return max(1, live_learners)
+    return max(1, min(policy.quorum, live_learners)) if live_learners else policy.quorum
+
+
+def grace_window(policy: SyncPolicy, step_time_s: float, time_to_quorum_s: float, sync_time_s: float) -> float:
+    """How long to wait past quorum for more pushes: γ·(τ·step_time − time_to_quorum − sync_time).
+
+    The result of a merge is needed τ inner steps after the push; waiting longer than the time
+    the learners have to spare would make them wait, so the window is that slack, scaled by γ,
+    and never negative.
+    """
+    slack = policy.overlap_steps * step_time_s - time_to_quorum_s - sync_time_s
+    return max(0.0, policy.grace_factor * slack)
+
+
+def decide_close(
+    state: RoundState,
+    now: float,
+    policy: SyncPolicy,
+    live_learners: Collection[str],
+    step_time_s: float = 0.0,
+    sync_time_s: float = 0.0,
+) -> CloseDecision:
+    """Whether the open round should merge now."""
+    if not state.arrivals:
+        return CloseDecision(False, "no pushes")
+    pushed = state.pushed_by()
+    live = set(live_learners)
+    if live and live <= pushed:
+        return CloseDecision(True, "every live learner pushed")
+    needed = quorum_needed(policy, len(live))
+    if len(pushed) < needed:
+        return CloseDecision(False, f"{len(pushed)}/{needed} pushes for quorum")
+    quorum_at = sorted(a.arrived_at for a in state.arrivals)[needed - 1]
+    window = grace_window(policy, step_time_s, quorum_at - state.opened_at, sync_time_s)
+    if now >= quorum_at + window:
+        return CloseDecision(True, "quorum reached" + (" and grace window over" if window > 0 else ""))
+    return CloseDecision(False, "in grace window", recheck_at=quorum_at + window)
+
+
+def staleness_refusal(policy: SyncPolicy, base_version: int, current_version: int) -> str | None:
+    """Why a push based on `base_version` cannot join the round at `current_version`, or None."""
+    if base_version > current_version:
+        return f"push is based on version {base_version}, newer than the syncer's {current_version}"
+    lag = current_version - base_version
+    if lag > policy.max_staleness:
+        return f"push is {lag} version(s) stale (based on {base_version}, now {current_version}; max staleness {policy.max_staleness})"
+    return None
+
+
+def merge_weights(tokens: Sequence[int], steps: Sequence[int], mode: str) -> list[float]:
+    """Normalised weights per delta. `token`/`rda`: tokens·(tokens/steps), as in Decoupled DiLoCo."""
+    if mode == "mean":
+        raw = [1.0] * len(tokens)
+    elif mode in ("token", "rda"):
+        raw = [float(t) * (float(t) / max(1, s)) for t, s in zip(tokens, steps, strict=True)]
+    else:
+        raise ValueError(f"unknown merge mode {mode!r}")
+    total = sum(raw)
+    if total <= 0:
+        return [1.0 / len(raw)] * len(raw)
+    return [w / total for w in raw]
+
+
+def merge_deltas(deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], mode: str) -> dict[str, torch.Tensor]:
+    """The outer gradient: a weighted combination of the deltas, per tensor, in fp32.
+
+    `rda` (radial-directional averaging) merges each tensor's norm and direction separately: the
+    weighted mean of the norms times the direction of the weighted mean of the unit vectors, so
+    near-orthogonal deltas do not shrink the step the way a plain mean does.
+    """
+    if not deltas:
+        raise ValueError("no deltas to merge")
+    out: dict[str, torch.Tensor] = {}
+    for name in deltas[0]:
+        parts = [d[name].to(torch.float32) for d in deltas]
+        if mode == "rda":
+            norms = [p.norm() for p in parts]
+            direction = sum(w * (p / n if n > 0 else p) for w, p, n in zip(weights, parts, norms, strict=True))
+            mean_norm = sum(w * n for w, n in zip(weights, norms, strict=True))
+            dnorm = direction.norm()
+            out[name] = direction * (mean_norm / dnorm) if dnorm > 0 else torch.zeros_like(parts[0])
+        else:
+            out[name] = sum(w * p for w, p in zip(weights, parts, strict=True))
+    return out
+
+
+def outer_step(
+    params: dict[str, torch.Tensor],
+    momentum: dict[str, torch.Tensor],
+    outer_grad: dict[str, torch.Tensor],
+    lr: float,
+    mu: float,
+    nesterov: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """SGD with (Nesterov) momentum on the outer gradient, as torch.optim.SGD does it.
+
+    m ← μ·m + g;  θ ← θ − lr·(g + μ·m) with Nesterov, θ ← θ − lr·m without. Returns new tensors.
+    """
+    new_params: dict[str, torch.Tensor] = {}
+    new_momentum: dict[str, torch.Tensor] = {}
+    for name, theta in params.items():
+        g = outer_grad[name].to(torch.float32)
+        m = mu * momentum[name] + g
+        update = g + mu * m if nesterov else m
+        new_params[name] = (theta.to(torch.float32) - lr * update).to(theta.dtype)
+        new_momentum[name] = m
+    return new_params, new_momentum

@@ -1,0 +1,1 @@
+"""Data worker side: raw chunks -> tokens -> packed, checksummed shards."""

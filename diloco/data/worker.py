@@ -1,0 +1,112 @@
+"""The data worker: lease a raw chunk, tokenize and pack it, write a shard, report it. Repeat.
+
+Stateless: everything it needs comes with the lease and the config handed over at join, so any
+number of them can run anywhere that reaches the store and the coordinator. It exits 0 when the
+coordinator says there is nothing left to do, and on SIGTERM gives its lease back first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+import uuid
+
+from diloco import store
+from diloco.client import CoordinatorClient
+from diloco.data.chunks import ChunkSpec, Segment
+from diloco.data.process import process_chunk
+from diloco.data.shard import write_shard
+from diloco.tokenizer import load_tokenizer
+from diloco.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("diloco.data")
+
+
+class DataWorker:
+    def __init__(self, address: str, stop: threading.Event | None = None):
+        self.client = CoordinatorClient(address, pb.ROLE_DATA)
+        self.stop = stop or threading.Event()
+        self.current_chunk: int | None = None
+        self.chunks_done = 0
+        self.tokens_out = 0
+        self.busy_s = 0.0
+        self.started = time.monotonic()
+
+    def _heartbeat_forever(self, period_s: float) -> None:
+        while not self.stop.wait(period_s):
+            held = [self.current_chunk] if self.current_chunk else []
+            try:
+                self.client.call("Heartbeat", pb.HeartbeatRequest(
+                    chunk_leases=held, tokens_trained=0, busy_seconds=self.busy_s,
+                    wall_seconds=time.monotonic() - self.started,
+                ), timeout_s=10.0)
+            except Exception as e:  # a missed heartbeat is survivable; the next one may land
+                log.info("heartbeat failed: %s", e)
+
+    def run(self) -> int:
+        reply = self.client.join()
+        config = self.client.config
+        assert config is not None
+        tokenizer = load_tokenizer(config.data.tokenizer)
+        threading.Thread(target=self._heartbeat_forever, args=(reply.heartbeat_s,), daemon=True).start()
+        try:
+            while not self.stop.is_set():
+                lease = self.client.call("LeaseChunk", pb.LeaseChunkRequest())
+                if lease.done:
+                    log.info("nothing left to do (%d chunks, %d tokens)", self.chunks_done, self.tokens_out)
+                    break
+                if lease.retry_after_s > 0:
+                    self.stop.wait(lease.retry_after_s)
+                    continue
+                self._process(lease, tokenizer, config.model.seq_len, config.data.text_field)
+        finally:
+            self.stop.set()
+            self.client.leave("finished" if self.current_chunk is None else "stopping")
+            self.client.close()
+        return 0
+
+    def _process(self, lease: pb.LeaseChunkReply, tokenizer, seq_len: int, text_field: str) -> None:
+        self.current_chunk = lease.chunk_id
+        started = time.monotonic()
+        chunk = ChunkSpec(
+            index=lease.chunk_id - 1,
+            segments=tuple(Segment(s.uri, s.start, s.end, s.file_end) for s in lease.segments),
+            split=lease.split,
+        )
+        try:
+            processed = process_chunk(chunk, tokenizer, seq_len, text_field)
+            info = write_shard(
+                lease.shard_uri, processed.rows, tokenizer_id=tokenizer.id, vocab_size=tokenizer.vocab_size,
+                chunk_index=chunk.index, meta={"split": lease.split},
+            )
+        except Exception as e:  # any failure of this chunk is reported, never fatal to the worker
+            log.warning("chunk %d failed: %s", lease.chunk_id, e)
+            self.client.call("FailChunk", pb.FailChunkRequest(
+                chunk_id=lease.chunk_id, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+            ))
+            self.current_chunk = None
+            return
+        seconds = time.monotonic() - started
+        done = self.client.call("CompleteChunk", pb.CompleteChunkRequest(
+            chunk_id=lease.chunk_id, completion_id=uuid.uuid4().hex, shard_uri=info.uri, rows=info.rows,
+            tokens=info.tokens, checksum=info.checksum, bytes_in=processed.bytes_in, shard_bytes=info.nbytes,
+            dropped_tokens=processed.dropped_tokens,
+            record_stats={k: v for k, v in processed.stats.as_dict().items() if v}, seconds=seconds,
+        ))
+        self.current_chunk = None
+        self.busy_s += seconds
+        if not done.accepted:
+            # Another worker's shard for this chunk was recorded first: ours is surplus.
+            log.info("chunk %d: completion refused (%s); removing %s", lease.chunk_id, done.reason, info.uri)
+            store.remove(info.uri)
+            return
+        self.chunks_done += 1
+        self.tokens_out += info.tokens
+        log.info("chunk %d -> shard %d rows=%d tokens=%d in %.2fs (%.0f tokens/s)", lease.chunk_id, done.shard_id,
+                 info.rows, info.tokens, seconds, info.tokens / max(seconds, 1e-9))
+
+
+def run_data_worker(address: str, stop: threading.Event | None = None) -> int:
+    return DataWorker(address, stop).run()

@@ -1,0 +1,5 @@
+"""Errors a user can act on: the CLI prints their message on one line and exits non-zero."""
+
+
+class DilocoError(Exception):
+    """A clear, expected failure (bad input, unreachable peer, port in use), not a bug."""

@@ -1,0 +1,90 @@
+"""Child processes of a local job: start each role as its own OS process, and always reap them.
+
+Used by `diloco run`, the tests and the benchmarks, so that every process started is stopped:
+SIGTERM first (each role gives its leases back and exits 0), SIGKILL for whatever is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    args: list[str]
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+@dataclass
+class ProcessGroup:
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, role: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
+        """Start `python -m cli <args>` with its output in <log_dir>/<name>.log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{name}.log"
+        env = {**os.environ, **self.env, **(extra_env or {})}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with open(log_path, "ab") as log:
+            # A session of its own: a Ctrl-C at the terminal reaches only the parent, which then
+            # stops the children in order instead of all of them dying at once.
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+            )
+        child = Child(name, role, args, proc, log_path)
+        self.children.append(child)
+        return child
+
+    def by_role(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.role == role]
+
+    def signal(self, child: Child, sig: int) -> None:
+        if child.alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.proc.pid, sig)
+
+    def wait(self, children: list[Child], timeout_s: float) -> bool:
+        """Wait until all of `children` exited; False if some are still running at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not any(c.alive for c in children):
+                return True
+            time.sleep(0.1)
+        return not any(c.alive for c in children)
+
+    def stop(self, children: list[Child] | None = None, grace_s: float = 10.0) -> None:
+        """SIGTERM, wait up to grace_s, then SIGKILL; every child is reaped."""
+        targets = [c for c in (self.children if children is None else children) if c.alive]
+        for c in targets:
+            self.signal(c, signal.SIGTERM)
+        if not self.wait(targets, grace_s):
+            for c in targets:
+                self.signal(c, signal.SIGKILL)
+        for c in targets:
+            try:
+                c.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                print(f"warning: {c.name} (pid {c.proc.pid}) did not exit", file=sys.stderr)
+
+    def tail(self, child: Child, lines: int = 20) -> str:
+        try:
+            return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""

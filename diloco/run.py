@@ -1,0 +1,291 @@
+"""`diloco run`: a whole job on this machine, every role its own process on 127.0.0.1.
+
+    coordinator ── data workers (raw chunks -> shards)
+               └── learners (shards -> inner steps -> deltas -> merged globals)
+
+It shows live progress, stops the job at its time or token budget, evaluates the final global
+model on the held-out split, prints a sample, and writes runs/<name>/summary.json.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from diloco import store
+from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
+from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator.server import store_root
+from diloco.data.shard import read_shard
+from diloco.errors import DilocoError
+from diloco.evaluate import eval_loss, sample_text, unigram_entropy
+from diloco.model.gpt import build_model
+from diloco.procs import ProcessGroup
+from diloco.tokenizer import load_tokenizer
+from diloco.v1 import coordinator_pb2 as pb
+
+SAMPLE_PROMPT = "def "
+EVAL_MAX_BATCHES = 64
+
+
+def default_run_config() -> RunConfig:
+    """The embedded default: the stdlib corpus, a small GPT, synchronous rounds of H = 50 steps.
+
+    Chunks are small (256 KiB) so that ~45 chunks spread over the data workers and a few are held
+    out for evaluation.
+    """
+    cfg = RunConfig()
+    cfg.data.chunk_bytes = 256 * 1024
+    cfg.coordinator.lease_ttl_s = 15.0
+    return cfg
+
+
+@dataclass
+class LocalRunOptions:
+    config: RunConfig = field(default_factory=default_run_config)
+    minutes: float = 5.0
+    tokens: int = 0
+    learners: int = 2
+    data_workers: int = 2
+    workdir: str | None = None
+    name: str | None = None
+    # One learner made FACTOR× slower by an injected delay per inner step (1.0: none).
+    slow_learner: float = 1.0
+    show_progress: bool = True
+
+
+@dataclass
+class LocalRun:
+    options: LocalRunOptions
+    console: Console = field(default_factory=lambda: Console(stderr=True))
+
+    def __post_init__(self) -> None:
+        o = self.options
+        self.name = o.name or o.config.name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        self.workdir = Path(o.workdir or Path("runs") / self.name).resolve()
+        cfg = o.config
+        if cfg.train.threads == 0:
+            # Learners split the machine's cores instead of each taking all of them.
+            cfg = cfg.with_overrides({"train.threads": max(1, (os.cpu_count() or 1) // max(1, o.learners))})
+        if o.tokens:
+            cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
+        self.config = cfg.with_overrides({"name": self.name}).validate()
+        self.group = ProcessGroup(self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def _start_coordinator(self) -> str:
+        info_path = self.workdir / "coordinator.json"
+        info_path.unlink(missing_ok=True)
+        config_path = self.workdir / "run.toml"
+        config_path.write_text(self.config.to_toml())
+        coordinator = self.group.spawn("coordinator", "coordinator", [
+            "coordinator", "--workdir", str(self.workdir), "--config", str(config_path),
+            "--host", "127.0.0.1", "--port", "0",
+        ])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if info_path.exists():
+                return json.loads(info_path.read_text())["address"]
+            if not coordinator.alive:
+                raise DilocoError(f"coordinator exited early:\n{self.group.tail(coordinator)}")
+            time.sleep(0.1)
+        raise DilocoError("coordinator did not start within 120 s")
+
+    def _start_workers(self, address: str) -> None:
+        o = self.options
+        for i in range(o.data_workers):
+            self.group.spawn(f"data-{i}", "data", ["data", "--coordinator", address])
+        step_time_guess = 0.15  # s per inner step on a CPU core; the delay only needs the ratio
+        for i in range(o.learners):
+            args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
+            if i == o.learners - 1 and o.slow_learner > 1.0:
+                args += ["--step-delay", f"{(o.slow_learner - 1.0) * step_time_guess:.4f}"]
+            self.group.spawn(f"learner-{i}", "learner", args)
+
+    # -- the job --------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
+        self.console.print(f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
+                           f"{self.options.data_workers} data workers, workdir {self.workdir}")
+        try:
+            address = self._start_coordinator()
+            self._start_workers(address)
+            observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
+            detail = self._watch(observer, started)
+            train_seconds = time.monotonic() - started
+            self._wind_down(observer)
+            detail = self._status(observer) or detail
+            observer.close()
+        finally:
+            self.group.stop(grace_s=15)
+        summary = self._summarize(detail, train_seconds, time.monotonic() - started)
+        (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _status(self, observer: CoordinatorClient) -> dict[str, Any] | None:
+        try:
+            reply = observer.stub.Status(pb.StatusRequest(), timeout=10)
+        except Exception:
+            return None
+        return json.loads(reply.detail_json)
+
+    def _watch(self, observer: CoordinatorClient, started: float) -> dict[str, Any]:
+        """Show progress until every learner has exited; ask the coordinator to finish at the deadline."""
+        deadline = started + self.options.minutes * 60 if self.options.minutes > 0 else math.inf
+        learners = self.group.by_role("learner")
+        coordinator = self.group.by_role("coordinator")[0]
+        detail: dict[str, Any] = {}
+        finish_sent = False
+        live = Live(self._progress_table(detail, started), console=self.console, refresh_per_second=2)
+        last_line = 0.0
+        with live if self.options.show_progress else contextlib.nullcontext():
+            while any(c.alive for c in learners):
+                if not coordinator.alive:
+                    raise DilocoError(f"coordinator died:\n{self.group.tail(coordinator)}")
+                detail = self._status(observer) or detail
+                if self.options.show_progress:
+                    live.update(self._progress_table(detail, started))
+                elif time.monotonic() - last_line >= 10:
+                    last_line = time.monotonic()
+                    self.console.print(self._progress_line(detail, started), highlight=False)
+                if not finish_sent and time.monotonic() >= deadline:
+                    observer.call("Finish", pb.FinishRequest(reason="time budget reached"))
+                    finish_sent = True
+                time.sleep(0.5)
+            if self.options.show_progress:
+                live.update(self._progress_table(detail, started))
+        failed = [c.name for c in learners if c.proc.returncode not in (0, None)]
+        if failed:
+            self.console.print(f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})")
+        return detail
+
+    def _wind_down(self, observer: CoordinatorClient) -> None:
+        with contextlib.suppress(Exception):
+            observer.call("Finish", pb.FinishRequest(reason="learners finished"), timeout_s=10)
+        self.group.wait(self.group.by_role("data"), timeout_s=30)
+
+    def _progress_line(self, d: dict[str, Any], started: float) -> str:
+        loss = d.get("last_loss")
+        return (f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
+                f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
+                f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
+                f"loss {f'{loss:.4f}' if loss else '-'}")
+
+    def _progress_table(self, d: dict[str, Any], started: float) -> Table:
+        table = Table(title=f"diloco run {self.name}", show_header=False, min_width=60)
+        elapsed = time.monotonic() - started
+        budget = f" / {self.options.minutes:.1f} min" if self.options.minutes > 0 else ""
+        table.add_row("elapsed", f"{elapsed / 60:.1f} min{budget}")
+        table.add_row("chunks", f"{d.get('chunks_done', 0)} / {d.get('chunks_total', 0)} "
+                      f"({d.get('chunks_quarantined', 0)} quarantined)")
+        table.add_row("tokens prepared", f"{d.get('tokens_prepared', 0):,}")
+        table.add_row("tokens trained", f"{d.get('tokens_trained', 0):,}")
+        table.add_row("tokens merged", f"{d.get('tokens_merged', 0):,}")
+        table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
+        loss = d.get("last_loss")
+        table.add_row("loss", f"{loss:.4f}" if loss else "-")
+        learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
+        table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
+        return table
+
+    # -- the result -----------------------------------------------------------------------------
+
+    def _summarize(self, d: dict[str, Any], train_seconds: float, total_seconds: float) -> dict[str, Any]:
+        cfg = self.config
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        vocab = cfg.model.vocab_size or tokenizer.vocab_size
+        versions = d.get("fragment_versions") or []
+        eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
+        summary: dict[str, Any] = {
+            "name": self.name,
+            "workdir": str(self.workdir),
+            "learners": self.options.learners,
+            "data_workers": self.options.data_workers,
+            "tokens_trained": d.get("tokens_trained", 0),
+            "tokens_merged": d.get("tokens_merged", 0),
+            "rounds": d.get("rounds", 0),
+            "fragment_versions": versions,
+            "chunks": d.get("chunks_total", 0),
+            "chunks_done": d.get("chunks_done", 0),
+            "chunks_quarantined": d.get("chunks_quarantined", 0),
+            "shards": d.get("shards_total", 0),
+            "tokens_prepared": d.get("tokens_prepared", 0),
+            "first_loss": d.get("first_loss"),
+            "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
+            "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
+            "wall_seconds": round(train_seconds, 2),
+            "total_seconds": round(total_seconds, 2),
+            "pushes_refused": d.get("pushes_refused", 0),
+            "record_stats": d.get("record_stats", {}),
+        }
+        trained = max(1, summary["tokens_trained"])
+        summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
+        summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
+        summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
+        learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
+        per_learner = [w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in learners if w.get("wall_seconds")]
+        summary["utilization_per_learner"] = [round(u, 4) for u in per_learner]
+        summary["utilization"] = round(sum(per_learner) / len(per_learner), 4) if per_learner else 0.0
+        if versions and eval_rows:
+            rows = np.concatenate(eval_rows)
+            model = build_model(cfg.model, vocab, cfg.train.seed)
+            params = load_model_params(store.join(store_root(cfg, str(self.workdir)), "checkpoints"), versions)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(params[name])
+            summary["eval_loss"] = eval_loss(model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES)
+            used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
+            summary["baseline_loss"] = unigram_entropy([used], vocab)
+            summary["eval_tokens"] = int(used.size)
+            summary["sample"] = sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed)
+        else:
+            summary.update(eval_loss=None, baseline_loss=None, eval_tokens=0, sample="")
+        summary["config"] = cfg.to_dict()
+        return summary
+
+
+def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
+    table = Table(title="result", show_header=False)
+    ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
+    table.add_row("eval loss", f"{ev:.4f} nats/token" if ev is not None else "-")
+    table.add_row("unigram baseline", f"{base:.4f} nats/token" if base is not None else "-")
+    first = summary.get("first_loss")
+    table.add_row("first-step loss", f"{first:.4f}" if first else "-")
+    table.add_row("tokens trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
+    table.add_row("rounds", str(summary["rounds"]))
+    table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
+    table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}")
+    table.add_row("learner utilization", f"{summary['utilization']:.1%}")
+    table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
+    console.print(table)
+    if summary.get("sample"):
+        console.print("[bold]sample[/] (the trained model continues the prompt):")
+        console.print(summary["sample"], markup=False, highlight=False)
+    console.print(f"summary: {path}")
+
+
+def run_local(options: LocalRunOptions) -> dict[str, Any]:
+    job = LocalRun(options)
+    # SIGTERM to `diloco run` stops the job like Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    summary = job.run()
+    print_summary(job.console, summary, job.workdir / "summary.json")
+    return summary

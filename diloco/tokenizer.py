@@ -1,0 +1,80 @@
+"""Tokenizers: byte-level (the default, needs nothing) or any Hugging Face tokenizer.json."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from diloco import store
+
+# End-of-text tokens looked up, in order, in a HF vocabulary.
+EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    id: str  # stable identity, recorded in every shard so mixed tokenizers are caught
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes 0..255 plus end-of-text 256."""
+
+    id = "byte-v1"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        # Lone surrogates cannot be UTF-8 encoded; replace rather than fail on odd input.
+        return list(text.encode("utf-8", errors="replace"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer from tokenizer.json text.
+
+    When the vocabulary has none of EOT_CANDIDATES, end-of-text gets the id just past it
+    (eot_id = base vocab size, vocab_size = base + 1): the model learns that row of the embedding,
+    and decode drops it, so the tokenizer file itself never has to change.
+    """
+
+    def __init__(self, json_text: str) -> None:
+        from tokenizers import Tokenizer as _HF  # imported here: only HF users pay for it
+
+        self._tok = _HF.from_str(json_text)
+        self.id = "hf-" + hashlib.sha256(json_text.encode("utf-8")).hexdigest()[:16]
+        base = self._tok.get_vocab_size(with_added_tokens=True)
+        found = [self._tok.token_to_id(t) for t in EOT_CANDIDATES]
+        eot = next((i for i in found if i is not None), None)
+        if eot is None:
+            self.eot_id, self.vocab_size = base, base + 1
+        else:
+            self.eot_id, self.vocab_size = eot, base
+
+    @classmethod
+    def from_uri(cls, uri: str) -> HFTokenizer:
+        return cls(store.read_bytes(uri).decode("utf-8"))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids if i != self.eot_id], skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """ "byte", or the path/URI of a HF tokenizer.json."""
+    if spec == "byte":
+        return ByteTokenizer()
+    try:
+        return HFTokenizer.from_uri(spec)
+    except Exception as e:  # missing file, not UTF-8, not a tokenizer.json: all one answer
+        raise ValueError(f"cannot load tokenizer {spec!r} (expected 'byte' or a tokenizer.json): {e}") from e

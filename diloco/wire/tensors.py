@@ -1,0 +1,176 @@
+"""Tensors <-> streamed proto messages.
+
+A stream is one TensorHeader (names, dtypes, shapes and the push/pull metadata) followed by
+TensorPieces, each a slice of one tensor's raw little-endian bytes no larger than the configured
+piece size, so no single message comes near the gRPC limit. The receiver checks every piece
+against the header before it allocates or copies anything: a wrong shape, dtype, offset or size is
+refused with a clear reason, never half-applied.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from diloco.v1 import coordinator_pb2 as pb
+
+# Raw bytes on the wire are little-endian; every platform torch ships on is too.
+assert sys.byteorder == "little", "diloco's wire format assumes a little-endian host"
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class WireError(ValueError):
+    """A stream that does not match its header or the expected tensors."""
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
+    if tensor.dtype not in DTYPE_NAMES:
+        raise WireError(f"dtype {tensor.dtype} of {name} cannot travel on the wire")
+    return pb.TensorSpec(name=name, dtype=DTYPE_NAMES[tensor.dtype], shape=list(tensor.shape))
+
+
+def nbytes_of(spec: pb.TensorSpec) -> int:
+    count = 1
+    for d in spec.shape:
+        count *= int(d)
+    return count * torch.empty((), dtype=DTYPES[spec.dtype]).element_size()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A tensor's raw bytes without a copy when it is already a contiguous CPU tensor."""
+    t = tensor.detach().to("cpu").contiguous()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def stream_tensors(
+    header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], piece_bytes: int
+) -> Iterator[pb.TensorStreamMessage]:
+    """Header then pieces. `header.tensors` is filled from `tensors` (in their order)."""
+    del header.tensors[:]
+    header.tensors.extend(spec_of(name, t) for name, t in tensors.items())
+    yield pb.TensorStreamMessage(header=header)
+    for index, t in enumerate(tensors.values()):
+        raw = tensor_bytes(t)
+        for offset in range(0, len(raw), piece_bytes):
+            piece = pb.TensorPiece(tensor=index, offset=offset, data=bytes(raw[offset : offset + piece_bytes]))
+            yield pb.TensorStreamMessage(piece=piece)
+
+
+def stream_many(
+    parts: Iterable[tuple[pb.TensorHeader, Mapping[str, torch.Tensor]]], piece_bytes: int
+) -> Iterator[pb.TensorStreamMessage]:
+    """Several header+pieces groups in one stream (a pull of several fragments)."""
+    for header, tensors in parts:
+        yield from stream_tensors(header, tensors, piece_bytes)
+
+
+class TensorAssembler:
+    """Rebuilds the tensors of one header from its pieces, validating as it goes."""
+
+    def __init__(self, header: pb.TensorHeader, max_bytes: int, expected: Mapping[str, pb.TensorSpec] | None = None):
+        self.header = header
+        names = [s.name for s in header.tensors]
+        if len(set(names)) != len(names):
+            raise WireError("duplicate tensor names in header")
+        for spec in header.tensors:
+            if spec.dtype not in DTYPES:
+                raise WireError(f"unknown dtype {spec.dtype!r} for {spec.name}")
+            if any(d < 0 for d in spec.shape):
+                raise WireError(f"negative dimension in {spec.name}")
+        if expected is not None:
+            _check_matches(header.tensors, expected)
+        self._sizes = [nbytes_of(s) for s in header.tensors]
+        total = sum(self._sizes)
+        if total > max_bytes:
+            raise WireError(f"stream of {total} bytes is over the limit of {max_bytes}")
+        self._buffers = [bytearray(n) for n in self._sizes]
+        self._filled = [0] * len(self._sizes)
+
+    def add(self, piece: pb.TensorPiece) -> None:
+        if piece.tensor >= len(self._buffers):
+            raise WireError(f"piece for tensor #{piece.tensor}, header has {len(self._buffers)}")
+        buf = self._buffers[piece.tensor]
+        end = piece.offset + len(piece.data)
+        if end > len(buf) or piece.offset != self._filled[piece.tensor]:
+            raise WireError(f"piece at offset {piece.offset} out of order or past the end of {self.header.tensors[piece.tensor].name}")
+        buf[piece.offset : end] = piece.data
+        self._filled[piece.tensor] = end
+
+    @property
+    def complete(self) -> bool:
+        return self._filled == self._sizes
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if not self.complete:
+            missing = [s.name for s, f, n in zip(self.header.tensors, self._filled, self._sizes, strict=True) if f != n]
+            raise WireError(f"stream ended before all bytes arrived (incomplete: {', '.join(missing[:3])})")
+        out: dict[str, torch.Tensor] = {}
+        for spec, buf in zip(self.header.tensors, self._buffers, strict=True):
+            dtype = DTYPES[spec.dtype]
+            flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+            out[spec.name] = flat.view(dtype).reshape(tuple(spec.shape))
+        return out
+
+
+def receive_groups(
+    messages: Iterable[pb.TensorStreamMessage], max_bytes: int
+) -> Iterator[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+    """Split a stream into (header, tensors) groups, each fully validated."""
+    current: TensorAssembler | None = None
+    for msg in messages:
+        kind = msg.WhichOneof("kind")
+        if kind == "header":
+            if current is not None:
+                yield current.header, current.tensors()
+            current = TensorAssembler(msg.header, max_bytes)
+        elif kind == "piece":
+            if current is None:
+                raise WireError("tensor piece before any header")
+            current.add(msg.piece)
+        else:
+            raise WireError("empty stream message")
+    if current is not None:
+        yield current.header, current.tensors()
+
+
+def receive_one(
+    messages: Iterable[pb.TensorStreamMessage], max_bytes: int, expected: Mapping[str, pb.TensorSpec] | None = None
+) -> tuple[pb.TensorHeader, dict[str, torch.Tensor]]:
+    """Exactly one header+pieces group (a push or an init)."""
+    it = iter(messages)
+    first = next(it, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise WireError("stream must start with a header")
+    asm = TensorAssembler(first.header, max_bytes, expected)
+    for msg in it:
+        if msg.WhichOneof("kind") != "piece":
+            raise WireError("only one header is allowed in this stream")
+        asm.add(msg.piece)
+    return asm.header, asm.tensors()
+
+
+def _check_matches(specs: Iterable[pb.TensorSpec], expected: Mapping[str, pb.TensorSpec]) -> None:
+    got = {s.name: s for s in specs}
+    if set(got) != set(expected):
+        extra = sorted(set(got) - set(expected))
+        missing = sorted(set(expected) - set(got))
+        raise WireError(f"tensor names differ from the model's (unexpected: {extra[:3]}, missing: {missing[:3]})")
+    for name, spec in got.items():
+        want = expected[name]
+        if spec.dtype != want.dtype or list(spec.shape) != list(want.shape):
+            raise WireError(
+                f"{name}: got {spec.dtype}{list(spec.shape)}, expected {want.dtype}{list(want.shape)}"
+            )
