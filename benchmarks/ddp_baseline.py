@@ -5,8 +5,9 @@ gradient across N processes (gloo, on loopback). What it measures:
 
 - eval_loss on the held-out chunks, beside the unigram entropy of those rows (the context-free
   baseline);
-- tokens_trained = steps * N * batch_size * seq_len: each row of seq_len + 1 ids gives seq_len
-  next-token targets, and every step each of the N ranks trains on batch_size distinct rows;
+- tokens_trained = steps * N * batch_size * (seq_len + 1): rows consumed times their length, the
+  unit diloco's ledger counts trained tokens in (a row of seq_len + 1 ids gives seq_len targets);
+  every step each of the N ranks trains on batch_size distinct rows;
 - wire_bytes: the bytes all ranks together SEND for the gradient all-reduce, by the ring
   all-reduce cost model: per bucket of b bytes each rank sends b * 2(N-1)/N (reduce-scatter then
   all-gather), so N ranks send b * 2(N-1). Each byte sent is received once, so bytes received
@@ -199,7 +200,7 @@ def _rank_main(
         return
     # Each rank sends 2(N-1)/N of what it all-reduces; the sum over ranks is divisible by N.
     wire_bytes = int(total.item()) * 2 * (world - 1) // world
-    tokens = step * world * bs * cfg.model.seq_len
+    tokens = step * world * bs * (cfg.model.seq_len + 1)
     result: dict[str, Any] = {
         "mode": "ddp",
         "workers": world,
@@ -252,7 +253,7 @@ def run_ddp(
     started = time.perf_counter()
     tokens_budget = cfg.train.max_tokens if max_tokens is None else max_tokens
     bs, seq_len = cfg.train.batch_size, cfg.model.seq_len
-    tokens_per_step = workers * bs * seq_len
+    tokens_per_step = workers * bs * (seq_len + 1)
     max_steps = math.ceil(tokens_budget / tokens_per_step) if tokens_budget > 0 else None
     vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
     train_rows, eval_rows = build_rows(

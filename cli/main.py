@@ -28,9 +28,17 @@ app = typer.Typer(
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="run.toml with [model], [data], [train], [sync], [coordinator]")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", help="run.toml with [model], [data], [train], [sync], [coordinator]"),
+]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")
+]
 CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordinator's HOST:PORT")]
+ConnectOpt = Annotated[
+    float, typer.Option("--connect-timeout", help="seconds to wait for the coordinator at start")
+]
 
 
 def clear_errors(fn: F) -> F:
@@ -53,7 +61,9 @@ def clear_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def build_config(base: RunConfig, config: Path | None, sets: list[str] | None, flags: dict[str, Any]) -> RunConfig:
+def build_config(
+    base: RunConfig, config: Path | None, sets: list[str] | None, flags: dict[str, Any]
+) -> RunConfig:
     """base <- TOML file <- --set assignments <- dedicated flags; then validated."""
     cfg = base.merged_with_toml(config) if config else base
     cfg = cfg.with_overrides(parse_assignments(sets or []))
@@ -72,8 +82,12 @@ def stop_on_signals() -> threading.Event:
 @clear_errors
 def coordinator(
     workdir: Annotated[Path, typer.Option(help="state dir: ledger, checkpoints, shards (unless --store)")],
-    dataset: Annotated[str | None, typer.Option(help='"stdlib", a directory, glob or file (local or s3://)')] = None,
-    store: Annotated[str | None, typer.Option(help="URI where shards and checkpoints go (default: the workdir)")] = None,
+    dataset: Annotated[
+        str | None, typer.Option(help='"stdlib", a directory, glob or file (local or s3://)')
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="URI where shards and checkpoints go (default: the workdir)")
+    ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
@@ -89,33 +103,41 @@ def coordinator(
 
 @app.command()
 @clear_errors
-def data(coordinator: CoordinatorOpt) -> None:
+def data(coordinator: CoordinatorOpt, connect_timeout: ConnectOpt = 60.0) -> None:
     """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
     from diloco.data.worker import run_data_worker
 
     setup_logging("data")
-    sys.exit(run_data_worker(coordinator, stop_on_signals()))
+    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout))
 
 
 @app.command()
 @clear_errors
 def compute(
     coordinator: CoordinatorOpt,
-    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: the run's config)")] = None,
+    device: Annotated[
+        str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: the run's config)")
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads for this learner")] = None,
-    step_delay: Annotated[float | None, typer.Option(help="injected delay per inner step, seconds (straggler experiments)")] = None,
+    step_delay: Annotated[
+        float | None, typer.Option(help="injected delay per inner step, seconds (straggler experiments)")
+    ] = None,
+    connect_timeout: ConnectOpt = 60.0,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.learner import LocalOverrides, run_learner
 
     setup_logging("learner")
-    sys.exit(run_learner(coordinator, LocalOverrides(device, threads, step_delay), stop_on_signals()))
+    overrides = LocalOverrides(device, threads, step_delay, connect_timeout)
+    sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
 
 
 @app.command()
 @clear_errors
 def run(
-    minutes: Annotated[float, typer.Option(help="wall-clock budget (0: until the data or token budget ends)")] = 5.0,
+    minutes: Annotated[
+        float, typer.Option(help="wall-clock budget (0: until the data or token budget ends)")
+    ] = 5.0,
     tokens: Annotated[int, typer.Option(help="token budget over all learners (0: none)")] = 0,
     learners: Annotated[int, typer.Option(help="learner processes (M)")] = 2,
     data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
@@ -123,9 +145,13 @@ def run(
     name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
     seed: Annotated[int | None, typer.Option(help="model init and sampling seed")] = None,
     dataset: Annotated[str | None, typer.Option(help='"stdlib" (default), a directory, glob or file')] = None,
-    store: Annotated[str | None, typer.Option(help="URI for shards and checkpoints (default: the run dir)")] = None,
+    store: Annotated[
+        str | None, typer.Option(help="URI for shards and checkpoints (default: the run dir)")
+    ] = None,
     inner_steps: Annotated[int | None, typer.Option(help="H: inner steps between syncs")] = None,
-    quorum: Annotated[int | None, typer.Option(help="K: pushes a round needs (0: every live learner)")] = None,
+    quorum: Annotated[
+        int | None, typer.Option(help="K: pushes a round needs (0: every live learner)")
+    ] = None,
     fragments: Annotated[int | None, typer.Option(help="P: parameter fragments")] = None,
     merge: Annotated[str | None, typer.Option(help="mean | token | rda")] = None,
     slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
@@ -138,15 +164,33 @@ def run(
 
     if learners < 1 or data_workers < 1:
         raise DilocoError("--learners and --data-workers must be at least 1")
-    cfg = build_config(default_run_config(), config, set_, {
-        "train.seed": seed, "data.dataset": dataset, "data.store": store, "train.inner_steps": inner_steps,
-        "sync.quorum": quorum, "sync.fragments": fragments, "sync.merge": merge,
-    })
-    run_local(LocalRunOptions(
-        config=cfg, minutes=minutes, tokens=tokens, learners=learners, data_workers=data_workers,
-        workdir=str(workdir) if workdir else None, name=name, slow_learner=slow_learner,
-        show_progress=not no_progress,
-    ))
+    cfg = build_config(
+        default_run_config(),
+        config,
+        set_,
+        {
+            "train.seed": seed,
+            "data.dataset": dataset,
+            "data.store": store,
+            "train.inner_steps": inner_steps,
+            "sync.quorum": quorum,
+            "sync.fragments": fragments,
+            "sync.merge": merge,
+        },
+    )
+    run_local(
+        LocalRunOptions(
+            config=cfg,
+            minutes=minutes,
+            tokens=tokens,
+            learners=learners,
+            data_workers=data_workers,
+            workdir=str(workdir) if workdir else None,
+            name=name,
+            slow_learner=slow_learner,
+            show_progress=not no_progress,
+        )
+    )
 
 
 @app.command()
@@ -167,10 +211,18 @@ def status(
         typer.echo(json.dumps(detail, indent=2))
         return
     typer.echo(f"run {detail['run_state']} epoch {detail['coordinator_epoch']}")
-    typer.echo(f"chunks {detail['chunks_done']}/{detail['chunks_total']} done, {detail['chunks_quarantined']} quarantined")
-    typer.echo(f"shards {detail['shards_total']} ({detail['shards_consumed']} consumed), tokens prepared {detail['tokens_prepared']:,}")
-    typer.echo(f"tokens trained {detail['tokens_trained']:,}, merged {detail['tokens_merged']:,}, rounds {detail['rounds']}")
+    typer.echo(
+        f"chunks {detail['chunks_done']}/{detail['chunks_total']} done, {detail['chunks_quarantined']} quarantined"
+    )
+    typer.echo(
+        f"shards {detail['shards_total']} ({detail['shards_consumed']} consumed), tokens prepared {detail['tokens_prepared']:,}"
+    )
+    typer.echo(
+        f"tokens trained {detail['tokens_trained']:,}, merged {detail['tokens_merged']:,}, rounds {detail['rounds']}"
+    )
     typer.echo(f"fragment versions {detail['fragment_versions']}, last loss {detail['last_loss']}")
     for w in detail["workers"]:
-        typer.echo(f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
-                   f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}")
+        typer.echo(
+            f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
+            f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
+        )

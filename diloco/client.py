@@ -29,11 +29,17 @@ from diloco.wire.tensors import receive_groups, stream_tensors
 log = logging.getLogger("diloco.client")
 
 T = TypeVar("T")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 CLIENT_MESSAGE_LIMIT = 64 << 20
 
 
-def backoff_delay(attempt: int, base_s: float = 0.2, cap_s: float = 5.0, rng: random.Random | None = None) -> float:
+def backoff_delay(
+    attempt: int, base_s: float = 0.2, cap_s: float = 5.0, rng: random.Random | None = None
+) -> float:
     """Full-jitter exponential backoff: uniform in [0, min(cap, base·2^attempt)]."""
     rng = rng or random
     return rng.uniform(0, min(cap_s, base_s * (2**attempt)))
@@ -66,7 +72,9 @@ class CoordinatorClient:
         try:
             grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError as e:
-            raise DilocoError(f"cannot reach the coordinator at {self.address} (waited {timeout_s:.0f}s)") from e
+            raise DilocoError(
+                f"cannot reach the coordinator at {self.address} (waited {timeout_s:.0f}s)"
+            ) from e
 
     def join(self, timeout_s: float = 30.0) -> pb.JoinReply:
         self.wait_ready(timeout_s)
@@ -118,23 +126,30 @@ class CoordinatorClient:
     def init_parameters(self, tensors: Mapping[str, torch.Tensor]) -> pb.InitParametersReply:
         def once() -> pb.InitParametersReply:
             header = pb.TensorHeader(worker_id=self.worker_id)
-            return self.stub.InitParameters(stream_tensors(header, tensors, self._piece_bytes()), timeout=300.0)
+            return self.stub.InitParameters(
+                stream_tensors(header, tensors, self._piece_bytes()), timeout=300.0
+            )
 
         return self._retry(once, "init")
 
-    def push(self, header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], timeout_s: float = 300.0) -> pb.PushReply:
+    def push(
+        self, header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], timeout_s: float = 300.0
+    ) -> pb.PushReply:
         """Stream one delta. The same push_id on every retry makes a lost reply harmless."""
         if not header.push_id:
             header.push_id = uuid.uuid4().hex
 
         def once() -> pb.PushReply:
             header.worker_id = self.worker_id
-            return self.stub.PushDelta(stream_tensors(header, tensors, self._piece_bytes()), timeout=timeout_s)
+            return self.stub.PushDelta(
+                stream_tensors(header, tensors, self._piece_bytes()), timeout=timeout_s
+            )
 
         return self._retry(once, "push")
 
-    def pull(self, fragments: list[int], have_versions: list[int] | None = None, wait_s: float = 0.0
-             ) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+    def pull(
+        self, fragments: list[int], have_versions: list[int] | None = None, wait_s: float = 0.0
+    ) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
         """Fragments newer than the versions held (all wanted ones when none are held)."""
         request = pb.PullRequest(fragments=fragments, have_versions=have_versions or [], wait_s=wait_s)
 
@@ -153,7 +168,9 @@ class CoordinatorClient:
 
 
 def _role_name(role: int) -> str:
-    return {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "learner", pb.ROLE_OBSERVER: "observer"}.get(role, "worker")
+    return {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "learner", pb.ROLE_OBSERVER: "observer"}.get(
+        role, "worker"
+    )
 
 
 def rpc_error_message(e: grpc.RpcError) -> str:

@@ -45,8 +45,12 @@ class ProcessGroup:
             # A session of its own: a Ctrl-C at the terminal reaches only the parent, which then
             # stops the children in order instead of all of them dying at once.
             proc = subprocess.Popen(
-                [sys.executable, "-m", "cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                [sys.executable, "-m", "cli", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
             )
         child = Child(name, role, args, proc, log_path)
         self.children.append(child)

@@ -85,7 +85,9 @@ class LocalRun:
         if o.tokens:
             cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
         self.config = cfg.with_overrides({"name": self.name}).validate()
-        self.group = ProcessGroup(self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"})
+        self.group = ProcessGroup(
+            self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+        )
 
     # -- processes ------------------------------------------------------------------------------
 
@@ -94,10 +96,21 @@ class LocalRun:
         info_path.unlink(missing_ok=True)
         config_path = self.workdir / "run.toml"
         config_path.write_text(self.config.to_toml())
-        coordinator = self.group.spawn("coordinator", "coordinator", [
-            "coordinator", "--workdir", str(self.workdir), "--config", str(config_path),
-            "--host", "127.0.0.1", "--port", "0",
-        ])
+        coordinator = self.group.spawn(
+            "coordinator",
+            "coordinator",
+            [
+                "coordinator",
+                "--workdir",
+                str(self.workdir),
+                "--config",
+                str(config_path),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+            ],
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if info_path.exists():
@@ -123,8 +136,10 @@ class LocalRun:
     def run(self) -> dict[str, Any]:
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        self.console.print(f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
-                           f"{self.options.data_workers} data workers, workdir {self.workdir}")
+        self.console.print(
+            f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
+            f"{self.options.data_workers} data workers, workdir {self.workdir}"
+        )
         try:
             address = self._start_coordinator()
             self._start_workers(address)
@@ -165,7 +180,7 @@ class LocalRun:
                     live.update(self._progress_table(detail, started))
                 elif time.monotonic() - last_line >= 10:
                     last_line = time.monotonic()
-                    self.console.print(self._progress_line(detail, started), highlight=False)
+                    self.console.print(self._progress_line(detail, started), highlight=False, soft_wrap=True)
                 if not finish_sent and time.monotonic() >= deadline:
                     observer.call("Finish", pb.FinishRequest(reason="time budget reached"))
                     finish_sent = True
@@ -174,7 +189,9 @@ class LocalRun:
                 live.update(self._progress_table(detail, started))
         failed = [c.name for c in learners if c.proc.returncode not in (0, None)]
         if failed:
-            self.console.print(f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})")
+            self.console.print(
+                f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})"
+            )
         return detail
 
     def _wind_down(self, observer: CoordinatorClient) -> None:
@@ -184,18 +201,23 @@ class LocalRun:
 
     def _progress_line(self, d: dict[str, Any], started: float) -> str:
         loss = d.get("last_loss")
-        return (f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
-                f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
-                f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
-                f"loss {f'{loss:.4f}' if loss else '-'}")
+        return (
+            f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
+            f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
+            f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
+            f"loss {f'{loss:.4f}' if loss else '-'}"
+        )
 
     def _progress_table(self, d: dict[str, Any], started: float) -> Table:
         table = Table(title=f"diloco run {self.name}", show_header=False, min_width=60)
         elapsed = time.monotonic() - started
         budget = f" / {self.options.minutes:.1f} min" if self.options.minutes > 0 else ""
         table.add_row("elapsed", f"{elapsed / 60:.1f} min{budget}")
-        table.add_row("chunks", f"{d.get('chunks_done', 0)} / {d.get('chunks_total', 0)} "
-                      f"({d.get('chunks_quarantined', 0)} quarantined)")
+        table.add_row(
+            "chunks",
+            f"{d.get('chunks_done', 0)} / {d.get('chunks_total', 0)} "
+            f"({d.get('chunks_quarantined', 0)} quarantined)",
+        )
         table.add_row("tokens prepared", f"{d.get('tokens_prepared', 0):,}")
         table.add_row("tokens trained", f"{d.get('tokens_trained', 0):,}")
         table.add_row("tokens merged", f"{d.get('tokens_merged', 0):,}")
@@ -241,17 +263,23 @@ class LocalRun:
         summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
         summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
         learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
-        per_learner = [w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in learners if w.get("wall_seconds")]
+        per_learner = [
+            w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in learners if w.get("wall_seconds")
+        ]
         summary["utilization_per_learner"] = [round(u, 4) for u in per_learner]
         summary["utilization"] = round(sum(per_learner) / len(per_learner), 4) if per_learner else 0.0
         if versions and eval_rows:
             rows = np.concatenate(eval_rows)
             model = build_model(cfg.model, vocab, cfg.train.seed)
-            params = load_model_params(store.join(store_root(cfg, str(self.workdir)), "checkpoints"), versions)
+            params = load_model_params(
+                store.join(store_root(cfg, str(self.workdir)), "checkpoints"), versions
+            )
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     p.copy_(params[name])
-            summary["eval_loss"] = eval_loss(model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES)
+            summary["eval_loss"] = eval_loss(
+                model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES
+            )
             used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
             summary["baseline_loss"] = unigram_entropy([used], vocab)
             summary["eval_tokens"] = int(used.size)

@@ -1,7 +1,7 @@
 """Regenerate diloco/v1/*_pb2*.py from proto/diloco/v1/*.proto (grpcio-tools).
 
-    python proto/generate.py            # into the repository
-    python proto/generate.py --out DIR  # elsewhere (the test compares the two)
+python proto/generate.py            # into the repository
+python proto/generate.py --out DIR  # elsewhere (the test compares the two)
 """
 
 from __future__ import annotations

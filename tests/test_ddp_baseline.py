@@ -73,7 +73,7 @@ def test_ddp_counts_every_gradient_byte_and_learns(tmp_path: Path) -> None:
     out = tmp_path / "ddp.json"
     result = run_ddp(_cfg(data), workers=workers, max_tokens=budget, max_seconds=60, eval_batches=4, out=out)
 
-    tokens_per_step = workers * 8 * 32
+    tokens_per_step = workers * 8 * (32 + 1)  # rows consumed × their length (seq_len + 1)
     assert result["steps"] == math.ceil(budget / tokens_per_step)
     assert result["tokens_trained"] == result["steps"] * tokens_per_step >= budget
     # ring all-reduce of fp32 gradients: each of N ranks sends 2(N-1)/N of the model per step

@@ -10,6 +10,7 @@ Only this process's rank 0 talks to the coordinator; the inner loop is plain PyT
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -36,6 +37,7 @@ class LocalOverrides:
     device: str | None = None
     threads: int | None = None
     step_delay_s: float | None = None
+    connect_timeout_s: float = 60.0
 
 
 @dataclass
@@ -77,7 +79,9 @@ class RoundWork:
 
 
 class Learner:
-    def __init__(self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None):
+    def __init__(
+        self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
+    ):
         self.client = CoordinatorClient(address, pb.ROLE_COMPUTE)
         self.overrides = overrides or LocalOverrides()
         self.stop = stop or threading.Event()
@@ -89,25 +93,35 @@ class Learner:
     # -- set-up ---------------------------------------------------------------------------------
 
     def _setup(self) -> RunConfig:
-        reply = self.client.join()
+        reply = self.client.join(self.overrides.connect_timeout_s)
         cfg = self.client.config
         assert cfg is not None
         self.cfg = cfg
         self.device = pick_device(self.overrides.device or cfg.train.device)
         set_threads(self.overrides.threads if self.overrides.threads is not None else cfg.train.threads)
-        self.step_delay_s = self.overrides.step_delay_s if self.overrides.step_delay_s is not None else cfg.train.step_delay_s
+        self.step_delay_s = (
+            self.overrides.step_delay_s if self.overrides.step_delay_s is not None else cfg.train.step_delay_s
+        )
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, cfg.model.vocab_size, cfg.train.seed).to(self.device)
         self.optimizer = make_inner_optimizer(self.model, cfg.train)
         self.params = dict(self.model.named_parameters())
-        self.fragments = assign_fragments([(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments)
+        self.fragments = assign_fragments(
+            [(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments
+        )
         self.versions = [-1] * len(self.fragments)
         if reply.needs_init:
             init = self.client.init_parameters({n: p.detach().cpu() for n, p in self.params.items()})
             log.info("init parameters: %s", init.reason)
         self._pull(list(range(len(self.fragments))), wait_s=cfg.sync.pull_wait_s, have=None)
-        log.info("learner %s on %s: %d params in %d fragment(s), H=%d", self.client.worker_id, self.device,
-                 sum(p.numel() for p in self.params.values()), len(self.fragments), cfg.train.inner_steps)
+        log.info(
+            "learner %s on %s: %d params in %d fragment(s), H=%d",
+            self.client.worker_id,
+            self.device,
+            sum(p.numel() for p in self.params.values()),
+            len(self.fragments),
+            cfg.train.inner_steps,
+        )
         return cfg
 
     # -- parameters -----------------------------------------------------------------------------
@@ -136,13 +150,19 @@ class Learner:
         accepted: list[int] = []
         for p, names in enumerate(self.fragments):
             header = pb.TensorHeader(
-                fragment=p, version=self.versions[p], inner_steps=work.steps, tokens=work.tokens,
+                fragment=p,
+                version=self.versions[p],
+                inner_steps=work.steps,
+                tokens=work.tokens,
                 mean_loss=work.loss_sum / work.steps if work.steps else 0.0,
                 first_loss=0.0 if math.isnan(self.progress.first_loss) else self.progress.first_loss,
-                step_time_s=self.progress.busy_s / max(1, self.progress.inner_steps), codec="fp32",
+                step_time_s=self.progress.busy_s / max(1, self.progress.inner_steps),
+                codec="fp32",
             )
             if p == 0:  # the data accounting rides on one fragment's push only
-                header.spans.extend(pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in work.spans)
+                header.spans.extend(
+                    pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in work.spans
+                )
                 header.released_shards.extend(work.released)
             reply = self.client.push(header, {} if empty else self._delta(names))
             if reply.accepted and not empty:
@@ -152,8 +172,13 @@ class Learner:
         for shard_id in work.released:
             self.prefetcher.release(shard_id)
         if not empty:
-            log.info("pushed round: steps=%d tokens=%d loss=%.4f versions=%s", work.steps, work.tokens,
-                     work.loss_sum / max(1, work.steps), self.versions)
+            log.info(
+                "pushed round: steps=%d tokens=%d loss=%.4f versions=%s",
+                work.steps,
+                work.tokens,
+                work.loss_sum / max(1, work.steps),
+                self.versions,
+            )
         self._await_merge(accepted if wait_for_merge else [])
 
     def _await_merge(self, pending: list[int]) -> None:
@@ -162,7 +187,9 @@ class Learner:
         deadline = time.monotonic() + max(120.0, 4 * self.cfg.coordinator.lease_ttl_s)
         while waiting and not self.stop.is_set() and time.monotonic() < deadline:
             order = sorted(waiting)
-            updated = self._pull(order, wait_s=self.cfg.sync.pull_wait_s, have=[self.versions[p] for p in order])
+            updated = self._pull(
+                order, wait_s=self.cfg.sync.pull_wait_s, have=[self.versions[p] for p in order]
+            )
             waiting -= set(updated)
         # Fragments we did not push (refused, or nothing to push) catch up without waiting.
         everything = list(range(len(self.fragments)))
@@ -170,23 +197,32 @@ class Learner:
 
     # -- background -----------------------------------------------------------------------------
 
+    def _heartbeat(self) -> None:
+        p = self.progress
+        reply = self.client.call(
+            "Heartbeat",
+            pb.HeartbeatRequest(
+                shard_leases=self.prefetcher.held_shards(),
+                inner_steps=p.inner_steps,
+                tokens_trained=p.tokens_trained,
+                last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
+                busy_seconds=p.busy_s,
+                wall_seconds=p.wall_s(),
+            ),
+            timeout_s=10.0,
+        )
+        if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
+            self.finishing.set()
+        for shard_id in reply.lost_shard_leases:
+            log.warning("lease on shard %d lost", shard_id)
+            self.prefetcher.release(shard_id)
+
     def _heartbeat_forever(self, period_s: float) -> None:
         while not self.stop.wait(period_s):
-            p = self.progress
             try:
-                reply = self.client.call("Heartbeat", pb.HeartbeatRequest(
-                    shard_leases=self.prefetcher.held_shards(), inner_steps=p.inner_steps,
-                    tokens_trained=p.tokens_trained, last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
-                    busy_seconds=p.busy_s, wall_seconds=p.wall_s(),
-                ), timeout_s=10.0)
+                self._heartbeat()
             except Exception as e:  # a missed heartbeat is survivable; the next one may land
                 log.info("heartbeat failed: %s", e)
-                continue
-            if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
-                self.finishing.set()
-            for shard_id in reply.lost_shard_leases:
-                log.warning("lease on shard %d lost", shard_id)
-                self.prefetcher.release(shard_id)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -216,9 +252,13 @@ class Learner:
 
     def run(self) -> int:
         cfg = self._setup()
-        self.prefetcher = ShardPrefetcher(self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop)
+        self.prefetcher = ShardPrefetcher(
+            self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop
+        )
         self.prefetcher.start()
-        threading.Thread(target=self._heartbeat_forever, args=(cfg.coordinator.heartbeat_s,), daemon=True).start()
+        threading.Thread(
+            target=self._heartbeat_forever, args=(cfg.coordinator.heartbeat_s,), daemon=True
+        ).start()
         self.progress.started = time.monotonic()
         work = RoundWork()
         reason = "stopped"
@@ -250,13 +290,24 @@ class Learner:
                 self._push_round(work, wait_for_merge=True)
         finally:
             self.stop.set()
+            with contextlib.suppress(Exception):
+                self._heartbeat()  # the final counters, for status and utilization
             self.client.leave(reason)
             self.client.close()
         p = self.progress
-        log.info("learner done (%s): steps=%d tokens=%d busy=%.1fs wall=%.1fs stall=%.1fs", reason, p.inner_steps,
-                 p.tokens_trained, p.busy_s, p.wall_s(), p.stall_s)
+        log.info(
+            "learner done (%s): steps=%d tokens=%d busy=%.1fs wall=%.1fs stall=%.1fs",
+            reason,
+            p.inner_steps,
+            p.tokens_trained,
+            p.busy_s,
+            p.wall_s(),
+            p.stall_s,
+        )
         return 0
 
 
-def run_learner(address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None) -> int:
+def run_learner(
+    address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
+) -> int:
     return Learner(address, overrides, stop).run()

@@ -32,7 +32,9 @@ def save_fragment(
     return uri
 
 
-def load_fragment(root: str, fragment: int, version: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def load_fragment(
+    root: str, fragment: int, version: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     tensors = st_load(store.read_bytes(fragment_uri(root, fragment, version)))
     params = {k: v for k, v in tensors.items() if not k.startswith(MOMENTUM)}
     momentum = {k[len(MOMENTUM) :]: v for k, v in tensors.items() if k.startswith(MOMENTUM)}

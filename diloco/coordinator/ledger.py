@@ -144,7 +144,12 @@ class Ledger:
     def next_epoch(self) -> int:
         """A new coordinator epoch: pushes that were in flight in the last one are gone."""
         with self._tx() as db:
-            epoch = int(db.execute("SELECT COALESCE((SELECT value FROM meta WHERE key='epoch'), 0)").fetchone()[0]) + 1
+            epoch = (
+                int(
+                    db.execute("SELECT COALESCE((SELECT value FROM meta WHERE key='epoch'), 0)").fetchone()[0]
+                )
+                + 1
+            )
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('epoch', ?)", (str(epoch),))
             db.execute(
                 "UPDATE pushes SET state = 'dropped', reason = 'coordinator restarted before merge' WHERE state = 'pending'"
@@ -169,10 +174,13 @@ class Ledger:
         now = self.clock()
         with self._tx() as db:
             db.execute(
-                "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?", (now, json.dumps(stats), worker_id)
+                "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?",
+                (now, json.dumps(stats), worker_id),
             )
 
-    def renew(self, worker_id: str, chunk_ids: Sequence[int], shard_ids: Sequence[int], ttl_s: float) -> tuple[list[int], list[int]]:
+    def renew(
+        self, worker_id: str, chunk_ids: Sequence[int], shard_ids: Sequence[int], ttl_s: float
+    ) -> tuple[list[int], list[int]]:
         """Move the named leases' deadlines on; return those this worker no longer holds."""
         deadline = leases.lease_deadline(self.clock(), ttl_s)
         lost_chunks: list[int] = []
@@ -240,7 +248,9 @@ class Ledger:
         """A pending chunk, or "wait" (others hold the rest), or "done"."""
         self.reclaim_expired(ttl_s)
         with self._tx() as db:
-            row = db.execute("SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY id LIMIT 1").fetchone()
+            row = db.execute(
+                "SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY id LIMIT 1"
+            ).fetchone()
             if row is None:
                 leased = db.execute("SELECT COUNT(*) FROM chunks WHERE state = 'leased'").fetchone()[0]
                 return "wait" if leased else "done"
@@ -251,12 +261,22 @@ class Ledger:
             return ChunkLease(row["id"], ChunkSpec.from_json(row["spec"]), row["attempts"] + 1)
 
     def complete_chunk(
-        self, worker_id: str, chunk_id: int, completion_id: str, uri: str, rows: int, tokens: int, checksum: str,
-        nbytes: int, stats: dict[str, int],
+        self,
+        worker_id: str,
+        chunk_id: int,
+        completion_id: str,
+        uri: str,
+        rows: int,
+        tokens: int,
+        checksum: str,
+        nbytes: int,
+        stats: dict[str, int],
     ) -> Completion:
         """Record the chunk's one shard. First completion wins; a retry of it is answered again."""
         with self._tx() as db:
-            prior = db.execute("SELECT id, chunk_id FROM shards WHERE completion_id = ?", (completion_id,)).fetchone()
+            prior = db.execute(
+                "SELECT id, chunk_id FROM shards WHERE completion_id = ?", (completion_id,)
+            ).fetchone()
             if prior is not None:
                 return Completion(prior["chunk_id"] == chunk_id, "already recorded", prior["id"])
             chunk = db.execute("SELECT state, split FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
@@ -269,8 +289,18 @@ class Ledger:
             cur = db.execute(
                 "INSERT INTO shards(chunk_id, completion_id, uri, split, rows, tokens, checksum, nbytes, state, created) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (chunk_id, completion_id, uri, chunk["split"], rows, tokens, checksum, nbytes,
-                 "ready" if rows else "consumed", self.clock()),
+                (
+                    chunk_id,
+                    completion_id,
+                    uri,
+                    chunk["split"],
+                    rows,
+                    tokens,
+                    checksum,
+                    nbytes,
+                    "ready" if rows else "consumed",
+                    self.clock(),
+                ),
             )
             db.execute(
                 "UPDATE chunks SET state = 'done', holder = NULL, lease_expires = NULL, error = NULL WHERE id = ?",
@@ -283,9 +313,13 @@ class Ledger:
     def fail_chunk(self, worker_id: str, chunk_id: int, error: str, max_attempts: int) -> bool:
         """Give a chunk back after a failure; quarantine it after max_attempts. True if quarantined."""
         with self._tx() as db:
-            row = db.execute("SELECT attempts, state FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
+            row = db.execute(
+                "SELECT attempts, state, holder FROM chunks WHERE id = ?", (chunk_id,)
+            ).fetchone()
             if row is None or row["state"] in ("done", "quarantined"):
                 return row is not None and row["state"] == "quarantined"
+            if row["holder"] != worker_id:  # a stale report: the chunk is someone else's now
+                return False
             quarantine = row["attempts"] >= max_attempts
             db.execute(
                 "UPDATE chunks SET state = ?, holder = NULL, lease_expires = NULL, error = ? WHERE id = ?",
@@ -350,8 +384,17 @@ class Ledger:
         return rows[0] if rows else None
 
     def record_push(
-        self, push_id: str, worker_id: str, fragment: int, base_version: int, steps: int, tokens: int,
-        spans: Sequence[tuple[int, int, int]], released: Sequence[int], state: str = "pending", reason: str = "",
+        self,
+        push_id: str,
+        worker_id: str,
+        fragment: int,
+        base_version: int,
+        steps: int,
+        tokens: int,
+        spans: Sequence[tuple[int, int, int]],
+        released: Sequence[int],
+        state: str = "pending",
+        reason: str = "",
     ) -> str | None:
         """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
 
@@ -360,6 +403,11 @@ class Ledger:
         """
         with self._tx() as db:
             if state == "pending":
+                by_shard: dict[int, list[leases.Range]] = {}
+                for sid, a, b in spans:
+                    by_shard.setdefault(sid, []).append((a, b))
+                if any(leases.overlaps(ranges) for ranges in by_shard.values()):
+                    return "spans of this push overlap each other"
                 for sid, a, b in spans:
                     shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
                     if shard is None or not 0 <= a < b <= shard["rows"]:
@@ -370,7 +418,17 @@ class Ledger:
             db.execute(
                 "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, received) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (push_id, worker_id, fragment, base_version, steps, tokens, state, reason or None, self.clock()),
+                (
+                    push_id,
+                    worker_id,
+                    fragment,
+                    base_version,
+                    steps,
+                    tokens,
+                    state,
+                    reason or None,
+                    self.clock(),
+                ),
             )
             if state == "pending":
                 db.executemany(
@@ -383,19 +441,35 @@ class Ledger:
                     "WHERE id = ? AND holder = ? AND state = 'leased'",
                     (sid, worker_id),
                 )
-            _bump(db, "tokens_trained", tokens)
+            # Trained tokens are counted from the rows the push names, not from its `tokens`
+            # field: with several fragments every fragment's push reports the same tokens.
+            _bump(db, "tokens_trained", self._span_tokens(db, spans))
             _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
         return None
 
+    def _span_tokens(self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]]) -> int:
+        total = 0
+        for sid, a, b in spans:
+            shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
+            if shard is not None and shard["rows"]:
+                total += (b - a) * (shard["tokens"] // shard["rows"])
+        return total
+
     def commit_merge(
-        self, fragment: int, version: int, push_ids: Sequence[str], tokens: int, steps: int,
-        mean_loss: float | None, reason: str,
+        self,
+        fragment: int,
+        version: int,
+        push_ids: Sequence[str],
+        tokens: int,
+        steps: int,
+        mean_loss: float | None,
+        reason: str,
     ) -> None:
         """One transaction: the round, its pushes merged, their shards' rows counted, version on."""
         with self._tx() as db:
             marks = ",".join("?" * len(push_ids))
             db.execute(
-                f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE push_id IN ({marks})",
+                f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE state = 'pending' AND push_id IN ({marks})",
                 (version, *push_ids),
             )
             db.execute(
@@ -404,22 +478,28 @@ class Ledger:
                 (fragment, version, self.clock(), len(push_ids), tokens, steps, mean_loss, reason),
             )
             db.execute(
-                "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (f"fragment_version.{fragment}", str(version))
+                "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                (f"fragment_version.{fragment}", str(version)),
             )
             shard_ids = [
-                r[0] for r in db.execute(f"SELECT DISTINCT shard_id FROM spans WHERE push_id IN ({marks})", tuple(push_ids))
+                r[0]
+                for r in db.execute(
+                    f"SELECT DISTINCT shard_id FROM spans WHERE push_id IN ({marks})", tuple(push_ids)
+                )
             ]
             merged_tokens = 0
             for sid in shard_ids:
                 shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
                 per_row = shard["tokens"] // max(1, shard["rows"])
                 for a, b in db.execute(
-                    f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})", (sid, *push_ids)
+                    f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})",
+                    (sid, *push_ids),
                 ).fetchall():
                     merged_tokens += (b - a) * per_row
                 if leases.covered_rows(self._spans(db, sid, ("merged",))) >= shard["rows"]:
                     db.execute(
-                        "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?", (sid,)
+                        "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?",
+                        (sid,),
                     )
             _bump(db, "tokens_merged", merged_tokens)
             _bump(db, "rounds", 1)
@@ -450,6 +530,7 @@ class Ledger:
 
     def summary(self) -> dict[str, Any]:
         """Counts for status and summary.json."""
+
         def count(sql: str, args: Sequence[Any] = ()) -> int:
             return int(self._one(sql, args) or 0)
 
@@ -458,7 +539,9 @@ class Ledger:
             "chunks_done": count("SELECT COUNT(*) FROM chunks WHERE state = 'done'"),
             "chunks_quarantined": count("SELECT COUNT(*) FROM chunks WHERE state = 'quarantined'"),
             "shards_total": count("SELECT COUNT(*) FROM shards"),
-            "shards_consumed": count("SELECT COUNT(*) FROM shards WHERE split = 'train' AND state = 'consumed'"),
+            "shards_consumed": count(
+                "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state = 'consumed'"
+            ),
             "tokens_prepared": count("SELECT COALESCE(SUM(tokens), 0) FROM shards"),
             "rounds": count("SELECT COUNT(*) FROM rounds"),
             "quarantined": [
@@ -467,7 +550,9 @@ class Ledger:
             ],
             "eval_shards": [
                 {"uri": r["uri"], "checksum": r["checksum"], "rows": r["rows"]}
-                for r in self._q("SELECT uri, checksum, rows FROM shards WHERE split = 'eval' ORDER BY id")
+                for r in self._q(
+                    "SELECT uri, checksum, rows FROM shards WHERE split = 'eval' ORDER BY chunk_id"
+                )
             ],
             "first_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed LIMIT 1"),
             "last_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed DESC LIMIT 1"),

@@ -76,7 +76,9 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
     if config.model.vocab_size == 0:
         config = config.with_overrides({"model.vocab_size": tokenizer.vocab_size})
     elif config.model.vocab_size < tokenizer.vocab_size:
-        raise DilocoError(f"model.vocab_size {config.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}")
+        raise DilocoError(
+            f"model.vocab_size {config.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
+        )
     try:
         files = resolve_dataset(config.data.dataset)
     except (OSError, ValueError) as e:
@@ -85,12 +87,18 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
     if not chunks:
         raise DilocoError(f"dataset {config.data.dataset!r} has no data")
     ledger.initialize(chunks, dataset=config.data.dataset, config=config.to_json(), tokenizer_id=tokenizer.id)
-    log.info("partitioned %d files into %d chunks (%d eval)", len(files), len(chunks),
-             sum(c.split == "eval" for c in chunks))
+    log.info(
+        "partitioned %d files into %d chunks (%d eval)",
+        len(files),
+        len(chunks),
+        sum(c.split == "eval" for c in chunks),
+    )
     return ledger, config
 
 
-def start_coordinator(config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0) -> RunningCoordinator:
+def start_coordinator(
+    config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0
+) -> RunningCoordinator:
     config.validate()
     ledger, config = open_ledger(config, workdir)
     root = store_root(config, workdir)

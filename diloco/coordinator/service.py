@@ -35,7 +35,11 @@ from diloco.wire.tensors import TensorAssembler, WireError, receive_one, spec_of
 log = logging.getLogger("diloco.coordinator")
 
 ROLE_NAMES = {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "compute", pb.ROLE_OBSERVER: "observer"}
-RUN_STATES = {"running": pb.RUN_STATE_RUNNING, "finishing": pb.RUN_STATE_FINISHING, "finished": pb.RUN_STATE_FINISHED}
+RUN_STATES = {
+    "running": pb.RUN_STATE_RUNNING,
+    "finishing": pb.RUN_STATE_FINISHING,
+    "finished": pb.RUN_STATE_FINISHED,
+}
 MAX_PULL_WAIT_S = 30.0
 
 
@@ -61,14 +65,24 @@ class FragmentState:
 def policy_of(config: RunConfig) -> syncer.SyncPolicy:
     s = config.sync
     return syncer.SyncPolicy(
-        quorum=s.quorum, merge=s.merge, outer_lr=s.outer_lr, outer_momentum=s.outer_momentum,
-        nesterov=s.nesterov, max_staleness=s.max_staleness,
+        quorum=s.quorum,
+        merge=s.merge,
+        outer_lr=s.outer_lr,
+        outer_momentum=s.outer_momentum,
+        nesterov=s.nesterov,
+        max_staleness=s.max_staleness,
     )
 
 
 class CoordinatorService(pb_grpc.CoordinatorServicer):
-    def __init__(self, config: RunConfig, ledger: Ledger, checkpoint_root: str, shard_root: str,
-                 clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        config: RunConfig,
+        ledger: Ledger,
+        checkpoint_root: str,
+        shard_root: str,
+        clock: Callable[[], float] = time.time,
+    ):
         self.config = config
         self.ledger = ledger
         self.checkpoint_root = checkpoint_root
@@ -119,8 +133,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         sizes = [(s.name, math.prod(s.shape)) for s in specs]
         return assign_fragments(sizes, self.config.sync.fragments)
 
-    def _fragment_state(self, p: int, names: list[str], params: dict[str, torch.Tensor],
-                        momentum: dict[str, torch.Tensor], version: int) -> FragmentState:
+    def _fragment_state(
+        self,
+        p: int,
+        names: list[str],
+        params: dict[str, torch.Tensor],
+        momentum: dict[str, torch.Tensor],
+        version: int,
+    ) -> FragmentState:
         return FragmentState(names, params, momentum, version, syncer.RoundState(p, version, self.clock()))
 
     # -- helpers --------------------------------------------------------------------------------
@@ -155,9 +175,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.ledger.join(worker_id, role, request.host or "?")
         log.info("join worker=%s role=%s host=%s", worker_id, role, request.host)
         reply = pb.JoinReply(
-            worker_id=worker_id, config_json=self.config.to_json(), coordinator_epoch=self.epoch,
-            needs_init=not self.fragments, num_fragments=self.config.sync.fragments,
-            run_state=self._state_pb(), heartbeat_s=self.config.coordinator.heartbeat_s,
+            worker_id=worker_id,
+            config_json=self.config.to_json(),
+            coordinator_epoch=self.epoch,
+            needs_init=not self.fragments,
+            num_fragments=self.config.sync.fragments,
+            run_state=self._state_pb(),
+            heartbeat_s=self.config.coordinator.heartbeat_s,
         )
         with self.cond:
             self.cond.notify_all()
@@ -168,15 +192,22 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.wire.add_in("heartbeat", request)
         self._require_worker(request.worker_id, context)
         stats = {
-            "inner_steps": request.inner_steps, "tokens_trained": request.tokens_trained,
-            "last_loss": request.last_loss, "busy_seconds": request.busy_seconds, "wall_seconds": request.wall_seconds,
+            "inner_steps": request.inner_steps,
+            "tokens_trained": request.tokens_trained,
+            "last_loss": request.last_loss,
+            "busy_seconds": request.busy_seconds,
+            "wall_seconds": request.wall_seconds,
         }
         ttl = self.config.coordinator.lease_ttl_s
         self.ledger.heartbeat(request.worker_id, stats, ttl)
-        lost_chunks, lost_shards = self.ledger.renew(request.worker_id, request.chunk_leases, request.shard_leases, ttl)
+        lost_chunks, lost_shards = self.ledger.renew(
+            request.worker_id, request.chunk_leases, request.shard_leases, ttl
+        )
         reply = pb.HeartbeatReply(
-            run_state=self._state_pb(), coordinator_epoch=self.epoch,
-            lost_chunk_leases=lost_chunks, lost_shard_leases=lost_shards,
+            run_state=self._state_pb(),
+            coordinator_epoch=self.epoch,
+            lost_chunk_leases=lost_chunks,
+            lost_shard_leases=lost_shards,
         )
         self.wire.add_out("heartbeat", reply)
         return reply
@@ -202,8 +233,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if isinstance(lease, ChunkLease):
                 shard_uri = store.join(self.shard_root, f"chunk-{lease.chunk_id:06d}-a{lease.attempt}.shard")
                 reply = pb.LeaseChunkReply(
-                    chunk_id=lease.chunk_id, split=lease.spec.split, shard_uri=shard_uri, lease_ttl_s=ttl,
-                    segments=[pb.Segment(uri=s.uri, start=s.start, end=s.end, file_end=s.file_end) for s in lease.spec.segments],
+                    chunk_id=lease.chunk_id,
+                    split=lease.spec.split,
+                    shard_uri=shard_uri,
+                    lease_ttl_s=ttl,
+                    segments=[
+                        pb.Segment(uri=s.uri, start=s.start, end=s.end, file_end=s.file_end)
+                        for s in lease.spec.segments
+                    ],
                     run_state=self._state_pb(),
                 )
             elif lease == "wait":
@@ -213,21 +250,38 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.wire.add_out("lease_chunk", reply)
         return reply
 
-    def CompleteChunk(self, request: pb.CompleteChunkRequest, context: grpc.ServicerContext) -> pb.CompleteChunkReply:
+    def CompleteChunk(
+        self, request: pb.CompleteChunkRequest, context: grpc.ServicerContext
+    ) -> pb.CompleteChunkReply:
         self.wire.add_in("complete_chunk", request)
         self._require_worker(request.worker_id, context)
         if not request.completion_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion_id is required")
         if not request.shard_uri.startswith(self.shard_root.rstrip("/") + "/"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard_uri!r} is outside the shard store")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard_uri!r} is outside the shard store"
+            )
         if request.rows and request.tokens % request.rows:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be a whole number of rows")
         done = self.ledger.complete_chunk(
-            request.worker_id, request.chunk_id, request.completion_id, request.shard_uri, request.rows,
-            request.tokens, request.checksum, request.shard_bytes, dict(request.record_stats),
+            request.worker_id,
+            request.chunk_id,
+            request.completion_id,
+            request.shard_uri,
+            request.rows,
+            request.tokens,
+            request.checksum,
+            request.shard_bytes,
+            dict(request.record_stats),
         )
-        log.info("chunk %d complete worker=%s accepted=%s (%s) rows=%d", request.chunk_id, request.worker_id,
-                 done.accepted, done.reason, request.rows)
+        log.info(
+            "chunk %d complete worker=%s accepted=%s (%s) rows=%d",
+            request.chunk_id,
+            request.worker_id,
+            done.accepted,
+            done.reason,
+            request.rows,
+        )
         reply = pb.CompleteChunkReply(accepted=done.accepted, reason=done.reason, shard_id=done.shard_id)
         self.wire.add_out("complete_chunk", reply)
         return reply
@@ -238,8 +292,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         quarantined = self.ledger.fail_chunk(
             request.worker_id, request.chunk_id, request.error, self.config.coordinator.max_chunk_attempts
         )
-        log.warning("chunk %d failed worker=%s quarantined=%s: %s", request.chunk_id, request.worker_id,
-                    quarantined, request.error.splitlines()[0] if request.error else "")
+        log.warning(
+            "chunk %d failed worker=%s quarantined=%s: %s",
+            request.chunk_id,
+            request.worker_id,
+            quarantined,
+            request.error.splitlines()[0] if request.error else "",
+        )
         reply = pb.FailChunkReply(quarantined=quarantined)
         self.wire.add_out("fail_chunk", reply)
         return reply
@@ -256,9 +315,15 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             lease = self.ledger.lease_shard(request.worker_id, ttl)
             if isinstance(lease, ShardLease):
                 reply = pb.LeaseShardReply(
-                    shard_id=lease.shard_id, uri=lease.uri, checksum=lease.checksum, rows=lease.rows,
-                    todo=[pb.ShardSpan(shard_id=lease.shard_id, row_start=a, row_end=b) for a, b in lease.todo],
-                    lease_ttl_s=ttl, run_state=self._state_pb(),
+                    shard_id=lease.shard_id,
+                    uri=lease.uri,
+                    checksum=lease.checksum,
+                    rows=lease.rows,
+                    todo=[
+                        pb.ShardSpan(shard_id=lease.shard_id, row_start=a, row_end=b) for a, b in lease.todo
+                    ],
+                    lease_ttl_s=ttl,
+                    run_state=self._state_pb(),
                 )
             elif lease == "wait":
                 reply = pb.LeaseShardReply(retry_after_s=0.5, run_state=self._state_pb())
@@ -269,19 +334,26 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- learners: parameters -------------------------------------------------------------------
 
-    def InitParameters(self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
-                       ) -> pb.InitParametersReply:
+    def InitParameters(
+        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+    ) -> pb.InitParametersReply:
         try:
-            header, tensors = receive_one(self.wire.count_in("init", request_iterator), self.config.coordinator.max_push_bytes)
+            header, tensors = receive_one(
+                self.wire.count_in("init", request_iterator), self.config.coordinator.max_push_bytes
+            )
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad init stream: {e}")
         self._require_worker(header.worker_id, context)
         bad = [n for n, t in tensors.items() if not t.is_floating_point() or not torch.isfinite(t).all()]
         if bad or not tensors:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"init parameters must be finite floats (bad: {bad[:3]})")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"init parameters must be finite floats (bad: {bad[:3]})"
+            )
         with self.cond:
             if self.fragments:
-                reply = pb.InitParametersReply(accepted=False, reason="already initialized; pull the parameters")
+                reply = pb.InitParametersReply(
+                    accepted=False, reason="already initialized; pull the parameters"
+                )
             else:
                 specs = [spec_of(n, t) for n, t in tensors.items()]
                 plan = self._fragment_names(specs)
@@ -293,18 +365,27 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     states.append(self._fragment_state(p, names, params, momentum, 0))
                 # The specs are the "initialized" marker: written only once every file exists.
                 self.ledger.set_meta(
-                    param_specs=json.dumps([{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]),
+                    param_specs=json.dumps(
+                        [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
+                    ),
                     **{f"fragment_version.{p}": "0" for p in range(len(plan))},
                 )
                 self._install_specs(specs)
                 self.fragments = states
-                log.info("initialized %d tensors in %d fragment(s) from worker=%s", len(specs), len(plan), header.worker_id)
+                log.info(
+                    "initialized %d tensors in %d fragment(s) from worker=%s",
+                    len(specs),
+                    len(plan),
+                    header.worker_id,
+                )
                 self.cond.notify_all()
                 reply = pb.InitParametersReply(accepted=True, reason="initialized")
         self.wire.add_out("init", reply)
         return reply
 
-    def PullParameters(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[pb.TensorStreamMessage]:
+    def PullParameters(
+        self, request: pb.PullRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.TensorStreamMessage]:
         self.wire.add_in("pull", request)
         if list(request.have_versions) and len(request.have_versions) != len(request.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_versions must match fragments")
@@ -313,7 +394,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while not self.fragments and time.monotonic() < deadline and not self._stop.is_set():
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             if not self.fragments:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no parameters yet: a learner must initialize them")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "no parameters yet: a learner must initialize them"
+                )
             wanted = list(request.fragments) or list(range(len(self.fragments)))
             if any(p >= len(self.fragments) for p in wanted):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment in {wanted}")
@@ -322,7 +405,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             def newer() -> list[int]:
                 return [p for p in wanted if p not in have or self.fragments[p].version > have[p]]
 
-            while not newer() and time.monotonic() < deadline and not self._stop.is_set() and context.is_active():
+            while (
+                not newer()
+                and time.monotonic() < deadline
+                and not self._stop.is_set()
+                and context.is_active()
+            ):
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             # Tensors are replaced, never changed in place, so this snapshot stays consistent.
             snapshot = [(p, self.fragments[p].version, self.fragments[p].params) for p in newer()]
@@ -331,7 +419,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             header = pb.TensorHeader(fragment=p, version=version)
             yield from self.wire.count_out("pull", stream_tensors(header, params, piece))
 
-    def PushDelta(self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext) -> pb.PushReply:
+    def PushDelta(
+        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+    ) -> pb.PushReply:
         messages = self.wire.count_in("push", request_iterator)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
@@ -349,8 +439,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if prior is not None:  # a retry after a lost reply: answer again, change nothing
             for _ in messages:
                 pass
-            reply = pb.PushReply(accepted=prior["state"] != "dropped", reason=prior["reason"] or "already received",
-                                 version=self.fragments[header.fragment].version)
+            reply = pb.PushReply(
+                accepted=prior["state"] != "dropped",
+                reason=prior["reason"] or "already received",
+                version=self.fragments[header.fragment].version,
+            )
             self.wire.add_out("push", reply)
             return reply
 
@@ -387,35 +480,61 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.wire.add_out("push", reply)
         return reply
 
-    def _accept_push(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool) -> pb.PushReply:
+    def _accept_push(
+        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool
+    ) -> pb.PushReply:
         frag = self.fragments[header.fragment]
         released = list(header.released_shards)
         if empty:
             # "Nothing this round" (a learner waiting for data): counts for closing, merges nothing.
             self.ledger.release_shards(header.worker_id, released)
-            frag.round.arrivals[:] = [a for a in frag.round.arrivals if not (a.worker_id == header.worker_id and a.tokens == 0)]
+            frag.round.arrivals[:] = [
+                a for a in frag.round.arrivals if not (a.worker_id == header.worker_id and a.tokens == 0)
+            ]
             frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
             return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version)
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
         refusal = syncer.staleness_refusal(self.policy, header.version, frag.version)
         if refusal is None:
             refusal = self.ledger.record_push(
-                header.push_id, header.worker_id, header.fragment, header.version, header.inner_steps,
-                header.tokens, spans, released,
+                header.push_id,
+                header.worker_id,
+                header.fragment,
+                header.version,
+                header.inner_steps,
+                header.tokens,
+                spans,
+                released,
             )
         else:
             self.ledger.record_push(
-                header.push_id, header.worker_id, header.fragment, header.version, header.inner_steps,
-                header.tokens, [], released, state="dropped", reason=refusal,
+                header.push_id,
+                header.worker_id,
+                header.fragment,
+                header.version,
+                header.inner_steps,
+                header.tokens,
+                spans,
+                released,
+                state="dropped",
+                reason=refusal,
             )
         if refusal is not None:
             log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
             return pb.PushReply(accepted=False, reason=refusal, version=frag.version)
-        arrival = syncer.Arrival(header.worker_id, header.tokens, header.inner_steps, self.clock(), header.version)
+        arrival = syncer.Arrival(
+            header.worker_id, header.tokens, header.inner_steps, self.clock(), header.version
+        )
         frag.round.arrivals.append(arrival)
-        frag.pending.append(PendingPush(arrival, header.push_id, tensors, header.mean_loss, header.first_loss))
+        frag.pending.append(
+            PendingPush(arrival, header.push_id, tensors, header.mean_loss, header.first_loss)
+        )
         if header.step_time_s > 0:
-            self.step_time_s = header.step_time_s if self.step_time_s == 0 else 0.8 * self.step_time_s + 0.2 * header.step_time_s
+            self.step_time_s = (
+                header.step_time_s
+                if self.step_time_s == 0
+                else 0.8 * self.step_time_s + 0.2 * header.step_time_s
+            )
         if header.first_loss and self.ledger.get_meta("first_loss") is None:
             self.ledger.set_meta(first_loss=repr(header.first_loss))
         return pb.PushReply(accepted=True, reason="queued for merge", version=frag.version)
@@ -429,7 +548,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         live = self._live_learners()
         now = self.clock()
         for frag in self.fragments:
-            decision = syncer.decide_close(frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s)
+            decision = syncer.decide_close(
+                frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s
+            )
             if decision.close:
                 self._merge(frag, decision.reason)
 
@@ -440,10 +561,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             frag.round = syncer.RoundState(p, frag.version, self.clock())
             return
         started = time.monotonic()
-        weights = syncer.merge_weights([q.arrival.tokens for q in pending], [q.arrival.steps for q in pending], self.policy.merge)
+        weights = syncer.merge_weights(
+            [q.arrival.tokens for q in pending], [q.arrival.steps for q in pending], self.policy.merge
+        )
         outer_grad = syncer.merge_deltas([q.tensors for q in pending], weights, self.policy.merge)
         params, momentum = syncer.outer_step(
-            frag.params, frag.momentum, outer_grad, self.policy.outer_lr, self.policy.outer_momentum, self.policy.nesterov
+            frag.params,
+            frag.momentum,
+            outer_grad,
+            self.policy.outer_lr,
+            self.policy.outer_momentum,
+            self.policy.nesterov,
         )
         version = frag.version + 1
         checkpoint.save_fragment(self.checkpoint_root, p, version, params, momentum)
@@ -460,8 +588,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.last_loss = mean_loss
         elapsed = time.monotonic() - started
         self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
-        log.info("merge fragment=%d version=%d pushes=%d tokens=%d loss=%s (%s) in %.3fs",
-                 p, version, len(pending), tokens, f"{mean_loss:.4f}" if mean_loss else "-", reason, elapsed)
+        log.info(
+            "merge fragment=%d version=%d pushes=%d tokens=%d loss=%s (%s) in %.3fs",
+            p,
+            version,
+            len(pending),
+            tokens,
+            f"{mean_loss:.4f}" if mean_loss else "-",
+            reason,
+            elapsed,
+        )
         self.cond.notify_all()
 
     def _tick_forever(self) -> None:
@@ -509,11 +645,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         workers = []
         for w in self.ledger.workers():
             stats = json.loads(w["stats"])
-            workers.append({
-                "worker_id": w["id"], "role": w["role"], "host": w["host"], "state": w["state"],
-                "last_seen_s": round(now - w["last_seen"], 3),
-                "alive": w["state"] == "active" and now - w["last_seen"] < ttl, **stats,
-            })
+            workers.append(
+                {
+                    "worker_id": w["id"],
+                    "role": w["role"],
+                    "host": w["host"],
+                    "state": w["state"],
+                    "last_seen_s": round(now - w["last_seen"], 3),
+                    "alive": w["state"] == "active" and now - w["last_seen"] < ttl,
+                    **stats,
+                }
+            )
         wire_in, wire_out = self.wire.totals()
         counters = summary.pop("counters")
         first_loss = self.ledger.get_meta("first_loss")
@@ -524,10 +666,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "fragment_versions": [f.version for f in self.fragments],
             "tokens_merged": int(counters.get("tokens_merged", 0)),
             "tokens_pushed": int(counters.get("tokens_trained", 0)),
-            "tokens_trained": self._tokens_reported(),
+            # Heartbeats are current while learners run; pushes are exact once they have left.
+            "tokens_trained": max(self._tokens_reported(), int(counters.get("tokens_trained", 0))),
             "pushes_received": int(counters.get("pushes_received", 0)),
             "pushes_refused": int(counters.get("pushes_refused", 0)),
-            "record_stats": {k.split(".", 1)[1]: int(v) for k, v in counters.items() if k.startswith("records.")},
+            "record_stats": {
+                k.split(".", 1)[1]: int(v) for k, v in counters.items() if k.startswith("records.")
+            },
             "first_loss": float(first_loss) if first_loss else None,
             "last_loss": None if math.isnan(self.last_loss) else self.last_loss,
             "wire_bytes_in": wire_in,
@@ -540,19 +685,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         d = self.status_detail()
         reply = pb.StatusReply(
-            run_state=self._state_pb(), coordinator_epoch=self.epoch,
-            chunks_total=d["chunks_total"], chunks_done=d["chunks_done"], chunks_quarantined=d["chunks_quarantined"],
-            shards_total=d["shards_total"], shards_consumed=d["shards_consumed"], tokens_prepared=d["tokens_prepared"],
-            tokens_merged=d["tokens_merged"], tokens_trained=d["tokens_trained"], rounds=d["rounds"],
-            fragment_versions=d["fragment_versions"], last_loss=d["last_loss"] or 0.0, first_loss=d["first_loss"] or 0.0,
-            wire_bytes_in=d["wire_bytes_in"], wire_bytes_out=d["wire_bytes_out"],
-            pushes_accepted=d["pushes_received"], pushes_refused=d["pushes_refused"],
+            run_state=self._state_pb(),
+            coordinator_epoch=self.epoch,
+            chunks_total=d["chunks_total"],
+            chunks_done=d["chunks_done"],
+            chunks_quarantined=d["chunks_quarantined"],
+            shards_total=d["shards_total"],
+            shards_consumed=d["shards_consumed"],
+            tokens_prepared=d["tokens_prepared"],
+            tokens_merged=d["tokens_merged"],
+            tokens_trained=d["tokens_trained"],
+            rounds=d["rounds"],
+            fragment_versions=d["fragment_versions"],
+            last_loss=d["last_loss"] or 0.0,
+            first_loss=d["first_loss"] or 0.0,
+            wire_bytes_in=d["wire_bytes_in"],
+            wire_bytes_out=d["wire_bytes_out"],
+            pushes_accepted=d["pushes_received"],
+            pushes_refused=d["pushes_refused"],
             workers=[
                 pb.WorkerStatus(
-                    worker_id=w["worker_id"], role=next(k for k, v in ROLE_NAMES.items() if v == w["role"]),
-                    host=w["host"], last_seen_s=w["last_seen_s"], alive=w["alive"],
-                    inner_steps=int(w.get("inner_steps", 0)), tokens_trained=int(w.get("tokens_trained", 0)),
-                    last_loss=float(w.get("last_loss", 0.0)), busy_seconds=float(w.get("busy_seconds", 0.0)),
+                    worker_id=w["worker_id"],
+                    role=next(k for k, v in ROLE_NAMES.items() if v == w["role"]),
+                    host=w["host"],
+                    last_seen_s=w["last_seen_s"],
+                    alive=w["alive"],
+                    inner_steps=int(w.get("inner_steps", 0)),
+                    tokens_trained=int(w.get("tokens_trained", 0)),
+                    last_loss=float(w.get("last_loss", 0.0)),
+                    busy_seconds=float(w.get("busy_seconds", 0.0)),
                     wall_seconds=float(w.get("wall_seconds", 0.0)),
                 )
                 for w in d["workers"]

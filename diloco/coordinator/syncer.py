@@ -67,7 +67,9 @@ def quorum_needed(policy: SyncPolicy, live_learners: int) -> int:
     return max(1, min(policy.quorum, live_learners)) if live_learners else policy.quorum
 
 
-def grace_window(policy: SyncPolicy, step_time_s: float, time_to_quorum_s: float, sync_time_s: float) -> float:
+def grace_window(
+    policy: SyncPolicy, step_time_s: float, time_to_quorum_s: float, sync_time_s: float
+) -> float:
     """How long to wait past quorum for more pushes: γ·(τ·step_time − time_to_quorum − sync_time).
 
     The result of a merge is needed τ inner steps after the push; waiting longer than the time
@@ -127,7 +129,9 @@ def merge_weights(tokens: Sequence[int], steps: Sequence[int], mode: str) -> lis
     return [w / total for w in raw]
 
 
-def merge_deltas(deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], mode: str) -> dict[str, torch.Tensor]:
+def merge_deltas(
+    deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], mode: str
+) -> dict[str, torch.Tensor]:
     """The outer gradient: a weighted combination of the deltas, per tensor, in fp32.
 
     `rda` (radial-directional averaging) merges each tensor's norm and direction separately: the
@@ -141,7 +145,9 @@ def merge_deltas(deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[fl
         parts = [d[name].to(torch.float32) for d in deltas]
         if mode == "rda":
             norms = [p.norm() for p in parts]
-            direction = sum(w * (p / n if n > 0 else p) for w, p, n in zip(weights, parts, norms, strict=True))
+            direction = sum(
+                w * (p / n if n > 0 else p) for w, p, n in zip(weights, parts, norms, strict=True)
+            )
             mean_norm = sum(w * n for w, n in zip(weights, norms, strict=True))
             dnorm = direction.norm()
             out[name] = direction * (mean_norm / dnorm) if dnorm > 0 else torch.zeros_like(parts[0])

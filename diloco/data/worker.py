@@ -25,7 +25,8 @@ log = logging.getLogger("diloco.data")
 
 
 class DataWorker:
-    def __init__(self, address: str, stop: threading.Event | None = None):
+    def __init__(self, address: str, stop: threading.Event | None = None, connect_timeout_s: float = 60.0):
+        self.connect_timeout_s = connect_timeout_s
         self.client = CoordinatorClient(address, pb.ROLE_DATA)
         self.stop = stop or threading.Event()
         self.current_chunk: int | None = None
@@ -38,15 +39,21 @@ class DataWorker:
         while not self.stop.wait(period_s):
             held = [self.current_chunk] if self.current_chunk else []
             try:
-                self.client.call("Heartbeat", pb.HeartbeatRequest(
-                    chunk_leases=held, tokens_trained=0, busy_seconds=self.busy_s,
-                    wall_seconds=time.monotonic() - self.started,
-                ), timeout_s=10.0)
+                self.client.call(
+                    "Heartbeat",
+                    pb.HeartbeatRequest(
+                        chunk_leases=held,
+                        tokens_trained=0,
+                        busy_seconds=self.busy_s,
+                        wall_seconds=time.monotonic() - self.started,
+                    ),
+                    timeout_s=10.0,
+                )
             except Exception as e:  # a missed heartbeat is survivable; the next one may land
                 log.info("heartbeat failed: %s", e)
 
     def run(self) -> int:
-        reply = self.client.join()
+        reply = self.client.join(self.connect_timeout_s)
         config = self.client.config
         assert config is not None
         tokenizer = load_tokenizer(config.data.tokenizer)
@@ -78,23 +85,40 @@ class DataWorker:
         try:
             processed = process_chunk(chunk, tokenizer, seq_len, text_field)
             info = write_shard(
-                lease.shard_uri, processed.rows, tokenizer_id=tokenizer.id, vocab_size=tokenizer.vocab_size,
-                chunk_index=chunk.index, meta={"split": lease.split},
+                lease.shard_uri,
+                processed.rows,
+                tokenizer_id=tokenizer.id,
+                vocab_size=tokenizer.vocab_size,
+                chunk_index=chunk.index,
+                meta={"split": lease.split},
             )
         except Exception as e:  # any failure of this chunk is reported, never fatal to the worker
             log.warning("chunk %d failed: %s", lease.chunk_id, e)
-            self.client.call("FailChunk", pb.FailChunkRequest(
-                chunk_id=lease.chunk_id, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-            ))
+            self.client.call(
+                "FailChunk",
+                pb.FailChunkRequest(
+                    chunk_id=lease.chunk_id, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
+                ),
+            )
             self.current_chunk = None
             return
         seconds = time.monotonic() - started
-        done = self.client.call("CompleteChunk", pb.CompleteChunkRequest(
-            chunk_id=lease.chunk_id, completion_id=uuid.uuid4().hex, shard_uri=info.uri, rows=info.rows,
-            tokens=info.tokens, checksum=info.checksum, bytes_in=processed.bytes_in, shard_bytes=info.nbytes,
-            dropped_tokens=processed.dropped_tokens,
-            record_stats={k: v for k, v in processed.stats.as_dict().items() if v}, seconds=seconds,
-        ))
+        done = self.client.call(
+            "CompleteChunk",
+            pb.CompleteChunkRequest(
+                chunk_id=lease.chunk_id,
+                completion_id=uuid.uuid4().hex,
+                shard_uri=info.uri,
+                rows=info.rows,
+                tokens=info.tokens,
+                checksum=info.checksum,
+                bytes_in=processed.bytes_in,
+                shard_bytes=info.nbytes,
+                dropped_tokens=processed.dropped_tokens,
+                record_stats={k: v for k, v in processed.stats.as_dict().items() if v},
+                seconds=seconds,
+            ),
+        )
         self.current_chunk = None
         self.busy_s += seconds
         if not done.accepted:
@@ -104,9 +128,18 @@ class DataWorker:
             return
         self.chunks_done += 1
         self.tokens_out += info.tokens
-        log.info("chunk %d -> shard %d rows=%d tokens=%d in %.2fs (%.0f tokens/s)", lease.chunk_id, done.shard_id,
-                 info.rows, info.tokens, seconds, info.tokens / max(seconds, 1e-9))
+        log.info(
+            "chunk %d -> shard %d rows=%d tokens=%d in %.2fs (%.0f tokens/s)",
+            lease.chunk_id,
+            done.shard_id,
+            info.rows,
+            info.tokens,
+            seconds,
+            info.tokens / max(seconds, 1e-9),
+        )
 
 
-def run_data_worker(address: str, stop: threading.Event | None = None) -> int:
-    return DataWorker(address, stop).run()
+def run_data_worker(
+    address: str, stop: threading.Event | None = None, connect_timeout_s: float = 60.0
+) -> int:
+    return DataWorker(address, stop, connect_timeout_s).run()

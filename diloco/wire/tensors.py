@@ -52,7 +52,7 @@ def nbytes_of(spec: pb.TensorSpec) -> int:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A tensor's raw bytes without a copy when it is already a contiguous CPU tensor."""
     t = tensor.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
 
 
 def stream_tensors(
@@ -65,7 +65,9 @@ def stream_tensors(
     for index, t in enumerate(tensors.values()):
         raw = tensor_bytes(t)
         for offset in range(0, len(raw), piece_bytes):
-            piece = pb.TensorPiece(tensor=index, offset=offset, data=bytes(raw[offset : offset + piece_bytes]))
+            piece = pb.TensorPiece(
+                tensor=index, offset=offset, data=bytes(raw[offset : offset + piece_bytes])
+            )
             yield pb.TensorStreamMessage(piece=piece)
 
 
@@ -80,7 +82,9 @@ def stream_many(
 class TensorAssembler:
     """Rebuilds the tensors of one header from its pieces, validating as it goes."""
 
-    def __init__(self, header: pb.TensorHeader, max_bytes: int, expected: Mapping[str, pb.TensorSpec] | None = None):
+    def __init__(
+        self, header: pb.TensorHeader, max_bytes: int, expected: Mapping[str, pb.TensorSpec] | None = None
+    ):
         self.header = header
         names = [s.name for s in header.tensors]
         if len(set(names)) != len(names):
@@ -105,7 +109,9 @@ class TensorAssembler:
         buf = self._buffers[piece.tensor]
         end = piece.offset + len(piece.data)
         if end > len(buf) or piece.offset != self._filled[piece.tensor]:
-            raise WireError(f"piece at offset {piece.offset} out of order or past the end of {self.header.tensors[piece.tensor].name}")
+            raise WireError(
+                f"piece at offset {piece.offset} out of order or past the end of {self.header.tensors[piece.tensor].name}"
+            )
         buf[piece.offset : end] = piece.data
         self._filled[piece.tensor] = end
 
@@ -115,7 +121,11 @@ class TensorAssembler:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         if not self.complete:
-            missing = [s.name for s, f, n in zip(self.header.tensors, self._filled, self._sizes, strict=True) if f != n]
+            missing = [
+                s.name
+                for s, f, n in zip(self.header.tensors, self._filled, self._sizes, strict=True)
+                if f != n
+            ]
             raise WireError(f"stream ended before all bytes arrived (incomplete: {', '.join(missing[:3])})")
         out: dict[str, torch.Tensor] = {}
         for spec, buf in zip(self.header.tensors, self._buffers, strict=True):
@@ -147,7 +157,9 @@ def receive_groups(
 
 
 def receive_one(
-    messages: Iterable[pb.TensorStreamMessage], max_bytes: int, expected: Mapping[str, pb.TensorSpec] | None = None
+    messages: Iterable[pb.TensorStreamMessage],
+    max_bytes: int,
+    expected: Mapping[str, pb.TensorSpec] | None = None,
 ) -> tuple[pb.TensorHeader, dict[str, torch.Tensor]]:
     """Exactly one header+pieces group (a push or an init)."""
     it = iter(messages)
@@ -167,7 +179,9 @@ def _check_matches(specs: Iterable[pb.TensorSpec], expected: Mapping[str, pb.Ten
     if set(got) != set(expected):
         extra = sorted(set(got) - set(expected))
         missing = sorted(set(expected) - set(got))
-        raise WireError(f"tensor names differ from the model's (unexpected: {extra[:3]}, missing: {missing[:3]})")
+        raise WireError(
+            f"tensor names differ from the model's (unexpected: {extra[:3]}, missing: {missing[:3]})"
+        )
     for name, spec in got.items():
         want = expected[name]
         if spec.dtype != want.dtype or list(spec.shape) != list(want.shape):

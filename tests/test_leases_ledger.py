@@ -1,0 +1,494 @@
+"""Lease ranges and deadlines, and the ledger's exactly-once accounting, under a fake clock."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.coordinator import leases
+from diloco.coordinator.ledger import ChunkLease, Ledger, ShardLease
+from diloco.data.chunks import ChunkSpec, Segment
+
+TTL = 10.0
+ROWS = 10
+TOKENS_PER_ROW = 8
+
+
+class FakeClock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, dt: float) -> None:
+        self.t += dt
+
+
+def spec(index, split="train"):
+    return ChunkSpec(
+        index=index, segments=(Segment(f"file:///data/f{index}.txt", 0, 100 + index, True),), split=split
+    )
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def ledger(tmp_path, clock):
+    led = Ledger(str(tmp_path / "ledger.sqlite"), clock=clock)
+    yield led
+    led.close()
+
+
+def make(ledger, splits):
+    ledger.initialize([spec(i, s) for i, s in enumerate(splits)], dataset="test")
+
+
+def complete(ledger, worker, chunk_id, completion_id=None, rows=ROWS):
+    return ledger.complete_chunk(
+        worker,
+        chunk_id,
+        completion_id or f"c{chunk_id}",
+        f"file:///shards/{chunk_id}.zst",
+        rows,
+        rows * TOKENS_PER_ROW,
+        "sum",
+        1234,
+        {},
+    )
+
+
+def with_train_shard(ledger, splits=("train",)):
+    """Chunks processed into shards; returns the shard ids in chunk order."""
+    make(ledger, splits)
+    ids = []
+    for _ in splits:
+        lease = ledger.lease_chunk("d1", TTL)
+        assert isinstance(lease, ChunkLease)
+        result = complete(ledger, "d1", lease.chunk_id)
+        assert result.accepted
+        ids.append(result.shard_id)
+    return ids
+
+
+def push(ledger, push_id, spans, worker="L1", released=()):
+    return ledger.record_push(
+        push_id, worker, 0, 0, 5, sum(b - a for _, a, b in spans) * TOKENS_PER_ROW, spans, list(released)
+    )
+
+
+# -- pure range functions -------------------------------------------------------------------------
+
+
+def test_normalise_sorts_merges_and_drops_empty():
+    assert leases.normalise([(5, 7), (0, 2), (2, 3), (4, 4), (6, 9), (8, 6)]) == [(0, 3), (5, 9)]
+    assert leases.normalise([]) == []
+
+
+def test_subtract_hand_cases():
+    assert leases.subtract((0, 10), []) == [(0, 10)]
+    assert leases.subtract((0, 10), [(2, 4), (6, 8)]) == [(0, 2), (4, 6), (8, 10)]
+    assert leases.subtract((0, 10), [(0, 10)]) == []
+    assert leases.subtract((0, 10), [(-5, 3), (9, 20)]) == [(3, 9)]
+    assert leases.subtract((5, 8), [(0, 2), (10, 12)]) == [(5, 8)]
+    assert leases.subtract((0, 10), [(4, 6), (3, 5)]) == [(0, 3), (6, 10)]
+    assert leases.subtract((3, 3), [(0, 1)]) == []
+
+
+def test_covered_rows_counts_overlaps_once():
+    assert leases.covered_rows([(0, 5), (3, 8), (10, 12)]) == 10
+    assert leases.covered_rows([]) == 0
+
+
+def test_overlaps():
+    assert not leases.overlaps([(0, 2), (2, 4)])  # touching is fine: ranges are half-open
+    assert leases.overlaps([(0, 3), (2, 4)])
+    assert leases.overlaps([(5, 9), (0, 6)])
+    assert not leases.overlaps([(1, 1), (0, 5)])  # an empty range shares no row
+    assert leases.overlaps([(0, 5), (1, 2)])
+
+
+def test_deadlines_and_liveness():
+    assert leases.lease_deadline(100.0, 10.0) == 110.0
+    assert not leases.is_expired(110.0, 109.9)
+    assert leases.is_expired(110.0, 110.0)
+    assert not leases.is_expired(None, 1e12)
+    assert leases.is_live(100.0, 109.9, 10.0)
+    assert not leases.is_live(100.0, 110.0, 10.0)
+
+
+ranges = st.tuples(st.integers(-5, 60), st.integers(-5, 60))
+
+
+@settings(derandomize=True, deadline=None)
+@given(
+    total=st.tuples(st.integers(0, 50), st.integers(0, 50)).map(sorted).map(tuple),
+    taken=st.lists(ranges, max_size=8),
+)
+def test_subtract_property(total, taken):
+    result = leases.subtract(total, taken)
+    start, end = total
+    taken_rows = {r for a, b in taken for r in range(a, b)}
+    result_rows = [r for a, b in result for r in range(a, b)]
+    # Non-empty, sorted, non-overlapping ranges.
+    assert all(a < b for a, b in result)
+    assert result == sorted(result)
+    assert not leases.overlaps(result)
+    # Disjoint from taken, inside total, and with the taken part covers total exactly.
+    assert not set(result_rows) & taken_rows
+    assert all(start <= r < end for r in result_rows)
+    assert len(result_rows) == len(set(result_rows))
+    assert set(result_rows) | (taken_rows & set(range(start, end))) == set(range(start, end))
+
+
+@settings(derandomize=True, deadline=None)
+@given(st.lists(ranges, max_size=8))
+def test_normalise_property(rs):
+    out = leases.normalise(rs)
+    assert {r for a, b in out for r in range(a, b)} == {r for a, b in rs for r in range(a, b)}
+    assert all(out[i][1] < out[i + 1][0] for i in range(len(out) - 1))  # merged, gaps between
+    assert leases.covered_rows(rs) == sum(b - a for a, b in out)
+
+
+# -- chunks ---------------------------------------------------------------------------------------
+
+
+def test_initialize_is_idempotent(ledger):
+    make(ledger, ["train", "train"])
+    make(ledger, ["train", "train", "train", "train"])
+    assert ledger.initialized
+    assert [c for c, _, _ in ledger.chunk_shard_pairs()] == [1, 2]
+
+
+def test_leased_chunk_carries_its_spec(ledger):
+    make(ledger, ["train", "eval"])
+    first = ledger.lease_chunk("d1", TTL)
+    second = ledger.lease_chunk("d1", TTL)
+    assert isinstance(first, ChunkLease) and isinstance(second, ChunkLease)
+    assert {first.spec, second.spec} == {spec(0, "train"), spec(1, "eval")}
+    assert first.attempt == 1
+
+
+def test_expired_chunk_lease_goes_to_another_worker(ledger, clock):
+    make(ledger, ["train"])
+    ledger.join("d1", "data", "h1")
+    ledger.join("d2", "data", "h2")
+    first = ledger.lease_chunk("d1", TTL)
+    assert isinstance(first, ChunkLease)
+    assert ledger.lease_chunk("d2", TTL) == "wait"
+    clock.advance(11)
+    again = ledger.lease_chunk("d2", TTL)
+    assert isinstance(again, ChunkLease)
+    assert again.chunk_id == first.chunk_id
+    assert again.attempt == 2
+    # The first holder learns it lost the chunk when it renews.
+    lost_chunks, lost_shards = ledger.renew("d1", [first.chunk_id], [], TTL)
+    assert lost_chunks == [first.chunk_id]
+    assert lost_shards == []
+
+
+def test_renew_before_expiry_keeps_the_lease(ledger, clock):
+    make(ledger, ["train"])
+    lease = ledger.lease_chunk("d1", TTL)
+    clock.advance(8)
+    assert ledger.renew("d1", [lease.chunk_id], [], TTL) == ([], [])
+    clock.advance(7)  # 15 s after the lease, 7 s after the renewal
+    assert ledger.lease_chunk("d2", TTL) == "wait"
+    assert ledger.renew("d1", [lease.chunk_id], [], TTL) == ([], [])
+
+
+def test_renew_of_a_chunk_never_held_reports_it_lost(ledger):
+    make(ledger, ["train"])
+    lease = ledger.lease_chunk("d1", TTL)
+    assert ledger.renew("d2", [lease.chunk_id, 99], [], TTL) == ([lease.chunk_id, 99], [])
+
+
+def test_lease_chunk_wait_then_done(ledger):
+    make(ledger, ["train", "train"])
+    a = ledger.lease_chunk("d1", TTL)
+    b = ledger.lease_chunk("d2", TTL)
+    assert {a.chunk_id, b.chunk_id} == {1, 2}
+    assert ledger.lease_chunk("d3", TTL) == "wait"
+    assert complete(ledger, "d1", a.chunk_id).accepted
+    assert ledger.lease_chunk("d3", TTL) == "wait"
+    assert complete(ledger, "d2", b.chunk_id).accepted
+    assert ledger.lease_chunk("d3", TTL) == "done"
+
+
+def test_first_completion_wins_and_retries_are_idempotent(ledger, clock):
+    make(ledger, ["train"])
+    slow = ledger.lease_chunk("d1", TTL)
+    clock.advance(11)
+    fast = ledger.lease_chunk("d2", TTL)
+    assert fast.chunk_id == slow.chunk_id
+    won = complete(ledger, "d2", fast.chunk_id, "done-by-d2")
+    assert won.accepted and won.shard_id > 0
+    # A retry of the same completion (reply lost) gets the same answer and adds nothing.
+    retry = complete(ledger, "d2", fast.chunk_id, "done-by-d2")
+    assert retry.accepted and retry.shard_id == won.shard_id
+    # The slow worker's own completion comes too late.
+    late = complete(ledger, "d1", slow.chunk_id, "done-by-d1")
+    assert not late.accepted
+    assert "already" in late.reason
+    assert ledger.chunk_shard_pairs() == [(slow.chunk_id, 1, "done")]
+    assert ledger.summary()["shards_total"] == 1
+
+
+def test_completion_id_reused_for_another_chunk_is_refused(ledger):
+    make(ledger, ["train", "train"])
+    a = ledger.lease_chunk("d1", TTL)
+    b = ledger.lease_chunk("d1", TTL)
+    assert complete(ledger, "d1", a.chunk_id, "same").accepted
+    assert not complete(ledger, "d1", b.chunk_id, "same").accepted
+    assert ledger.chunk_shard_pairs() == [(a.chunk_id, 1, "done"), (b.chunk_id, 0, "leased")]
+
+
+def test_completion_of_unknown_chunk_refused(ledger):
+    make(ledger, ["train"])
+    result = complete(ledger, "d1", 42)
+    assert not result.accepted and "unknown" in result.reason
+
+
+def test_fail_chunk_quarantines_after_max_attempts(ledger):
+    make(ledger, ["train"])
+    lease = ledger.lease_chunk("d1", TTL)
+    assert ledger.fail_chunk("d1", lease.chunk_id, "bad bytes", max_attempts=2) is False
+    lease = ledger.lease_chunk("d1", TTL)  # the chunk is back in the pool
+    assert lease.attempt == 2
+    assert ledger.fail_chunk("d1", lease.chunk_id, "bad bytes again", max_attempts=2) is True
+    assert ledger.lease_chunk("d1", TTL) == "done"
+    summary = ledger.summary()
+    assert summary["chunks_quarantined"] == 1
+    assert summary["quarantined"] == [{"chunk": lease.chunk_id, "error": "bad bytes again"}]
+    refused = complete(ledger, "d1", lease.chunk_id)
+    assert not refused.accepted and "quarantined" in refused.reason
+
+
+def test_expired_leases_count_as_attempts(ledger, clock):
+    make(ledger, ["train"])
+    ledger.lease_chunk("d1", TTL)
+    clock.advance(11)
+    lease = ledger.lease_chunk("d2", TTL)
+    assert lease.attempt == 2
+    assert ledger.fail_chunk("d2", lease.chunk_id, "boom", max_attempts=2) is True
+
+
+# -- shards ---------------------------------------------------------------------------------------
+
+
+def test_lease_shard_gives_all_rows_of_a_fresh_shard(ledger):
+    (sid,) = with_train_shard(ledger)
+    lease = ledger.lease_shard("L1", TTL)
+    assert isinstance(lease, ShardLease)
+    assert (lease.shard_id, lease.rows, lease.todo) == (sid, ROWS, [(0, ROWS)])
+    assert lease.uri == f"file:///shards/{ledger.shard(sid)['chunk_id']}.zst"
+    assert ledger.lease_shard("L2", TTL) == "wait"  # leased by L1, not finished
+
+
+def test_lease_shard_waits_while_chunks_are_unprocessed(ledger):
+    make(ledger, ["train"])
+    assert ledger.lease_shard("L1", TTL) == "wait"
+
+
+def test_eval_shards_are_never_leased(ledger):
+    with_train_shard(ledger, ("eval", "eval"))
+    assert ledger.lease_shard("L1", TTL) == "done"
+    assert len(ledger.summary()["eval_shards"]) == 2
+
+
+def test_push_then_merge_consumes_shard_and_counts_tokens(ledger):
+    (sid,) = with_train_shard(ledger, ("train", "eval"))[:1]
+    ledger.lease_shard("L1", TTL)
+    assert push(ledger, "p1", [(sid, 0, 4)]) is None
+    assert push(ledger, "p2", [(sid, 4, 10)], released=[sid]) is None
+    assert ledger.push_state("p1")["state"] == "pending"
+    ledger.commit_merge(0, 1, ["p1"], 4 * TOKENS_PER_ROW, 5, 2.5, "quorum")
+    assert ledger.push_state("p1")["state"] == "merged"
+    assert ledger.shard(sid)["state"] != "consumed"
+    assert ledger.counter("tokens_merged") == 4 * TOKENS_PER_ROW
+    assert ledger.fragment_version(0) == 1
+    ledger.commit_merge(0, 2, ["p2"], 6 * TOKENS_PER_ROW, 5, 2.0, "quorum")
+    assert ledger.shard(sid)["state"] == "consumed"
+    assert ledger.counter("tokens_merged") == ROWS * TOKENS_PER_ROW
+    assert ledger.fragment_version(0) == 2
+    summary = ledger.summary()
+    assert summary["shards_consumed"] == 1
+    assert summary["rounds"] == 2
+    assert ledger.lease_shard("L2", TTL) == "done"
+
+
+def test_one_merge_of_several_pushes_over_two_shards(ledger):
+    s1, s2 = with_train_shard(ledger, ("train", "train"))
+    assert push(ledger, "p1", [(s1, 0, 10), (s2, 0, 3)]) is None
+    assert push(ledger, "p2", [(s2, 3, 10)], worker="L2") is None
+    ledger.commit_merge(0, 1, ["p1", "p2"], 0, 0, None, "all")
+    assert ledger.shard(s1)["state"] == ledger.shard(s2)["state"] == "consumed"
+    assert ledger.counter("tokens_merged") == 2 * ROWS * TOKENS_PER_ROW
+
+
+def test_pending_rows_are_not_leased_again(ledger):
+    (sid,) = with_train_shard(ledger)
+    ledger.lease_shard("L1", TTL)
+    assert push(ledger, "p1", [(sid, 0, 4)], released=[sid]) is None
+    lease = ledger.lease_shard("L2", TTL)
+    assert lease.todo == [(4, ROWS)]
+
+
+def test_dropped_push_rows_become_leasable_after_release(ledger):
+    (sid,) = with_train_shard(ledger)
+    ledger.lease_shard("L1", TTL)
+    assert push(ledger, "p1", [(sid, 0, 4)]) is None
+    assert push(ledger, "p2", [(sid, 4, 7)]) is None
+    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    ledger.drop_pushes(["p2"], "too stale")
+    assert ledger.push_state("p2")["state"] == "dropped"
+    assert ledger.push_state("p2")["reason"] == "too stale"
+    ledger.release_shards("L1", [sid])
+    lease = ledger.lease_shard("L2", TTL)
+    assert lease.todo == [(4, ROWS)]
+    assert ledger.counter("tokens_merged") == 4 * TOKENS_PER_ROW
+
+
+def test_drop_does_not_undo_a_merge(ledger):
+    (sid,) = with_train_shard(ledger)
+    assert push(ledger, "p1", [(sid, 0, 4)]) is None
+    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    ledger.drop_pushes(["p1"], "late drop")
+    assert ledger.push_state("p1")["state"] == "merged"
+    assert ledger.lease_shard("L1", TTL).todo == [(4, ROWS)]
+
+
+def test_learner_leaving_returns_its_shard_with_dropped_rows(ledger):
+    (sid,) = with_train_shard(ledger)
+    ledger.join("L1", "compute", "h1")
+    ledger.lease_shard("L1", TTL)
+    assert push(ledger, "p1", [(sid, 2, 6)]) is None
+    ledger.drop_pushes(["p1"], "learner died")
+    ledger.leave("L1")
+    assert ledger.lease_shard("L2", TTL).todo == [(0, ROWS)]
+
+
+def test_expired_shard_lease_returns_to_pool(ledger, clock):
+    (sid,) = with_train_shard(ledger)
+    ledger.lease_shard("L1", TTL)
+    clock.advance(11)
+    assert ledger.lease_shard("L2", TTL).shard_id == sid
+    assert ledger.renew("L1", [], [sid], TTL) == ([], [sid])
+
+
+def test_record_push_refuses_overlapping_spans(ledger):
+    (sid,) = with_train_shard(ledger)
+    assert push(ledger, "p1", [(sid, 0, 5)]) is None
+    reason = push(ledger, "p2", [(sid, 3, 7)])
+    assert isinstance(reason, str) and "overlap" in reason
+    assert ledger.push_state("p2") is None  # nothing recorded
+    # Overlapping a merged span is refused too.
+    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    assert "overlap" in push(ledger, "p3", [(sid, 4, 6)])
+    assert push(ledger, "p4", [(sid, 5, 10)]) is None
+
+
+def test_record_push_refuses_spans_overlapping_each_other(ledger):
+    (sid,) = with_train_shard(ledger)
+    reason = push(ledger, "p1", [(sid, 0, 5), (sid, 3, 7)])
+    if reason is not None:  # refused (the fix this test expects most)...
+        assert "overlap" in reason
+        assert ledger.push_state("p1") is None
+    else:  # ...or accepted, but then each of rows 0..6 counts once
+        ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+        assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
+
+
+def test_record_push_refuses_spans_outside_the_shard(ledger):
+    (sid,) = with_train_shard(ledger)
+    for spans in ([(sid, 8, 11)], [(sid, 5, 5)], [(sid + 100, 0, 1)]):
+        reason = push(ledger, "px", spans)
+        assert isinstance(reason, str) and "not inside" in reason
+    assert ledger.push_state("px") is None
+
+
+def test_merged_tokens_counted_once_per_row(ledger):
+    (sid,) = with_train_shard(ledger)
+    assert push(ledger, "p1", [(sid, 0, 3)]) is None
+    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    assert push(ledger, "p1b", [(sid, 0, 3)]) is not None
+    assert ledger.counter("tokens_merged") == 3 * TOKENS_PER_ROW
+
+
+def test_dropped_state_push_is_recorded_without_spans(ledger):
+    (sid,) = with_train_shard(ledger)
+    ledger.lease_shard("L1", TTL)
+    assert (
+        ledger.record_push("old", "L1", 0, 0, 5, 40, [(sid, 0, 5)], [sid], state="dropped", reason="stale")
+        is None
+    )
+    assert ledger.push_state("old")["state"] == "dropped"
+    assert ledger.counter("pushes_refused") == 1
+    assert ledger.lease_shard("L2", TTL).todo == [(0, ROWS)]
+
+
+def test_next_epoch_drops_pending_pushes(ledger):
+    (sid,) = with_train_shard(ledger)
+    assert push(ledger, "p1", [(sid, 0, 4)]) is None
+    assert push(ledger, "p2", [(sid, 4, 6)]) is None
+    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    assert ledger.next_epoch() == 1
+    assert ledger.push_state("p1")["state"] == "merged"
+    assert ledger.push_state("p2")["state"] == "dropped"
+    assert ledger.lease_shard("L1", TTL).todo == [(4, ROWS)]
+    assert ledger.next_epoch() == 2
+
+
+def test_state_survives_reopen(tmp_path, clock):
+    path = str(tmp_path / "l.sqlite")
+    led = Ledger(path, clock=clock)
+    (sid,) = with_train_shard(led)
+    assert push(led, "p1", [(sid, 0, 4)]) is None
+    led.commit_merge(0, 3, ["p1"], 0, 0, 1.5, "quorum")
+    led.close()
+    again = Ledger(path, clock=clock)
+    try:
+        assert again.fragment_version(0) == 3
+        assert again.counter("tokens_merged") == 4 * TOKENS_PER_ROW
+        assert again.lease_shard("L1", TTL).todo == [(4, ROWS)]
+    finally:
+        again.close()
+
+
+# -- workers --------------------------------------------------------------------------------------
+
+
+def test_live_workers_respects_ttl(ledger, clock):
+    ledger.join("w1", "data", "h")
+    clock.advance(5)
+    ledger.join("w2", "data", "h")
+    ledger.join("L1", "compute", "h")
+    assert sorted(ledger.live_workers("data", TTL)) == ["w1", "w2"]
+    assert ledger.live_workers("compute", TTL) == ["L1"]
+    clock.advance(6)  # w1 silent for 11 s, w2 for 6 s
+    assert ledger.live_workers("data", TTL) == ["w2"]
+    ledger.heartbeat("w1", {"steps": 3}, TTL)
+    assert sorted(ledger.live_workers("data", TTL)) == ["w1", "w2"]
+
+
+def test_leave_frees_leases_at_once(ledger):
+    make(ledger, ["train"])
+    ledger.join("d1", "data", "h")
+    lease = ledger.lease_chunk("d1", TTL)
+    assert ledger.lease_chunk("d2", TTL) == "wait"
+    ledger.leave("d1")
+    assert not ledger.known_worker("d1")
+    assert ledger.live_workers("data", TTL) == []
+    again = ledger.lease_chunk("d2", TTL)
+    assert isinstance(again, ChunkLease) and again.chunk_id == lease.chunk_id
+
+
+def test_silent_worker_marked_lost(ledger, clock):
+    ledger.join("d1", "data", "h")
+    clock.advance(TTL + 1)
+    assert ledger.reclaim_expired(TTL)["workers"] == 1
+    assert not ledger.known_worker("d1")
+    ledger.join("d1", "data", "h")  # a rejoin makes it active again
+    assert ledger.known_worker("d1")

@@ -1,0 +1,325 @@
+"""The syncer's pure decisions: outer Nesterov step, merge weights and modes, when a round closes."""
+
+import math
+
+import pytest
+import torch
+
+from diloco.coordinator.syncer import (
+    Arrival,
+    RoundState,
+    SyncPolicy,
+    decide_close,
+    grace_window,
+    merge_deltas,
+    merge_weights,
+    outer_step,
+    quorum_needed,
+    staleness_refusal,
+)
+
+# -- outer step -----------------------------------------------------------------------------------
+
+
+def run_outer(theta0, grads, lr, mu, nesterov):
+    params = {"w": torch.tensor(theta0, dtype=torch.float32)}
+    momentum = {"w": torch.zeros_like(params["w"])}
+    history = []
+    for g in grads:
+        params, momentum = outer_step(params, momentum, {"w": torch.tensor(g)}, lr, mu, nesterov)
+        history.append((params["w"].item(), momentum["w"].item()))
+    return history
+
+
+def test_outer_step_nesterov_hand_computed():
+    # lr 0.7, mu 0.9, theta0 = 1.0, m0 = 0; m <- mu*m + g; theta <- theta - lr*(g + mu*m)
+    # step 1, g = 0.5:  m = 0.9*0 + 0.5 = 0.5;      theta = 1.0 - 0.7*(0.5 + 0.45)     = 0.335
+    # step 2, g = 0.2:  m = 0.9*0.5 + 0.2 = 0.65;   theta = 0.335 - 0.7*(0.2 + 0.585)  = -0.2145
+    # step 3, g = -0.1: m = 0.9*0.65 - 0.1 = 0.485; theta = -0.2145 - 0.7*(-0.1 + 0.4365) = -0.45005
+    history = run_outer(1.0, [0.5, 0.2, -0.1], lr=0.7, mu=0.9, nesterov=True)
+    expected = [(0.335, 0.5), (-0.2145, 0.65), (-0.45005, 0.485)]
+    for (theta, m), (want_theta, want_m) in zip(history, expected, strict=True):
+        assert theta == pytest.approx(want_theta, abs=1e-6)
+        assert m == pytest.approx(want_m, abs=1e-6)
+
+
+def test_outer_step_plain_momentum_hand_computed():
+    # Without Nesterov: theta <- theta - lr*m
+    # step 1: m = 0.5;   theta = 1.0 - 0.7*0.5     = 0.65
+    # step 2: m = 0.65;  theta = 0.65 - 0.7*0.65   = 0.195
+    # step 3: m = 0.485; theta = 0.195 - 0.7*0.485 = -0.1445
+    history = run_outer(1.0, [0.5, 0.2, -0.1], lr=0.7, mu=0.9, nesterov=False)
+    expected = [(0.65, 0.5), (0.195, 0.65), (-0.1445, 0.485)]
+    for (theta, m), (want_theta, want_m) in zip(history, expected, strict=True):
+        assert theta == pytest.approx(want_theta, abs=1e-6)
+        assert m == pytest.approx(want_m, abs=1e-6)
+
+
+def test_outer_step_lr_one_no_momentum_is_plain_delta_subtraction():
+    # DiLoCo with lr 1 and mu 0 is "average the learners' weights": theta - mean delta.
+    params = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)}
+    momentum = {k: torch.zeros_like(v) for k, v in params.items()}
+    grad = {"a": torch.tensor([0.25, -1.0]), "b": torch.tensor(0.5)}
+    new, _ = outer_step(params, momentum, grad, lr=1.0, mu=0.0, nesterov=True)
+    assert torch.equal(new["a"], torch.tensor([0.75, 3.0]))
+    assert torch.equal(new["b"], torch.tensor(2.5))
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_matches_torch_sgd(nesterov):
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (4, 3), "b": (3,), "s": ()}
+    init = {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in shapes.items()} for _ in range(5)]
+
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    opt = torch.optim.SGD(list(ref.values()), lr=0.7, momentum=0.9, nesterov=nesterov)
+    params = {k: v.clone() for k, v in init.items()}
+    momentum = {k: torch.zeros_like(v) for k, v in init.items()}
+    for g in grads:
+        for k, p in ref.items():
+            p.grad = g[k].clone()
+        opt.step()
+        params, momentum = outer_step(params, momentum, g, lr=0.7, mu=0.9, nesterov=nesterov)
+        for k in shapes:
+            torch.testing.assert_close(params[k], ref[k].detach(), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(
+                momentum[k], opt.state[ref[k]]["momentum_buffer"], rtol=1e-6, atol=1e-6
+            )
+
+
+def test_outer_step_returns_new_tensors_and_keeps_dtype():
+    params = {"w": torch.tensor([1.0, -1.0], dtype=torch.bfloat16)}
+    momentum = {"w": torch.zeros(2)}
+    grad = {"w": torch.tensor([0.5, 0.5])}
+    new_p, new_m = outer_step(params, momentum, grad, lr=0.7, mu=0.9, nesterov=True)
+    assert new_p["w"].dtype == torch.bfloat16
+    assert torch.equal(params["w"], torch.tensor([1.0, -1.0], dtype=torch.bfloat16))  # input untouched
+    assert torch.equal(momentum["w"], torch.zeros(2))
+    assert torch.equal(new_m["w"], torch.tensor([0.5, 0.5]))
+
+
+# -- merge weights and deltas ---------------------------------------------------------------------
+
+
+def test_merge_weights_mean_is_equal():
+    assert merge_weights([100, 5000, 1], [10, 3, 1], "mean") == pytest.approx([1 / 3] * 3)
+
+
+def test_merge_weights_token_is_tokens_squared_over_steps():
+    # raw weights: 100*100/10 = 1000; 200*200/10 = 4000 -> 0.2, 0.8
+    assert merge_weights([100, 200], [10, 10], "token") == pytest.approx([0.2, 0.8])
+    # 100*100/10 = 1000; 200*200/40 = 1000 -> equal
+    assert merge_weights([100, 200], [10, 40], "token") == pytest.approx([0.5, 0.5])
+    # 300*300/3 = 30000; 100*100/1 = 10000; 0 -> 0.75, 0.25, 0
+    assert merge_weights([300, 100, 0], [3, 1, 5], "rda") == pytest.approx([0.75, 0.25, 0.0])
+
+
+def test_merge_weights_all_zero_tokens_falls_back_to_equal():
+    assert merge_weights([0, 0], [1, 1], "token") == pytest.approx([0.5, 0.5])
+
+
+def test_merge_weights_unknown_mode_refused():
+    with pytest.raises(ValueError, match="unknown merge mode"):
+        merge_weights([1], [1], "median")
+
+
+def test_merge_deltas_mean():
+    deltas = [
+        {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([[4.0]])},
+        {"a": torch.tensor([3.0, -2.0]), "b": torch.tensor([[0.0]])},
+    ]
+    out = merge_deltas(deltas, merge_weights([1, 1], [1, 1], "mean"), "mean")
+    assert torch.equal(out["a"], torch.tensor([2.0, 0.0]))
+    assert torch.equal(out["b"], torch.tensor([[2.0]]))
+
+
+def test_merge_deltas_token_weighted():
+    deltas = [{"a": torch.tensor([10.0])}, {"a": torch.tensor([0.0])}]
+    weights = merge_weights([100, 200], [10, 10], "token")  # 0.2, 0.8
+    out = merge_deltas(deltas, weights, "token")
+    assert out["a"].item() == pytest.approx(2.0)
+
+
+def test_merge_deltas_output_is_float32():
+    deltas = [{"a": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}] * 2
+    out = merge_deltas(deltas, [0.5, 0.5], "mean")
+    assert out["a"].dtype == torch.float32
+
+
+def test_rda_keeps_norm_where_mean_shrinks_it():
+    e1 = {"a": torch.tensor([1.0, 0.0, 0.0])}
+    e2 = {"a": torch.tensor([0.0, 1.0, 0.0])}
+    w = [0.5, 0.5]
+    mean = merge_deltas([e1, e2], w, "mean")["a"]
+    rda = merge_deltas([e1, e2], w, "rda")["a"]
+    assert mean.norm().item() == pytest.approx(1 / math.sqrt(2), abs=1e-6)
+    assert rda.norm().item() == pytest.approx(1.0, abs=1e-6)
+    # Same direction as the mean.
+    torch.testing.assert_close(rda, torch.tensor([1.0, 1.0, 0.0]) / math.sqrt(2))
+
+
+def test_rda_norm_is_weighted_mean_of_norms():
+    d1 = {"a": torch.tensor([3.0, 0.0])}  # norm 3
+    d2 = {"a": torch.tensor([0.0, 1.0])}  # norm 1
+    out = merge_deltas([d1, d2], [0.25, 0.75], "rda")["a"]
+    assert out.norm().item() == pytest.approx(0.25 * 3 + 0.75 * 1, abs=1e-6)
+
+
+def test_rda_of_identical_deltas_is_the_delta():
+    d = {"a": torch.tensor([0.3, -1.2, 2.5]), "b": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
+    out = merge_deltas([d, d, d], [0.2, 0.3, 0.5], "rda")
+    for k in d:
+        torch.testing.assert_close(out[k], d[k])
+
+
+def test_rda_of_zero_deltas_is_zero():
+    z = {"a": torch.zeros(3)}
+    out = merge_deltas([z, z], [0.5, 0.5], "rda")
+    assert torch.equal(out["a"], torch.zeros(3))
+    assert not torch.isnan(out["a"]).any()
+
+
+def test_merge_deltas_refuses_empty():
+    with pytest.raises(ValueError):
+        merge_deltas([], [], "mean")
+
+
+# -- closing a round ------------------------------------------------------------------------------
+
+
+def arrival(worker, at, tokens=100, steps=10, base=0):
+    return Arrival(worker_id=worker, tokens=tokens, steps=steps, arrived_at=at, base_version=base)
+
+
+LIVE3 = {"a", "b", "c"}
+
+
+def test_quorum_needed():
+    assert quorum_needed(SyncPolicy(quorum=0), 3) == 3
+    assert quorum_needed(SyncPolicy(quorum=1), 3) == 1
+    assert quorum_needed(SyncPolicy(quorum=5), 3) == 3  # never more than are alive
+    assert quorum_needed(SyncPolicy(quorum=0), 0) == 1
+
+
+def test_quorum_one_closes_on_first_push():
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0)])
+    decision = decide_close(state, now=1.0, policy=SyncPolicy(quorum=1), live_learners=LIVE3)
+    assert decision.close
+
+
+def test_quorum_all_waits_for_every_live_learner():
+    policy = SyncPolicy(quorum=0)
+    state = RoundState(fragment=0, version=0, opened_at=0.0)
+    state.arrivals.append(arrival("a", 1.0))
+    assert not decide_close(state, 100.0, policy, LIVE3).close
+    state.arrivals.append(arrival("b", 2.0))
+    d = decide_close(state, 100.0, policy, LIVE3)
+    assert not d.close
+    assert "2/3" in d.reason
+    state.arrivals.append(arrival("c", 3.0))
+    assert decide_close(state, 3.0, policy, LIVE3).close
+
+
+def test_quorum_two_counts_distinct_learners():
+    policy = SyncPolicy(quorum=2)
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("a", 2.0)])
+    assert not decide_close(state, 5.0, policy, LIVE3).close
+    state.arrivals.append(arrival("b", 3.0))
+    assert decide_close(state, 5.0, policy, LIVE3).close
+
+
+GRACE = SyncPolicy(quorum=1, grace_factor=0.5, overlap_steps=10)
+
+
+def test_grace_window_keeps_round_open_until_quorum_plus_window():
+    # opened at 0, quorum at 2: slack = 10 steps * 1 s - 2 s - 0 s = 8 s; window = 0.5 * 8 = 4 s -> close at 6.
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
+    d = decide_close(state, 2.0, GRACE, LIVE3, step_time_s=1.0)
+    assert not d.close
+    assert d.recheck_at == pytest.approx(6.0)
+    assert not decide_close(state, 5.99, GRACE, LIVE3, step_time_s=1.0).close
+    d = decide_close(state, 6.0, GRACE, LIVE3, step_time_s=1.0)
+    assert d.close
+    assert d.recheck_at is None
+
+
+def test_grace_window_shrinks_with_sync_time():
+    # slack = 10*1 - 2 - 4 = 4; window = 2 -> close at 4.
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
+    d = decide_close(state, 2.0, GRACE, LIVE3, step_time_s=1.0, sync_time_s=4.0)
+    assert d.recheck_at == pytest.approx(4.0)
+
+
+def test_every_live_learner_pushed_closes_inside_grace_window():
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
+    assert not decide_close(state, 2.5, GRACE, LIVE3, step_time_s=1.0).close
+    state.arrivals += [arrival("b", 2.6), arrival("c", 2.7)]
+    assert decide_close(state, 2.7, GRACE, LIVE3, step_time_s=1.0).close
+
+
+def test_no_grace_window_without_factor_or_overlap():
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
+    for policy in (
+        SyncPolicy(quorum=1, grace_factor=0.0, overlap_steps=10),
+        SyncPolicy(quorum=1, grace_factor=1.0),
+    ):
+        assert decide_close(state, 2.0, policy, LIVE3, step_time_s=1.0).close
+
+
+def test_dead_learner_is_not_waited_for():
+    # "c" was in the run but is no longer live: a synchronous round closes with a and b.
+    policy = SyncPolicy(quorum=0)
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("b", 2.0)])
+    assert not decide_close(state, 2.0, policy, LIVE3).close
+    assert decide_close(state, 2.0, policy, {"a", "b"}).close
+
+
+def test_push_from_learner_that_died_still_counts_for_quorum():
+    # a pushed, then died; b is the only live one and has not pushed: with K = 1 the round closes.
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0)])
+    assert decide_close(state, 1.0, SyncPolicy(quorum=1), {"b"}).close
+
+
+def test_empty_round_never_closes():
+    state = RoundState(fragment=0, version=0, opened_at=0.0)
+    for policy in (SyncPolicy(quorum=1), SyncPolicy(quorum=0), GRACE):
+        for live in (set(), LIVE3):
+            d = decide_close(state, 1e9, policy, live, step_time_s=1.0)
+            assert not d.close
+            assert d.recheck_at is None
+
+
+@pytest.mark.parametrize(
+    ("factor", "overlap", "step", "ttq", "sync"),
+    [(1.0, 0, 1.0, 5.0, 0.0), (0.5, 2, 1.0, 10.0, 3.0), (2.0, 1, 0.0, 0.0, 1.0), (0.0, 100, 1.0, 0.0, 0.0)],
+)
+def test_grace_window_never_negative(factor, overlap, step, ttq, sync):
+    w = grace_window(SyncPolicy(grace_factor=factor, overlap_steps=overlap), step, ttq, sync)
+    assert w >= 0.0
+
+
+def test_grace_window_value():
+    assert grace_window(SyncPolicy(grace_factor=0.5, overlap_steps=10), 2.0, 4.0, 6.0) == pytest.approx(5.0)
+
+
+# -- staleness ------------------------------------------------------------------------------------
+
+
+def test_zero_staleness_refuses_older_base():
+    policy = SyncPolicy(max_staleness=0)
+    assert staleness_refusal(policy, 5, 5) is None
+    reason = staleness_refusal(policy, 4, 5)
+    assert reason is not None and "stale" in reason
+
+
+def test_staleness_within_bound_accepted():
+    policy = SyncPolicy(max_staleness=2)
+    assert staleness_refusal(policy, 3, 5) is None
+    assert staleness_refusal(policy, 4, 5) is None
+    assert staleness_refusal(policy, 2, 5) is not None
+
+
+def test_base_newer_than_current_refused():
+    reason = staleness_refusal(SyncPolicy(max_staleness=10), 6, 5)
+    assert reason is not None and "newer" in reason

@@ -1,0 +1,488 @@
+"""Tensor streaming on the wire, the run configuration, and the fragment plan."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.config import ConfigError, ModelConfig, RunConfig, parse_assignments
+from diloco.fragments import assign_fragments, is_embedding
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire.tensors import (
+    DTYPES,
+    WireError,
+    receive_groups,
+    receive_one,
+    spec_of,
+    stream_many,
+    stream_tensors,
+)
+
+BIG = 1 << 30
+
+
+def raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def sample_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {
+        "f32": torch.randn(3, 5, generator=gen),
+        "bf16": torch.randn(4, generator=gen).to(torch.bfloat16),
+        "i8": torch.randint(-128, 128, (2, 3, 2), generator=gen, dtype=torch.int8),
+        "scalar": torch.tensor(-7, dtype=torch.int8),
+        "empty": torch.empty(0, 4),
+        "noncontig": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+    }
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype, name
+        assert tuple(got[name].shape) == tuple(t.shape), name
+        assert raw(got[name]) == raw(t), name
+
+
+def messages(tensors, piece=7, **header):
+    return list(stream_tensors(pb.TensorHeader(**header), tensors, piece))
+
+
+# -- wire ---------------------------------------------------------------------------------------------
+
+
+def test_round_trip_with_tiny_pieces():
+    tensors = sample_tensors()
+    msgs = messages(tensors, piece=7, worker_id="w1", fragment=2, version=9, push_id="p")
+    pieces = [m.piece for m in msgs[1:]]
+    assert msgs[0].WhichOneof("kind") == "header"
+    assert all(m.WhichOneof("kind") == "piece" for m in msgs[1:])
+    assert all(0 < len(p.data) <= 7 for p in pieces)
+    total = sum(len(raw(t)) for t in tensors.values())
+    assert sum(len(p.data) for p in pieces) == total
+    assert len(pieces) >= total // 7
+    header, got = receive_one(msgs, max_bytes=BIG)
+    assert (header.worker_id, header.fragment, header.version, header.push_id) == ("w1", 2, 9, "p")
+    assert_same(got, tensors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_zero_dim_round_trip(dtype):
+    tensors = {"scalar": torch.tensor(3, dtype=dtype)}
+    _, got = receive_one(messages(tensors, piece=3), max_bytes=BIG)
+    assert_same(got, tensors)
+
+
+def test_round_trip_keeps_nan_and_inf_bits():
+    t = {"x": torch.tensor([float("nan"), float("inf"), -0.0, 1e-40])}
+    _, got = receive_one(messages(t, piece=3), max_bytes=BIG)
+    assert raw(got["x"]) == raw(t["x"])
+
+
+def test_expected_specs_accepted_when_matching():
+    tensors = sample_tensors()
+    expected = {n: spec_of(n, t) for n, t in tensors.items()}
+    _, got = receive_one(messages(tensors), max_bytes=BIG, expected=expected)
+    assert_same(got, tensors)
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [torch.zeros(3, 6), torch.zeros(3, 5, dtype=torch.float16), torch.zeros(15)],
+    ids=["shape", "dtype", "flattened"],
+)
+def test_expected_shape_or_dtype_mismatch_refused(wrong):
+    tensors = {"w": torch.zeros(3, 5), "b": torch.zeros(5)}
+    expected = {"w": spec_of("w", wrong), "b": spec_of("b", tensors["b"])}
+    with pytest.raises(WireError, match="w"):
+        receive_one(messages(tensors), max_bytes=BIG, expected=expected)
+
+
+def test_expected_names_mismatch_refused():
+    tensors = {"w": torch.zeros(2)}
+    with pytest.raises(WireError, match="names"):
+        receive_one(messages(tensors), max_bytes=BIG, expected={"v": spec_of("v", torch.zeros(2))})
+
+
+def test_unknown_dtype_refused():
+    header = pb.TensorHeader(tensors=[pb.TensorSpec(name="x", dtype="complex64", shape=[2])])
+    msgs = [
+        pb.TensorStreamMessage(header=header),
+        pb.TensorStreamMessage(piece=pb.TensorPiece(tensor=0, data=b"\0" * 16)),
+    ]
+    with pytest.raises(WireError, match="dtype"):
+        receive_one(msgs, max_bytes=BIG)
+    with pytest.raises(WireError, match="dtype"):
+        list(receive_groups(msgs, max_bytes=BIG))
+
+
+def test_tensor_with_unsupported_dtype_cannot_be_sent():
+    with pytest.raises(WireError):
+        list(stream_tensors(pb.TensorHeader(), {"c": torch.zeros(2, dtype=torch.complex64)}, 8))
+
+
+def test_duplicate_names_in_header_refused():
+    spec = pb.TensorSpec(name="x", dtype="float32", shape=[1])
+    header = pb.TensorHeader(tensors=[spec, spec])
+    with pytest.raises(WireError, match="duplicate"):
+        receive_one([pb.TensorStreamMessage(header=header)], max_bytes=BIG)
+
+
+def test_out_of_order_pieces_refused():
+    msgs = messages({"x": torch.arange(10, dtype=torch.float32)}, piece=8)
+    msgs[1], msgs[2] = msgs[2], msgs[1]
+    with pytest.raises(WireError, match="offset"):
+        receive_one(msgs, max_bytes=BIG)
+
+
+def test_overlapping_piece_refused():
+    msgs = messages({"x": torch.arange(10, dtype=torch.float32)}, piece=8)
+    msgs.insert(3, msgs[2])  # the same piece twice
+    with pytest.raises(WireError, match="offset"):
+        receive_one(msgs, max_bytes=BIG)
+
+
+def test_piece_past_the_end_refused():
+    header = pb.TensorHeader(tensors=[pb.TensorSpec(name="x", dtype="int8", shape=[4])])
+    msgs = [
+        pb.TensorStreamMessage(header=header),
+        pb.TensorStreamMessage(piece=pb.TensorPiece(tensor=0, data=b"12345")),
+    ]
+    with pytest.raises(WireError):
+        receive_one(msgs, max_bytes=BIG)
+
+
+def test_piece_for_missing_tensor_refused():
+    msgs = messages({"x": torch.zeros(2)})
+    msgs.append(pb.TensorStreamMessage(piece=pb.TensorPiece(tensor=1, offset=0, data=b"\0")))
+    with pytest.raises(WireError, match="#1"):
+        receive_one(msgs, max_bytes=BIG)
+
+
+def test_stream_over_max_bytes_refused():
+    tensors = {"a": torch.zeros(10), "b": torch.zeros(6, dtype=torch.int8)}  # 46 bytes
+    _, got = receive_one(messages(tensors), max_bytes=46)
+    assert_same(got, tensors)
+    with pytest.raises(WireError, match="limit"):
+        receive_one(messages(tensors), max_bytes=45)
+    with pytest.raises(WireError, match="limit"):
+        list(receive_groups(messages(tensors), max_bytes=45))
+
+
+def test_huge_declared_shape_refused_before_allocation():
+    header = pb.TensorHeader(tensors=[pb.TensorSpec(name="x", dtype="float64", shape=[1 << 20, 1 << 20])])
+    with pytest.raises(WireError, match="limit"):
+        receive_one([pb.TensorStreamMessage(header=header)], max_bytes=BIG)
+
+
+def test_stream_ending_early_refused():
+    msgs = messages({"a": torch.arange(5, dtype=torch.float32), "b": torch.ones(3)}, piece=4)
+    with pytest.raises(WireError, match="incomplete"):
+        receive_one(msgs[:-1], max_bytes=BIG)
+    with pytest.raises(WireError, match="incomplete"):
+        list(receive_groups(msgs[:-1], max_bytes=BIG))
+    with pytest.raises(WireError, match="incomplete"):
+        receive_one(msgs[:1], max_bytes=BIG)  # the header alone
+
+
+def test_piece_before_header_refused():
+    msgs = messages({"x": torch.ones(4)})
+    with pytest.raises(WireError, match="header"):
+        receive_one(msgs[1:], max_bytes=BIG)
+    with pytest.raises(WireError, match="header"):
+        list(receive_groups(msgs[1:], max_bytes=BIG))
+    with pytest.raises(WireError, match="header"):
+        receive_one([], max_bytes=BIG)
+
+
+def test_second_header_refused_in_single_group_stream():
+    msgs = messages({"x": torch.ones(1)}) + messages({"y": torch.ones(1)})
+    with pytest.raises(WireError, match="one header"):
+        receive_one(msgs, max_bytes=BIG)
+
+
+def test_empty_message_refused():
+    with pytest.raises(WireError):
+        list(receive_groups([pb.TensorStreamMessage()], max_bytes=BIG))
+
+
+def test_receive_groups_splits_multi_group_stream():
+    parts = [
+        (pb.TensorHeader(fragment=0, version=4), {"a": torch.arange(6, dtype=torch.float32)}),
+        (
+            pb.TensorHeader(fragment=1, version=7),
+            {"b": torch.ones(2, 2, dtype=torch.bfloat16), "c": torch.ones(1)},
+        ),
+        (pb.TensorHeader(fragment=2, version=1), {}),
+    ]
+    groups = list(receive_groups(stream_many(parts, 5), max_bytes=BIG))
+    assert [(h.fragment, h.version) for h, _ in groups] == [(0, 4), (1, 7), (2, 1)]
+    for (_, got), (_, want) in zip(groups, parts, strict=True):
+        assert_same(got, want)
+    assert list(receive_groups([], max_bytes=BIG)) == []
+
+
+@st.composite
+def tensor_dicts(draw):
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    out = {}
+    for i in range(draw(st.integers(0, 4))):
+        dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+        if dtype.is_floating_point:
+            t = torch.randn(shape, generator=gen).to(dtype)
+        else:
+            info = torch.iinfo(dtype)
+            t = torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen, dtype=dtype)
+        out[f"t{i}"] = t
+    return out
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tensors=tensor_dicts(), piece=st.integers(1, 64))
+def test_round_trip_property(tensors, piece):
+    msgs = messages(tensors, piece=piece)
+    assert all(len(m.piece.data) <= piece for m in msgs[1:])
+    _, got = receive_one(msgs, max_bytes=BIG)
+    assert_same(got, tensors)
+    # The same stream, read as groups, gives the same single group.
+    ((_, again),) = list(receive_groups(msgs, max_bytes=BIG))
+    assert_same(again, tensors)
+
+
+# -- config -------------------------------------------------------------------------------------------
+
+
+def custom_config() -> RunConfig:
+    return RunConfig().with_overrides(
+        {
+            "name": "exp-1",
+            "model.n_layer": 2,
+            "model.dropout": 0.1,
+            "data.dataset": '/data/with "quotes"\\and é',
+            "train.lr": 3e-4,
+            "train.min_lr": 1e-5,
+            "sync.merge": "rda",
+            "sync.nesterov": False,
+            "sync.quorum": 2,
+            "coordinator.lease_ttl_s": 12.5,
+        }
+    )
+
+
+def test_config_json_round_trip():
+    cfg = custom_config()
+    assert cfg != RunConfig()
+    assert RunConfig.from_json(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json())["sync"]["merge"] == "rda"
+
+
+def test_config_toml_round_trip(tmp_path):
+    cfg = custom_config()
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml())
+    assert RunConfig().merged_with_toml(path) == cfg
+    assert RunConfig.from_toml(path) == cfg
+
+
+def test_default_config_toml_round_trip(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text(RunConfig().to_toml())
+    assert RunConfig.from_toml(path) == RunConfig()
+
+
+def test_config_toml_round_trip_non_bmp_string(tmp_path):
+    cfg = RunConfig().with_overrides({"data.dataset": "/data/\U0001f600/corpus"})
+    path = tmp_path / "run.toml"
+    path.write_text(cfg.to_toml(), encoding="utf-8")
+    assert RunConfig.from_toml(path) == cfg
+
+
+def test_merged_with_toml_keeps_unset_keys(tmp_path):
+    path = tmp_path / "part.toml"
+    path.write_text('[train]\ninner_steps = 7\n[sync]\nmerge = "token"\n')
+    base = RunConfig().with_overrides({"train.batch_size": 3})
+    merged = base.merged_with_toml(path)
+    assert merged.train.inner_steps == 7
+    assert merged.sync.merge == "token"
+    assert merged.train.batch_size == 3
+    assert base.train.inner_steps == RunConfig().train.inner_steps  # the base is not changed
+
+
+def test_unknown_top_level_key_refused(tmp_path):
+    with pytest.raises(ConfigError, match="bogus"):
+        RunConfig.from_dict({"bogus": 1})
+    path = tmp_path / "bad.toml"
+    path.write_text("bogus = 1\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        RunConfig.from_toml(path)
+    with pytest.raises(ConfigError, match="bogus"):
+        RunConfig().merged_with_toml(path)
+
+
+def test_unknown_key_in_section_refused(tmp_path):
+    with pytest.raises(ConfigError, match="lr_typo") as info:
+        RunConfig.from_dict({"train": {"lr_typo": 0.1}})
+    assert "train" in str(info.value)
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nlr_typo = 0.1\n")
+    with pytest.raises(ConfigError, match="lr_typo"):
+        RunConfig().merged_with_toml(path)
+    with pytest.raises(ConfigError, match="nosuch"):
+        RunConfig.from_dict({"nosuch": {"x": 1}})
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"train": {"batch_size": "many"}},
+        {"train": {"batch_size": 1.5}},
+        {"train": {"lr": True}},
+        {"train": {"lr": "fast"}},
+        {"sync": {"nesterov": "yes"}},
+        {"sync": {"merge": 3}},
+        {"name": 5},
+        {"train": 5},
+    ],
+)
+def test_wrong_type_refused(data):
+    with pytest.raises(ConfigError):
+        RunConfig.from_dict(data)
+
+
+def test_bad_toml_and_missing_file_are_config_errors(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[train\n")
+    with pytest.raises(ConfigError, match="TOML"):
+        RunConfig.from_toml(path)
+    with pytest.raises(ConfigError, match="not found"):
+        RunConfig.from_toml(tmp_path / "missing.toml")
+
+
+def test_with_overrides_coerces_strings():
+    cfg = RunConfig().with_overrides(
+        {
+            "train.inner_steps": "100",
+            "train.lr": "0.01",
+            "sync.nesterov": "false",
+            "sync.quorum": "-1",
+            "name": "x",
+            "model.dropout": 0,
+        }
+    )
+    assert cfg.train.inner_steps == 100 and isinstance(cfg.train.inner_steps, int)
+    assert cfg.train.lr == 0.01
+    assert cfg.sync.nesterov is False
+    assert cfg.sync.quorum == -1
+    assert cfg.name == "x"
+    assert cfg.model.dropout == 0.0 and isinstance(cfg.model.dropout, float)
+
+
+def test_with_overrides_ignores_none_and_leaves_original():
+    base = RunConfig()
+    cfg = base.with_overrides({"train.inner_steps": None, "train.batch_size": 2})
+    assert cfg.train.inner_steps == base.train.inner_steps
+    assert cfg.train.batch_size == 2
+    assert base.train.batch_size == RunConfig().train.batch_size
+
+
+@pytest.mark.parametrize("key", ["train.nope", "nosection.lr", "train.lr.deeper", "nope"])
+def test_with_overrides_refuses_unknown_keys(key):
+    with pytest.raises(ConfigError, match="unknown"):
+        RunConfig().with_overrides({key: "1"})
+
+
+def test_with_overrides_refuses_bad_value():
+    with pytest.raises(ConfigError, match="train.inner_steps"):
+        RunConfig().with_overrides({"train.inner_steps": "ten"})
+
+
+def test_validate():
+    cfg = RunConfig()
+    assert cfg.validate() is cfg
+    with pytest.raises(ConfigError, match="n_head"):
+        RunConfig().with_overrides({"model.n_embd": 130, "model.n_head": 4}).validate()
+    with pytest.raises(ConfigError, match="merge"):
+        RunConfig().with_overrides({"sync.merge": "median"}).validate()
+    with pytest.raises(ConfigError):
+        RunConfig().with_overrides({"data.eval_fraction": 1.0}).validate()
+    with pytest.raises(ConfigError):
+        RunConfig().with_overrides({"sync.fragments": 0}).validate()
+    with pytest.raises(ConfigError):
+        RunConfig().with_overrides({"coordinator.stream_chunk_bytes": 5 << 20}).validate()
+
+
+def test_parse_assignments():
+    assert parse_assignments(["train.lr=0.01", " sync.merge = rda ", "data.dataset=a=b"]) == {
+        "train.lr": "0.01",
+        "sync.merge": "rda",
+        "data.dataset": "a=b",
+    }
+    assert RunConfig().with_overrides(parse_assignments(["train.lr=0.01"])).train.lr == 0.01
+    for bad in ("nonsense", "=5", " =x"):
+        with pytest.raises(ConfigError, match="section.key=value"):
+            parse_assignments([bad])
+
+
+# -- fragments ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_sizes():
+    from diloco.model.gpt import build_model
+
+    model = build_model(ModelConfig(), 257, 0)
+    return [(n, p.numel()) for n, p in model.named_parameters()]
+
+
+def test_one_fragment_holds_everything_in_order(gpt_sizes):
+    assert assign_fragments(gpt_sizes, 1) == [[n for n, _ in gpt_sizes]]
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5])
+def test_fragments_of_the_gpt(gpt_sizes, P):
+    frags = assign_fragments(gpt_sizes, P)
+    names = [n for n, _ in gpt_sizes]
+    assert len(frags) == P
+    # Every name exactly once, each fragment in model order.
+    assert sorted(n for f in frags for n in f) == sorted(names)
+    for f in frags:
+        assert f == [n for n in names if n in set(f)]
+    # Embeddings alone in fragment 0.
+    embeddings = [n for n in names if "wte" in n or "wpe" in n]
+    assert embeddings
+    assert frags[0] == embeddings
+    assert not any(is_embedding(n) for f in frags[1:] for n in f)
+    # The others balanced.
+    size = dict(gpt_sizes)
+    loads = [sum(size[n] for n in f) for f in frags[1:]]
+    assert min(loads) > 0
+    assert max(loads) / min(loads) <= 1.1
+    # Deterministic.
+    assert assign_fragments(gpt_sizes, P) == frags
+    assert assign_fragments(list(gpt_sizes), P) == frags
+
+
+def test_greedy_hand_case():
+    # Largest first into the lightest bin: a->0 (10), b->1 (8), c->1 (13), d->0 (14), e->1 (16).
+    tensors = [("e", 3), ("a", 10), ("d", 4), ("b", 8), ("c", 5)]
+    assert assign_fragments(tensors, 2) == [["a", "d"], ["e", "b", "c"]]
+
+
+def test_embeddings_take_fragment_zero_in_a_small_model():
+    tensors = [("wte.weight", 100), ("h.0.w", 10), ("h.1.w", 10), ("lm_head.weight", 100), ("ln_f", 1)]
+    frags = assign_fragments(tensors, 3)
+    assert frags[0] == ["wte.weight", "lm_head.weight"]
+    assert sorted(frags[1] + frags[2]) == ["h.0.w", "h.1.w", "ln_f"]
+
+
+def test_fragment_errors():
+    with pytest.raises(ValueError):
+        assign_fragments([("a", 1)], 0)
+    with pytest.raises(ValueError, match="unique"):
+        assign_fragments([("a", 1), ("a", 2)], 2)
+    with pytest.raises(ValueError, match="cannot split"):
+        assign_fragments([("wte", 5), ("a", 1)], 3)
