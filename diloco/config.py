@@ -56,7 +56,6 @@ class TrainConfig:
     batch_size: int = 16
     inner_steps: int = 50  # H: inner AdamW steps between syncs of a fragment
     lr: float = 1e-3
-    min_lr: float = 1e-4
     warmup_steps: int = 20
     weight_decay: float = 0.1
     beta1: float = 0.9

@@ -315,5 +315,6 @@ def run_local(options: LocalRunOptions) -> dict[str, Any]:
     # SIGTERM to `diloco run` stops the job like Ctrl-C does.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     summary = job.run()
-    print_summary(job.console, summary, job.workdir / "summary.json")
+    # Progress went to stderr; the result is the command's output.
+    print_summary(Console(), summary, job.workdir / "summary.json")
     return summary

@@ -264,7 +264,7 @@ def custom_config() -> RunConfig:
             "model.dropout": 0.1,
             "data.dataset": '/data/with "quotes"\\and é',
             "train.lr": 3e-4,
-            "train.min_lr": 1e-5,
+            "train.warmup_steps": 5,
             "sync.merge": "rda",
             "sync.nesterov": False,
             "sync.quorum": 2,

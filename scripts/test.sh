@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (once) and run the whole test suite, after the lint gate. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest -q "$@"
