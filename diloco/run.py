@@ -312,7 +312,9 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
 
 def run_local(options: LocalRunOptions) -> dict[str, Any]:
     job = LocalRun(options)
-    # SIGTERM to `diloco run` stops the job like Ctrl-C does.
+    # Ctrl-C (even when started from a shell that ignores SIGINT in background jobs) and SIGTERM
+    # both stop the job: every child is stopped in order by LocalRun.run's cleanup.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     summary = job.run()
     # Progress went to stderr; the result is the command's output.

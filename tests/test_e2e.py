@@ -160,3 +160,60 @@ def test_roles_run_by_hand_train_every_token_exactly_once(tiny_corpus: Path, tmp
         assert coordinator.proc.returncode == 0
     finally:
         group.stop()
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains `text` (read from /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_child(tiny_corpus: Path, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "cli",
+            "run",
+            "--dataset",
+            str(tiny_corpus),
+            "--workdir",
+            str(workdir),
+            "--minutes",
+            "5",
+            "--no-progress",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        info = workdir / "coordinator.json"
+        while not info.exists() or len(processes_mentioning(json.loads(info.read_text())["address"])) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        address = json.loads(info.read_text())["address"]
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err[-2000:]
+        assert "Traceback" not in err
+        assert processes_mentioning(address) == [], "workers outlived the job"
+        assert processes_mentioning(f"--workdir {workdir}") == [], "the coordinator outlived the job"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
