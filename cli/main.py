@@ -119,16 +119,16 @@ def compute(
         str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: the run's config)")
     ] = None,
     threads: Annotated[int | None, typer.Option(help="torch intra-op threads for this learner")] = None,
-    step_delay: Annotated[
-        float | None, typer.Option(help="injected delay per inner step, seconds (straggler experiments)")
-    ] = None,
+    slow_factor: Annotated[
+        float, typer.Option(help="make this learner FACTOR× slower (straggler experiments)")
+    ] = 1.0,
     connect_timeout: ConnectOpt = 60.0,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.learner import LocalOverrides, run_learner
 
     setup_logging("learner")
-    overrides = LocalOverrides(device, threads, step_delay, connect_timeout)
+    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout)
     sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
 
 
@@ -153,6 +153,12 @@ def run(
         int | None, typer.Option(help="K: pushes a round needs (0: every live learner)")
     ] = None,
     fragments: Annotated[int | None, typer.Option(help="P: parameter fragments")] = None,
+    overlap: Annotated[
+        int | None, typer.Option(help="τ: inner steps between a push and applying its merge")
+    ] = None,
+    sync: Annotated[
+        bool, typer.Option("--sync", help="synchronous DiLoCo: quorum = every learner, one fragment, τ = 0")
+    ] = False,
     merge: Annotated[str | None, typer.Option(help="mean | token | rda")] = None,
     slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
     config: ConfigOpt = None,
@@ -176,8 +182,11 @@ def run(
             "sync.quorum": quorum,
             "sync.fragments": fragments,
             "sync.merge": merge,
+            "sync.overlap_steps": overlap,
         },
     )
+    if sync:  # the baseline every benchmark compares with
+        cfg = cfg.with_overrides({"sync.quorum": 0, "sync.fragments": 1, "sync.overlap_steps": 0}).validate()
     run_local(
         LocalRunOptions(
             config=cfg,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -61,6 +62,7 @@ class CoordinatorClient:
         )
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.config: RunConfig | None = None
+        self._join_lock = threading.RLock()
         self.join_reply: pb.JoinReply | None = None
 
     def close(self) -> None:
@@ -77,6 +79,10 @@ class CoordinatorClient:
             ) from e
 
     def join(self, timeout_s: float = 30.0) -> pb.JoinReply:
+        with self._join_lock:  # background threads may all find out at once that we must re-join
+            return self._join(timeout_s)
+
+    def _join(self, timeout_s: float) -> pb.JoinReply:
         self.wait_ready(timeout_s)
         request = pb.JoinRequest(role=self.role, host=socket.gethostname(), worker_id=self.worker_id)
         reply = self._retry(lambda: self.stub.Join(request, timeout=10.0), "join", rejoin=False)

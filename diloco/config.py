@@ -74,20 +74,37 @@ class TrainConfig:
 
 @dataclass
 class SyncConfig:
-    """The outer loop: how the coordinator's syncer merges learners' deltas."""
+    """The outer loop: how learners push fragments and how the coordinator's syncer merges them.
 
-    # Minimum quorum K: pushes needed before a round may close. 0 means every live learner
-    # (synchronous DiLoCo).
-    quorum: int = 0
-    fragments: int = 1
-    merge: str = "mean"  # mean | token | rda
+    The defaults are Decoupled DiLoCo (minimum quorum 1, two fragments, overlapped application).
+    Synchronous DiLoCo is quorum = 0 (every live learner), fragments = 1, overlap_steps = 0.
+    """
+
+    # Minimum quorum K: pushes a round needs before it may close. 0 means every live learner.
+    quorum: int = 1
+    # P: parameter fragments; one is pushed every inner_steps / P steps, round-robin.
+    fragments: int = 2
+    # τ: inner steps between a push and the application of its merged result. 0: the learner waits
+    # for the merge (synchronous); > 0: it keeps training and applies the result when due.
+    overlap_steps: int = 10
+    # α: on application θ ← α·θ_local + (1 − α)·Θ_merged (0: overwrite).
+    mix_alpha: float = 0.0
+    merge: str = "token"  # mean | token | rda
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
-    # How many versions behind the current one a push may be based on and still be merged.
-    max_staleness: int = 0
+    # How many versions behind the fragment's current one a push may be based on and still merge.
+    max_staleness: int = 16
+    # γ: the adaptive grace window after quorum is γ·(τ·step_time − time_to_quorum − sync_time).
+    grace_factor: float = 0.8
+    # A learner stops stepping only when the syncer has been unreachable for this long (0: never).
+    max_unreachable_s: float = 300.0
     # Longest a learner long-polls for a new version before asking again (seconds).
     pull_wait_s: float = 10.0
+
+    @property
+    def synchronous(self) -> bool:
+        return self.overlap_steps == 0
 
 
 @dataclass
@@ -187,6 +204,15 @@ class RunConfig:
             raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
         if s.fragments < 1 or s.quorum < 0:
             raise ConfigError("sync.fragments must be >= 1 and sync.quorum >= 0")
+        if s.overlap_steps < 0 or s.max_staleness < 0 or not 0.0 <= s.mix_alpha < 1.0 or s.grace_factor < 0:
+            raise ConfigError(
+                "sync.overlap_steps, sync.max_staleness, sync.grace_factor must be >= 0 and sync.mix_alpha in [0, 1)"
+            )
+        if s.overlap_steps >= t.inner_steps:
+            raise ConfigError(
+                f"sync.overlap_steps (τ = {s.overlap_steps}) must be below train.inner_steps (H = {t.inner_steps}): "
+                "a fragment's merge must be applied before its next push"
+            )
         if s.merge not in ("mean", "token", "rda"):
             raise ConfigError(f"sync.merge must be mean, token or rda, not {s.merge!r}")
         if not 0.0 <= self.data.eval_fraction < 1.0:

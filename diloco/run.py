@@ -44,7 +44,7 @@ EVAL_MAX_BATCHES = 64
 
 
 def default_run_config() -> RunConfig:
-    """The embedded default: the stdlib corpus, a small GPT, synchronous rounds of H = 50 steps.
+    """The embedded default: the stdlib corpus, a small GPT, Decoupled DiLoCo (K = 1, P = 2, H = 50).
 
     Chunks are small (256 KiB) so that ~45 chunks spread over the data workers and a few are held
     out for evaluation.
@@ -124,11 +124,10 @@ class LocalRun:
         o = self.options
         for i in range(o.data_workers):
             self.group.spawn(f"data-{i}", "data", ["data", "--coordinator", address])
-        step_time_guess = 0.15  # s per inner step on a CPU core; the delay only needs the ratio
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
             if i == o.learners - 1 and o.slow_learner > 1.0:
-                args += ["--step-delay", f"{(o.slow_learner - 1.0) * step_time_guess:.4f}"]
+                args += ["--slow-factor", str(o.slow_learner)]
             self.group.spawn(f"learner-{i}", "learner", args)
 
     # -- the job --------------------------------------------------------------------------------
@@ -268,6 +267,13 @@ class LocalRun:
         ]
         summary["utilization_per_learner"] = [round(u, 4) for u in per_learner]
         summary["utilization"] = round(sum(per_learner) / len(per_learner), 4) if per_learner else 0.0
+        timed = [w for w in learners if w.get("wall_seconds")]
+        summary["data_stall_share"] = _mean(
+            [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
+        )
+        summary["sync_wait_share"] = _mean(
+            [w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
+        )
         if versions and eval_rows:
             rows = np.concatenate(eval_rows)
             model = build_model(cfg.model, vocab, cfg.train.seed)
@@ -288,6 +294,10 @@ class LocalRun:
             summary.update(eval_loss=None, baseline_loss=None, eval_tokens=0, sample="")
         summary["config"] = cfg.to_dict()
         return summary
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else 0.0
 
 
 def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:

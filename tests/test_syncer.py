@@ -233,22 +233,39 @@ GRACE = SyncPolicy(quorum=1, grace_factor=0.5, overlap_steps=10)
 
 
 def test_grace_window_keeps_round_open_until_quorum_plus_window():
-    # opened at 0, quorum at 2: slack = 10 steps * 1 s - 2 s - 0 s = 8 s; window = 0.5 * 8 = 4 s -> close at 6.
+    # K = 1, first push at 2 is the quorum: slack = 10 steps * 1 s - 0 s - 0 s = 10 s;
+    # window = 0.5 * 10 = 5 s -> close at 7.
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
     d = decide_close(state, 2.0, GRACE, LIVE3, step_time_s=1.0)
     assert not d.close
-    assert d.recheck_at == pytest.approx(6.0)
-    assert not decide_close(state, 5.99, GRACE, LIVE3, step_time_s=1.0).close
-    d = decide_close(state, 6.0, GRACE, LIVE3, step_time_s=1.0)
+    assert d.recheck_at == pytest.approx(7.0)
+    assert not decide_close(state, 6.99, GRACE, LIVE3, step_time_s=1.0).close
+    d = decide_close(state, 7.0, GRACE, LIVE3, step_time_s=1.0)
     assert d.close
     assert d.recheck_at is None
 
 
 def test_grace_window_shrinks_with_sync_time():
-    # slack = 10*1 - 2 - 4 = 4; window = 2 -> close at 4.
+    # slack = 10*1 - 0 - 4 = 6; window = 3 -> close at 5.
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
     d = decide_close(state, 2.0, GRACE, LIVE3, step_time_s=1.0, sync_time_s=4.0)
-    assert d.recheck_at == pytest.approx(4.0)
+    assert d.recheck_at == pytest.approx(5.0)
+
+
+def test_grace_window_spends_what_reaching_quorum_left():
+    # K = 2: first push at 1, quorum at 3 -> time to quorum 2 s; slack = 10 - 2 = 8; window 4 -> close at 7.
+    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("a", 2.0)])
+    assert decide_close(state, 2.5, policy, LIVE3, step_time_s=1.0).reason.startswith("1/2")
+    state.arrivals.append(arrival("b", 3.0))
+    assert decide_close(state, 3.0, policy, LIVE3, step_time_s=1.0).recheck_at == pytest.approx(7.0)
+
+
+def test_grace_window_uses_the_first_pushers_step_time():
+    # The first pusher steps at 0.2 s: 10 steps of overlap = 2 s of slack, window 1 s, whatever the fallback.
+    first = Arrival(worker_id="a", tokens=10, steps=1, arrived_at=2.0, base_version=0, step_time_s=0.2)
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[first])
+    assert decide_close(state, 2.0, GRACE, LIVE3, step_time_s=5.0).recheck_at == pytest.approx(3.0)
 
 
 def test_every_live_learner_pushed_closes_inside_grace_window():

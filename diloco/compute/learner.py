@@ -1,10 +1,12 @@
-"""The learner: H inner AdamW steps on its own, then a delta to the syncer and new globals back.
+"""The learner: inner AdamW steps on its own; fragments of its progress go to the syncer.
 
-    join -> (init) -> pull Θ -> loop:
-        H inner steps on prefetched batches         (the only thing a learner waits on is data)
-        Δ_p = Θ_p(base) − θ_p, with steps, tokens and the shard rows used -> push
-        pull Θ_p newer than base -> θ_p ← Θ_p, base ← Θ_p
+    join -> (init) -> pull every fragment Θ_p -> loop:
+        one inner step on a prefetched batch        (the only thing a learner waits on is data)
+        every H/P steps, round-robin: Δ_p = Θ_p(base) − θ_p, with the steps and tokens since Θ_p
+            was received and the shard rows trained on -> pushed by a background thread
+        τ steps after a push, once the merged Θ_p has arrived: θ_p ← α·θ_p + (1−α)·Θ_p, base ← Θ_p
 
+With τ = 0 the learner waits for each merge: synchronous DiLoCo (with P = 1 and quorum = all).
 Only this process's rank 0 talks to the coordinator; the inner loop is plain PyTorch.
 """
 
@@ -20,14 +22,19 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.client import CoordinatorClient
+from diloco.compute import schedule
 from diloco.compute.device import pick_device, set_threads
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
+from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.fragments import assign_fragments
 from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.learner")
+
+FINAL_MERGE_WAIT_S = 60.0
+EMPTY_PUSH_PERIOD_S = 2.0
 
 
 @dataclass
@@ -36,7 +43,8 @@ class LocalOverrides:
 
     device: str | None = None
     threads: int | None = None
-    step_delay_s: float | None = None
+    # Make this learner FACTOR× slower: after each step, sleep (FACTOR − 1)× its compute time.
+    slow_factor: float = 1.0
     connect_timeout_s: float = 60.0
 
 
@@ -48,8 +56,9 @@ class Progress:
     tokens_trained: int = 0
     last_loss: float = math.nan
     first_loss: float = math.nan
-    busy_s: float = 0.0
-    stall_s: float = 0.0
+    busy_s: float = 0.0  # time inside inner steps
+    stall_s: float = 0.0  # time waiting for data
+    sync_wait_s: float = 0.0  # time waiting for the syncer
     started: float = field(default_factory=time.monotonic)
 
     def wall_s(self) -> float:
@@ -57,19 +66,27 @@ class Progress:
 
 
 @dataclass
-class RoundWork:
-    """Work since the last push: counters and the shard rows it trained on."""
+class FragmentState:
+    """What a learner holds of one fragment."""
 
-    steps: int = 0
+    names: list[str]
+    version: int = -1
+    base: dict[str, torch.Tensor] = field(default_factory=dict)  # Θ_p as last received (CPU fp32)
+    steps: int = 0  # inner steps since Θ_p was received
     tokens: int = 0
     loss_sum: float = 0.0
+    in_flight: bool = False  # pushed; its merged result has not been applied yet
+    apply_at: int = 0  # inner step from which the merged result is applied
+
+
+@dataclass
+class Unpushed:
+    """Shard rows trained on since the last push: they ride on the next push, whatever fragment."""
+
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
 
-    def add(self, batch: Batch, loss: float) -> None:
-        self.steps += 1
-        self.tokens += batch.tokens
-        self.loss_sum += loss
+    def add(self, batch: Batch) -> None:
         if self.spans and self.spans[-1][0] == batch.shard_id and self.spans[-1][2] == batch.row_start:
             self.spans[-1] = (batch.shard_id, self.spans[-1][1], batch.row_end)
         else:
@@ -87,8 +104,8 @@ class Learner:
         self.stop = stop or threading.Event()
         self.finishing = threading.Event()
         self.progress = Progress()
-        self.versions: list[int] = []
-        self.base: dict[str, torch.Tensor] = {}
+        self.unpushed = Unpushed()
+        self.frags: list[FragmentState] = []
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -99,101 +116,135 @@ class Learner:
         self.cfg = cfg
         self.device = pick_device(self.overrides.device or cfg.train.device)
         set_threads(self.overrides.threads if self.overrides.threads is not None else cfg.train.threads)
-        self.step_delay_s = (
-            self.overrides.step_delay_s if self.overrides.step_delay_s is not None else cfg.train.step_delay_s
-        )
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, cfg.model.vocab_size, cfg.train.seed).to(self.device)
         self.optimizer = make_inner_optimizer(self.model, cfg.train)
         self.params = dict(self.model.named_parameters())
-        self.fragments = assign_fragments(
-            [(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments
-        )
-        self.versions = [-1] * len(self.fragments)
+        plan = assign_fragments([(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments)
+        self.frags = [FragmentState(names) for names in plan]
         if reply.needs_init:
             init = self.client.init_parameters({n: p.detach().cpu() for n, p in self.params.items()})
             log.info("init parameters: %s", init.reason)
-        self._pull(list(range(len(self.fragments))), wait_s=cfg.sync.pull_wait_s, have=None)
+        everything = list(range(len(self.frags)))
+        for header, tensors in self.client.pull(everything, None, wait_s=cfg.sync.pull_wait_s):
+            self._apply(Merged(header.fragment, header.version, tensors, True))
         log.info(
-            "learner %s on %s: %d params in %d fragment(s), H=%d",
+            "learner %s on %s: %d params in %d fragment(s), H=%d, tau=%d, versions %s",
             self.client.worker_id,
             self.device,
             sum(p.numel() for p in self.params.values()),
-            len(self.fragments),
+            len(self.frags),
             cfg.train.inner_steps,
+            cfg.sync.overlap_steps,
+            [f.version for f in self.frags],
         )
         return cfg
 
-    # -- parameters -----------------------------------------------------------------------------
+    # -- fragments ------------------------------------------------------------------------------
 
-    def _pull(self, fragments: list[int], wait_s: float, have: list[int] | None) -> list[int]:
-        """Take every newer fragment into the model (overwrite) and as the new base; return them."""
-        got = self.client.pull(fragments, have, wait_s=wait_s)
-        updated = []
+    def _apply(self, merged: Merged) -> None:
+        """Take a merged fragment: θ_p ← α·θ_p + (1−α)·Θ_p, and Θ_p becomes the new base."""
+        f = self.frags[merged.fragment]
+        alpha = self.cfg.sync.mix_alpha
         with torch.no_grad():
-            for header, tensors in got:
-                for name, t in tensors.items():
-                    self.params[name].copy_(t.to(self.device))
-                    self.base[name] = t.to(torch.float32).clone()
-                self.versions[header.fragment] = header.version
-                updated.append(header.fragment)
-        return updated
+            for name, t in merged.tensors.items():
+                new = t.to(self.device, self.params[name].dtype)
+                if alpha > 0 and f.version >= 0:
+                    self.params[name].mul_(alpha).add_(new, alpha=1.0 - alpha)
+                else:
+                    self.params[name].copy_(new)
+                f.base[name] = t.to(torch.float32).clone()
+        f.version = merged.version
+        f.steps = f.tokens = 0
+        f.loss_sum = 0.0
+        f.in_flight = False
 
-    def _delta(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Δ = Θ(base) − θ: the outer gradient this learner proposes for these tensors."""
-        with torch.no_grad():
-            return {n: self.base[n] - self.params[n].detach().to("cpu", torch.float32) for n in names}
+    def _apply_due(self) -> None:
+        step = self.progress.inner_steps
+        for p, f in enumerate(self.frags):
+            if f.in_flight and schedule.apply_due(step, f.apply_at):
+                merged = self.channel.take(p)
+                if merged is not None:
+                    self._apply(merged)
 
-    def _push_round(self, work: RoundWork, wait_for_merge: bool) -> None:
-        """Push every fragment's delta for this round; in synchronous DiLoCo wait for the merge."""
-        empty = work.steps == 0
-        accepted: list[int] = []
-        for p, names in enumerate(self.fragments):
-            header = pb.TensorHeader(
-                fragment=p,
-                version=self.versions[p],
-                inner_steps=work.steps,
-                tokens=work.tokens,
-                mean_loss=work.loss_sum / work.steps if work.steps else 0.0,
-                first_loss=0.0 if math.isnan(self.progress.first_loss) else self.progress.first_loss,
-                step_time_s=self.progress.busy_s / max(1, self.progress.inner_steps),
-                codec="fp32",
-            )
-            if p == 0:  # the data accounting rides on one fragment's push only
-                header.spans.extend(
-                    pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in work.spans
-                )
-                header.released_shards.extend(work.released)
-            reply = self.client.push(header, {} if empty else self._delta(names))
-            if reply.accepted and not empty:
-                accepted.append(p)
-            elif not reply.accepted:
-                log.info("push of fragment %d refused: %s", p, reply.reason)
-        for shard_id in work.released:
-            self.prefetcher.release(shard_id)
+    def _push(self, p: int, empty: bool = False) -> None:
+        """Queue fragment p's delta (and the unpushed shard rows) for the background pusher."""
+        f = self.frags[p]
+        header = pb.TensorHeader(
+            fragment=p,
+            version=f.version,
+            codec="fp32",
+            inner_steps=0 if empty else f.steps,
+            tokens=0 if empty else f.tokens,
+            mean_loss=f.loss_sum / f.steps if f.steps and not empty else 0.0,
+            first_loss=0.0 if math.isnan(self.progress.first_loss) else self.progress.first_loss,
+            step_time_s=self.progress.busy_s / max(1, self.progress.inner_steps),
+        )
+        tensors: dict[str, torch.Tensor] = {}
         if not empty:
-            log.info(
-                "pushed round: steps=%d tokens=%d loss=%.4f versions=%s",
-                work.steps,
-                work.tokens,
-                work.loss_sum / max(1, work.steps),
-                self.versions,
+            with torch.no_grad():  # Δ = Θ(base) − θ: the outer gradient this learner proposes
+                tensors = {n: f.base[n] - self.params[n].detach().to("cpu", torch.float32) for n in f.names}
+            header.spans.extend(
+                pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in self.unpushed.spans
             )
-        self._await_merge(accepted if wait_for_merge else [])
+            header.released_shards.extend(self.unpushed.released)
+            for shard_id in self.unpushed.released:
+                self.prefetcher.release(shard_id)
+            self.unpushed = Unpushed()
+            f.in_flight = True
+            f.apply_at = self.progress.inner_steps + self.cfg.sync.overlap_steps
+        self.channel.submit(header, tensors)
 
-    def _await_merge(self, pending: list[int]) -> None:
-        """Pull fragments until each pushed one is newer than its base (bounded by the run's end)."""
-        waiting = set(pending)
-        deadline = time.monotonic() + max(120.0, 4 * self.cfg.coordinator.lease_ttl_s)
-        while waiting and not self.stop.is_set() and time.monotonic() < deadline:
-            order = sorted(waiting)
-            updated = self._pull(
-                order, wait_s=self.cfg.sync.pull_wait_s, have=[self.versions[p] for p in order]
+    def _return_unpushed(self) -> None:
+        """Give back rows whose effect no delta carries any more.
+
+        Rows trained after a fragment's last push and before its merged value overwrote it leave
+        no trace in any future delta when no fragment has steps left to push. They are not
+        counted as trained-and-merged: the shards are released and those rows go back to the pool.
+        """
+        if not self.unpushed.spans:
+            return
+        header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
+        header.released_shards.extend(self.unpushed.released)
+        for shard_id in self.unpushed.released:
+            self.prefetcher.release(shard_id)
+        log.info("returning %d unmerged row span(s) to the pool", len(self.unpushed.spans))
+        self.unpushed = Unpushed()
+        self.channel.submit(header, {})
+
+    def _push_due(self) -> None:
+        p = schedule.fragment_due(self.progress.inner_steps, self.cfg.train.inner_steps, len(self.frags))
+        if p is None:
+            return
+        if self.frags[p].in_flight:
+            # The last merge of this fragment has not come back yet: keep training, push it next time.
+            log.info(
+                "fragment %d still in flight at step %d; skipping its push", p, self.progress.inner_steps
             )
-            waiting -= set(updated)
-        # Fragments we did not push (refused, or nothing to push) catch up without waiting.
-        everything = list(range(len(self.fragments)))
-        self._pull(everything, wait_s=0.0, have=[self.versions[p] for p in everything])
+            return
+        if not self.frags[p].steps:
+            return  # received this very step: nothing of ours in it yet
+        self._push(p)
+
+    def _wait_for_merges(self, timeout_s: float | None = None) -> None:
+        """Block until every in-flight fragment is applied: synchronous mode, and the final flush."""
+        started = time.monotonic()
+        deadline = started + (timeout_s if timeout_s is not None else math.inf)
+        while any(f.in_flight for f in self.frags) and not self.stop.is_set() and time.monotonic() < deadline:
+            for p, f in enumerate(self.frags):
+                merged = self.channel.take(p) if f.in_flight else None
+                if merged is not None:
+                    self._apply(merged)
+            if any(f.in_flight for f in self.frags):
+                self.channel.wait_any(0.2)
+        self.progress.sync_wait_s += time.monotonic() - started
+
+    def _wait_if_unreachable(self) -> None:
+        started = time.monotonic()
+        while schedule.must_block(self.channel.unreachable_for(), self.cfg.sync.max_unreachable_s):
+            if self.stop.wait(0.5):
+                break
+        self.progress.sync_wait_s += time.monotonic() - started
 
     # -- background -----------------------------------------------------------------------------
 
@@ -208,6 +259,8 @@ class Learner:
                 last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
                 busy_seconds=p.busy_s,
                 wall_seconds=p.wall_s(),
+                data_stall_seconds=p.stall_s,
+                sync_wait_seconds=p.sync_wait_s,
             ),
             timeout_s=10.0,
         )
@@ -226,7 +279,7 @@ class Learner:
 
     # -- the loop -------------------------------------------------------------------------------
 
-    def _inner_step(self, batch: Batch) -> float:
+    def _inner_step(self, batch: Batch) -> None:
         started = time.monotonic()
         lr = lr_at(self.progress.inner_steps, self.cfg.train)
         for group in self.optimizer.param_groups:
@@ -239,8 +292,11 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
         self.optimizer.step()
         value = loss.item()
-        if self.step_delay_s > 0:  # an injected straggler, for experiments
-            time.sleep(self.step_delay_s)
+        compute_s = time.monotonic() - started
+        if self.overrides.slow_factor > 1.0:  # an injected straggler, for experiments
+            time.sleep((self.overrides.slow_factor - 1.0) * compute_s)
+        elif self.cfg.train.step_delay_s > 0:
+            time.sleep(self.cfg.train.step_delay_s)
         p = self.progress
         p.busy_s += time.monotonic() - started
         p.inner_steps += 1
@@ -248,20 +304,62 @@ class Learner:
         p.last_loss = value
         if math.isnan(p.first_loss):
             p.first_loss = value
-        return value
+        for f in self.frags:
+            f.steps += 1
+            f.tokens += batch.tokens
+            f.loss_sum += value
+        self.unpushed.add(batch)
+
+    def _hand_in(self) -> bool:
+        """Push every fragment with unpushed steps (the unpushed rows ride along). False: none had any."""
+        pending = [p for p, f in enumerate(self.frags) if f.steps and not f.in_flight]
+        for p in pending:
+            self._push(p)
+        if not pending and not any(f.in_flight for f in self.frags):
+            self._return_unpushed()
+        return bool(pending)
+
+    def _on_starved(self, last_empty_push: float) -> float:
+        """No data anywhere for now: hand in finished work, and let quorum rounds go on without us.
+
+        Unpushed work holds shard leases (its rows are in no push yet): handing it in is what lets
+        those rows be merged and the shards finish, so a starved learner never sits on them.
+        """
+        if self._hand_in():
+            if self.cfg.sync.synchronous:
+                self._wait_for_merges()
+            return last_empty_push
+        if time.monotonic() - last_empty_push < EMPTY_PUSH_PERIOD_S:
+            return last_empty_push
+        for p, f in enumerate(self.frags):
+            if not f.in_flight:
+                self._push(p, empty=True)
+        return time.monotonic()
+
+    def _flush(self) -> None:
+        """At the end: push every fragment's unpushed progress and wait (bounded) for the merges."""
+        self._wait_for_merges(FINAL_MERGE_WAIT_S)
+        self._hand_in()
+        self._wait_for_merges(FINAL_MERGE_WAIT_S)
+        self._return_unpushed()
+        deadline = time.monotonic() + 10.0
+        while not self.channel.idle() and time.monotonic() < deadline:  # the last give-back lands
+            time.sleep(0.05)
 
     def run(self) -> int:
         cfg = self._setup()
         self.prefetcher = ShardPrefetcher(
             self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop
         )
+        self.channel = SyncChannel(self.client, self.stop, cfg.sync.pull_wait_s)
         self.prefetcher.start()
+        self.channel.start()
         threading.Thread(
             target=self._heartbeat_forever, args=(cfg.coordinator.heartbeat_s,), daemon=True
         ).start()
         self.progress.started = time.monotonic()
-        work = RoundWork()
         reason = "stopped"
+        last_empty_push = 0.0
         try:
             while not self.stop.is_set():
                 if self.finishing.is_set():
@@ -275,19 +373,19 @@ class Learner:
                     break
                 if item is None:
                     if self.prefetcher.starved.is_set():
-                        # Nothing to train on yet: say so (or hand in the partial round) so that a
-                        # synchronous round does not wait on us.
-                        self._push_round(work, wait_for_merge=work.steps > 0)
-                        work = RoundWork()
+                        last_empty_push = self._on_starved(last_empty_push)
+                    self._apply_due()
                     continue
                 assert isinstance(item, Batch)
-                work.add(item, self._inner_step(item))
-                if work.steps >= cfg.train.inner_steps:
-                    self._push_round(work, wait_for_merge=True)
-                    work = RoundWork()
-            if not self.stop.is_set() and work.steps:
-                # Finished work is not thrown away: the last partial round is pushed and merged.
-                self._push_round(work, wait_for_merge=True)
+                self._inner_step(item)
+                self._apply_due()
+                self._push_due()
+                if cfg.sync.synchronous:
+                    self._wait_for_merges()
+                self._wait_if_unreachable()
+            if not self.stop.is_set():
+                # Finished work is not thrown away: what was not pushed yet is pushed and merged.
+                self._flush()
         finally:
             self.stop.set()
             with contextlib.suppress(Exception):
@@ -296,13 +394,15 @@ class Learner:
             self.client.close()
         p = self.progress
         log.info(
-            "learner done (%s): steps=%d tokens=%d busy=%.1fs wall=%.1fs stall=%.1fs",
+            "learner done (%s): steps=%d tokens=%d busy=%.1fs wall=%.1fs data stall=%.1fs sync wait=%.1fs refused=%d",
             reason,
             p.inner_steps,
             p.tokens_trained,
             p.busy_s,
             p.wall_s(),
             p.stall_s,
+            p.sync_wait_s,
+            self.channel.pushes_refused,
         )
         return 0
 

@@ -71,6 +71,8 @@ def policy_of(config: RunConfig) -> syncer.SyncPolicy:
         outer_momentum=s.outer_momentum,
         nesterov=s.nesterov,
         max_staleness=s.max_staleness,
+        grace_factor=s.grace_factor,
+        overlap_steps=s.overlap_steps,
     )
 
 
@@ -197,6 +199,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "last_loss": request.last_loss,
             "busy_seconds": request.busy_seconds,
             "wall_seconds": request.wall_seconds,
+            "data_stall_seconds": request.data_stall_seconds,
+            "sync_wait_seconds": request.sync_wait_seconds,
         }
         ttl = self.config.coordinator.lease_ttl_s
         self.ledger.heartbeat(request.worker_id, stats, ttl)
@@ -523,7 +527,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
             return pb.PushReply(accepted=False, reason=refusal, version=frag.version)
         arrival = syncer.Arrival(
-            header.worker_id, header.tokens, header.inner_steps, self.clock(), header.version
+            header.worker_id,
+            header.tokens,
+            header.inner_steps,
+            self.clock(),
+            header.version,
+            header.step_time_s,
         )
         frag.round.arrivals.append(arrival)
         frag.pending.append(
@@ -564,7 +573,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         weights = syncer.merge_weights(
             [q.arrival.tokens for q in pending], [q.arrival.steps for q in pending], self.policy.merge
         )
-        outer_grad = syncer.merge_deltas([q.tensors for q in pending], weights, self.policy.merge)
+        contributors = {q.arrival.worker_id for q in pending}
+        scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
+        outer_grad = {
+            n: g * scale
+            for n, g in syncer.merge_deltas([q.tensors for q in pending], weights, self.policy.merge).items()
+        }
         params, momentum = syncer.outer_step(
             frag.params,
             frag.momentum,

@@ -37,6 +37,7 @@ class Arrival:
     steps: int
     arrived_at: float
     base_version: int
+    step_time_s: float = 0.0  # the pushing learner's seconds per inner step
 
 
 @dataclass
@@ -72,9 +73,10 @@ def grace_window(
 ) -> float:
     """How long to wait past quorum for more pushes: γ·(τ·step_time − time_to_quorum − sync_time).
 
-    The result of a merge is needed τ inner steps after the push; waiting longer than the time
-    the learners have to spare would make them wait, so the window is that slack, scaled by γ,
-    and never negative.
+    The first pusher needs the merge τ inner steps after its push. Of that time, reaching quorum
+    has used time_to_quorum (from the first push) and merging will use sync_time; the rest is
+    slack the syncer may spend waiting for stragglers without anyone waiting for it. The window is
+    that slack scaled by γ, never negative.
     """
     slack = policy.overlap_steps * step_time_s - time_to_quorum_s - sync_time_s
     return max(0.0, policy.grace_factor * slack)
@@ -98,8 +100,14 @@ def decide_close(
     needed = quorum_needed(policy, len(live))
     if len(pushed) < needed:
         return CloseDecision(False, f"{len(pushed)}/{needed} pushes for quorum")
-    quorum_at = sorted(a.arrived_at for a in state.arrivals)[needed - 1]
-    window = grace_window(policy, step_time_s, quorum_at - state.opened_at, sync_time_s)
+    first_by_worker: dict[str, Arrival] = {}
+    for a in sorted(state.arrivals, key=lambda a: a.arrived_at):
+        first_by_worker.setdefault(a.worker_id, a)
+    ordered = list(first_by_worker.values())
+    first, quorum_at = ordered[0], ordered[needed - 1].arrived_at
+    # The first pusher needs the merge τ of *its* steps after its push: that is the time to share.
+    step_time = first.step_time_s or step_time_s
+    window = grace_window(policy, step_time, quorum_at - first.arrived_at, sync_time_s)
     if now >= quorum_at + window:
         return CloseDecision(True, "quorum reached" + (" and grace window over" if window > 0 else ""))
     return CloseDecision(False, "in grace window", recheck_at=quorum_at + window)
@@ -127,6 +135,20 @@ def merge_weights(tokens: Sequence[int], steps: Sequence[int], mode: str) -> lis
     if total <= 0:
         return [1.0 / len(raw)] * len(raw)
     return [w / total for w in raw]
+
+
+def coverage_scale(contributors: int, live_learners: int) -> float:
+    """The share of the learners whose work is in this merge.
+
+    Merged deltas are a weighted *mean*, so with quorum K < M a round holding one learner's delta
+    would move the fragment as far as a round holding all M — and with K = 1 every learner's push
+    closes its own round, M outer steps per sync period where synchronous DiLoCo takes one. Scaling
+    the outer gradient by contributors / live keeps one period's total step what synchronous DiLoCo
+    takes (and leaves it unchanged when everyone is in the round).
+    """
+    if contributors <= 0:
+        return 0.0
+    return min(1.0, contributors / max(contributors, live_learners))
 
 
 def merge_deltas(

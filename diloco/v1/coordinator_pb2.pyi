@@ -58,7 +58,7 @@ class JoinReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds")
+    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LEASES_FIELD_NUMBER: _ClassVar[int]
     SHARD_LEASES_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,8 @@ class HeartbeatRequest(_message.Message):
     LAST_LOSS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_leases: _containers.RepeatedScalarFieldContainer[int]
     shard_leases: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +77,9 @@ class HeartbeatRequest(_message.Message):
     last_loss: float
     busy_seconds: float
     wall_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
+    data_stall_seconds: float
+    sync_wait_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("run_state", "coordinator_epoch", "lost_chunk_leases", "lost_shard_leases")

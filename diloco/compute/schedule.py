@@ -1,0 +1,39 @@
+"""When a learner pushes which fragment, and when a merged fragment is applied: pure functions.
+
+Streaming DiLoCo: with P fragments and H inner steps, a learner pushes one fragment every H/P
+steps, round-robin, so each fragment is pushed every H steps. The merged result is applied τ
+(overlap) steps after its push; τ = 0 means the learner waits for it (synchronous DiLoCo).
+"""
+
+from __future__ import annotations
+
+
+def push_interval(inner_steps: int, fragments: int) -> int:
+    """Inner steps between two pushes (of different fragments)."""
+    return max(1, inner_steps // max(1, fragments))
+
+
+def fragment_due(step: int, inner_steps: int, fragments: int) -> int | None:
+    """The fragment to push after completing inner step `step` (1-based), or None.
+
+    Pushes happen at steps interval, 2·interval, ...; the k-th push is of fragment (k−1) mod P.
+    """
+    interval = push_interval(inner_steps, fragments)
+    if step <= 0 or step % interval:
+        return None
+    return (step // interval - 1) % fragments
+
+
+def apply_due(step: int, apply_at: int) -> bool:
+    """A merged fragment that has arrived is applied once the learner reached step `apply_at`."""
+    return step >= apply_at
+
+
+def mix(local: float, merged: float, alpha: float) -> float:
+    """θ ← α·θ_local + (1−α)·Θ_merged (α = 0: overwrite). Scalar form, for the docs and tests."""
+    return alpha * local + (1.0 - alpha) * merged
+
+
+def must_block(unreachable_for_s: float, bound_s: float) -> bool:
+    """A learner stops stepping only when the syncer has been unreachable for longer than bound_s."""
+    return bound_s > 0 and unreachable_for_s > bound_s

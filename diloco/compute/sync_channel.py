@@ -1,0 +1,169 @@
+"""The learner's line to the syncer, off the training thread.
+
+A pusher thread streams queued fragment deltas; a puller thread long-polls for the merged
+fragments that answer them. The training loop only submits jobs and picks up results: it never
+waits on the network (unless it chooses to, in synchronous mode). A push the syncer refuses (too
+stale) is answered by the fragment's current global version, which the learner takes and goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from diloco.client import CoordinatorClient, backoff_delay
+from diloco.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("diloco.sync")
+
+
+@dataclass
+class PushJob:
+    header: pb.TensorHeader
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass
+class Merged:
+    """A fragment's global value, to apply: the merge that used our push, or the current one."""
+
+    fragment: int
+    version: int
+    tensors: dict[str, torch.Tensor]
+    accepted: bool  # False: our push was refused; this is the fragment as it is now
+
+
+class SyncChannel:
+    def __init__(self, client: CoordinatorClient, stop: threading.Event, pull_wait_s: float):
+        self.client = client
+        self.stop = stop
+        self.pull_wait_s = pull_wait_s
+        self.jobs: queue.Queue[PushJob] = queue.Queue()
+        self._cond = threading.Condition()
+        self._awaiting: dict[int, tuple[int, bool]] = {}  # fragment -> (version held back, accepted)
+        self._results: dict[int, Merged] = {}
+        self._unreachable_since: float | None = None
+        self.pushes_refused = 0
+        self.bytes_pushed = 0
+        self._threads = [
+            threading.Thread(target=self._push_forever, name="sync-push", daemon=True),
+            threading.Thread(target=self._pull_forever, name="sync-pull", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    # -- the training thread's side -------------------------------------------------------------
+
+    def submit(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor]) -> None:
+        self.jobs.put(PushJob(header, tensors))
+
+    def take(self, fragment: int) -> Merged | None:
+        with self._cond:
+            return self._results.pop(fragment, None)
+
+    def wait_any(self, timeout_s: float) -> None:
+        """Sleep until a result arrives (or the timeout): synchronous mode's only wait."""
+        with self._cond:
+            if not self._results:
+                self._cond.wait(timeout_s)
+
+    def unreachable_for(self) -> float:
+        since = self._unreachable_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self.jobs.unfinished_tasks == 0 and not self._awaiting
+
+    # -- background threads ---------------------------------------------------------------------
+
+    def _reachable(self, ok: bool) -> None:
+        if ok:
+            self._unreachable_since = None
+        elif self._unreachable_since is None:
+            self._unreachable_since = time.monotonic()
+
+    def _push_forever(self) -> None:
+        while not self.stop.is_set():
+            try:
+                job = self.jobs.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._push_one(job)
+            finally:
+                self.jobs.task_done()
+
+    def _push_one(self, job: PushJob) -> None:
+        p = job.header.fragment
+        attempt = 0
+        reply: pb.PushReply | None = None
+        while reply is None and not self.stop.is_set():
+            try:
+                reply = self.client.push(job.header, job.tensors)
+                self._reachable(True)
+            except grpc.RpcError as e:
+                # The same push_id on every retry: if a reply was lost, nothing happens twice.
+                self._reachable(
+                    e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                )
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    log.error("push of fragment %d refused as malformed: %s", p, e.details())
+                    reply = pb.PushReply(accepted=False, reason=e.details(), version=job.header.version)
+                    break
+                log.warning("push of fragment %d failed (%s); retrying", p, e.code().name)
+            except Exception:  # the thread must survive anything; the learner depends on it
+                log.exception("push of fragment %d failed; retrying", p)
+            if reply is None:
+                self.stop.wait(backoff_delay(attempt))
+                attempt += 1
+        if reply is None:
+            return
+        if not reply.accepted:
+            self.pushes_refused += 1
+            log.info("push of fragment %d refused: %s", p, reply.reason)
+        if not job.tensors:
+            return  # "nothing this round" (or rows given back): no merge to wait for
+        with self._cond:
+            # Accepted: the merge that includes us makes a version above reply.version.
+            # Refused: any version will do (we take the current one and go on).
+            self._awaiting[p] = (reply.version if reply.accepted else -1, bool(reply.accepted))
+            self._cond.notify_all()
+
+    def _pull_forever(self) -> None:
+        attempt = 0
+        while not self.stop.is_set():
+            with self._cond:
+                if not self._awaiting:
+                    self._cond.wait(0.2)
+                    continue
+                wanted = dict(self._awaiting)
+            fragments = sorted(wanted)
+            try:
+                got = self.client.pull(fragments, [wanted[p][0] for p in fragments], wait_s=self.pull_wait_s)
+                self._reachable(True)
+                attempt = 0
+            except Exception as e:  # the thread must survive anything; the learner depends on it
+                self._reachable(not isinstance(e, grpc.RpcError))
+                log.warning(
+                    "pull failed (%s); retrying", e.code().name if isinstance(e, grpc.RpcError) else e
+                )
+                self.stop.wait(backoff_delay(attempt))
+                attempt += 1
+                continue
+            with self._cond:
+                for header, tensors in got:
+                    p = header.fragment
+                    if p in self._awaiting:
+                        accepted = self._awaiting.pop(p)[1]
+                        self._results[p] = Merged(p, header.version, tensors, accepted)
+                if got:
+                    self._cond.notify_all()
