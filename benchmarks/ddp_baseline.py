@@ -193,6 +193,10 @@ def _rank_main(
 
         total = torch.tensor([counter.bucket_bytes], dtype=torch.int64)
         dist.all_reduce(total)  # summed over ranks: N * (bytes per rank)
+        # Let DDP's reducer go and every rank arrive before the group is torn down: destroying it
+        # under a live reducer (or a peer still in a collective) aborts gloo's threads.
+        del ddp
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -208,6 +208,11 @@ class RunConfig:
             raise ConfigError(
                 "sync.overlap_steps, sync.max_staleness, sync.grace_factor must be >= 0 and sync.mix_alpha in [0, 1)"
             )
+        if t.inner_steps % s.fragments:
+            raise ConfigError(
+                f"train.inner_steps (H = {t.inner_steps}) must be a multiple of sync.fragments (P = {s.fragments}): "
+                "each fragment is pushed every H steps, one every H/P"
+            )
         if s.overlap_steps >= t.inner_steps:
             raise ConfigError(
                 f"sync.overlap_steps (τ = {s.overlap_steps}) must be below train.inner_steps (H = {t.inner_steps}): "

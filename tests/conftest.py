@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from diloco.client import CoordinatorClient
 from diloco.corpus import stdlib_files
+from diloco.procs import Child, ProcessGroup
+from diloco.v1 import coordinator_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -56,3 +64,55 @@ def run_cli(
         stdin=subprocess.DEVNULL,
         **kwargs,
     )
+
+
+def start_coordinator(group: ProcessGroup, workdir: Path, args: list[str]) -> str:
+    """Start `diloco coordinator` on an ephemeral port; return its address once it listens."""
+    coordinator = group.spawn(
+        "coordinator", "coordinator", ["coordinator", "--workdir", str(workdir), "--port", "0", *args]
+    )
+    info = workdir / "coordinator.json"
+    deadline = time.monotonic() + 60
+    while not info.exists():
+        assert time.monotonic() < deadline, "coordinator did not start"
+        assert coordinator.alive, group.tail(coordinator)
+        time.sleep(0.1)
+    return json.loads(info.read_text())["address"]
+
+
+def ledger_rows(workdir: Path, sql: str, args: tuple = ()) -> list[tuple]:
+    with sqlite3.connect(workdir / "state" / "ledger.sqlite") as db:
+        return db.execute(sql, args).fetchall()
+
+
+def status(address: str) -> dict[str, Any]:
+    client = CoordinatorClient(address, pb.ROLE_OBSERVER, retry_deadline_s=10)
+    try:
+        return json.loads(client.stub.Status(pb.StatusRequest(), timeout=10).detail_json)
+    finally:
+        client.close()
+
+
+def worker_id_of(child: Child, timeout_s: float = 60) -> str:
+    """The id a worker process joined with, read from its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(
+            r"joined \S+ as (\S+)",
+            child.log_path.read_text(errors="replace") if child.log_path.exists() else "",
+        )
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"{child.name} never joined")
+
+
+def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.5):
+    """Poll until predicate() is truthy (and return it), bounded in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")

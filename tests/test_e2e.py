@@ -8,21 +8,15 @@ once when the learners run the data out.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 
 from diloco.procs import ProcessGroup
-from tests.conftest import run_cli
+from tests.conftest import ledger_rows, run_cli, start_coordinator
 
 pytestmark = pytest.mark.e2e
-
-
-def ledger_rows(workdir: Path, sql: str) -> list[tuple]:
-    with sqlite3.connect(workdir / "state" / "ledger.sqlite") as db:
-        return db.execute(sql).fetchall()
 
 
 def assert_one_shard_per_chunk(workdir: Path) -> None:
@@ -91,19 +85,6 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     assert summary["sample"].startswith("def ")
     assert summary["chunks"] == summary["shards"] > 1
     assert_one_shard_per_chunk(workdir)
-
-
-def start_coordinator(group: ProcessGroup, workdir: Path, args: list[str]) -> str:
-    group.spawn(
-        "coordinator", "coordinator", ["coordinator", "--workdir", str(workdir), "--port", "0", *args]
-    )
-    info = workdir / "coordinator.json"
-    deadline = time.monotonic() + 60
-    while not info.exists():
-        assert time.monotonic() < deadline, "coordinator did not start"
-        assert group.children[0].alive, group.tail(group.children[0])
-        time.sleep(0.1)
-    return json.loads(info.read_text())["address"]
 
 
 @pytest.mark.timeout(240)

@@ -378,16 +378,21 @@ def test_expired_shard_lease_returns_to_pool(ledger, clock):
     assert ledger.renew("L1", [], [sid], TTL) == ([], [sid])
 
 
-def test_record_push_refuses_overlapping_spans(ledger):
+def test_rows_already_trained_by_another_push_are_counted_once(ledger):
     (sid,) = with_train_shard(ledger)
     assert push(ledger, "p1", [(sid, 0, 5)]) is None
-    reason = push(ledger, "p2", [(sid, 3, 7)])
-    assert isinstance(reason, str) and "overlap" in reason
-    assert ledger.push_state("p2") is None  # nothing recorded
-    # Overlapping a merged span is refused too.
-    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
-    assert "overlap" in push(ledger, "p3", [(sid, 4, 6)])
-    assert push(ledger, "p4", [(sid, 5, 10)]) is None
+    # A learner that lost its lease comes back with rows 3..7: its delta is accepted, but only
+    # rows 5..7 are credited to it; rows 3..5 stay p1's.
+    assert push(ledger, "p2", [(sid, 3, 7)]) is None
+    assert ledger.push_state("p2")["state"] == "pending"
+    ledger.commit_merge(0, 1, ["p1", "p2"], 0, 0, None, "quorum")
+    assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
+    assert ledger.counter("rows_trained_twice") == 2
+    # Rows inside a merged span are not counted again either.
+    assert push(ledger, "p3", [(sid, 4, 6)]) is None
+    ledger.commit_merge(0, 2, ["p3"], 0, 0, None, "quorum")
+    assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
+    assert ledger.lease_shard("L1", TTL).todo == [(7, ROWS)]
 
 
 def test_record_push_refuses_spans_overlapping_each_other(ledger):
@@ -413,7 +418,8 @@ def test_merged_tokens_counted_once_per_row(ledger):
     (sid,) = with_train_shard(ledger)
     assert push(ledger, "p1", [(sid, 0, 3)]) is None
     ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
-    assert push(ledger, "p1b", [(sid, 0, 3)]) is not None
+    assert push(ledger, "p1b", [(sid, 0, 3)]) is None  # accepted, but none of its rows are new
+    ledger.commit_merge(0, 2, ["p1b"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 3 * TOKENS_PER_ROW
 
 

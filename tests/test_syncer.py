@@ -9,6 +9,7 @@ from diloco.coordinator.syncer import (
     Arrival,
     RoundState,
     SyncPolicy,
+    coverage_scale,
     decide_close,
     grace_window,
     merge_deltas,
@@ -340,3 +341,185 @@ def test_staleness_within_bound_accepted():
 def test_base_newer_than_current_refused():
     reason = staleness_refusal(SyncPolicy(max_staleness=10), 6, 5)
     assert reason is not None and "newer" in reason
+
+
+# -- coverage scale -------------------------------------------------------------------------------
+
+
+def test_coverage_scale_everyone_contributed_is_one():
+    for m in (1, 2, 4, 16):
+        assert coverage_scale(m, m) == 1.0
+
+
+def test_coverage_scale_is_share_of_live_learners():
+    assert coverage_scale(1, 4) == 0.25
+    assert coverage_scale(3, 4) == 0.75
+    assert coverage_scale(2, 8) == 0.25
+
+
+@pytest.mark.parametrize(("contributors", "live"), [(5, 4), (2, 1), (3, 0), (1, 0), (100, 3)])
+def test_coverage_scale_never_above_one(contributors, live):
+    # A contributor that died after pushing is not counted live any more: still at most 1.
+    assert coverage_scale(contributors, live) == 1.0
+
+
+@pytest.mark.parametrize("live", [0, 1, 4])
+def test_coverage_scale_no_contributors_is_zero(live):
+    assert coverage_scale(0, live) == 0.0
+
+
+def apply_rounds(theta0, rounds, lr):
+    """Apply each round (a list of deltas, merged by plain mean) scaled by its coverage; SGD, mu 0."""
+    params = {"w": theta0.clone()}
+    momentum = {"w": torch.zeros_like(theta0)}
+    for deltas, live in rounds:
+        merged = merge_deltas([{"w": d} for d in deltas], [1 / len(deltas)] * len(deltas), "mean")
+        scale = coverage_scale(len(deltas), live)
+        grad = {"w": merged["w"] * scale}
+        params, momentum = outer_step(params, momentum, grad, lr=lr, mu=0.0, nesterov=True)
+    return params["w"]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_quorum_one_rounds_scaled_by_coverage_equal_one_synchronous_merge(m):
+    # K = 1: each of M learners' identical delta d closes a round of its own. Each is scaled by 1/M,
+    # so the M rounds together move theta by lr*d, exactly what one synchronous round of all M does.
+    # (Values are dyadic, so the arithmetic is exact.)
+    theta0 = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    d = torch.tensor([0.5, -1.0, 2.0, 0.25])
+    lr = 0.5
+    async_theta = apply_rounds(theta0, [([d], m)] * m, lr)
+    sync_theta = apply_rounds(theta0, [([d] * m, m)], lr)
+    assert torch.equal(sync_theta, theta0 - lr * d)
+    assert torch.equal(async_theta, sync_theta)
+
+
+def test_quorum_one_rounds_scaled_by_coverage_non_dyadic():
+    theta0 = torch.tensor([0.3, -1.7, 2.2])
+    d = torch.tensor([0.1, -0.7, 1.3])
+    m, lr = 3, 0.7
+    async_theta = apply_rounds(theta0, [([d], m)] * m, lr)
+    torch.testing.assert_close(async_theta, theta0 - lr * d, rtol=1e-6, atol=1e-6)
+    # Without the scale the M rounds would have moved theta M times as far.
+    unscaled = theta0 - m * lr * d
+    assert not torch.allclose(async_theta, unscaled)
+
+
+# -- a straggler's late push ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2, 16])
+def test_straggler_late_push_accepted_within_staleness(max_staleness):
+    # The round against version 2 closed and produced version 3; the open round is against
+    # version 3 (it will produce version 4). A straggler's push based on version 2 arrives now:
+    # it is one version stale.
+    closed = RoundState(fragment=0, version=2, opened_at=0.0, arrivals=[arrival("a", 1.0, base=2)])
+    assert decide_close(closed, 1.0, SyncPolicy(quorum=1), LIVE3).close
+    current = closed.version + 1
+    policy = SyncPolicy(quorum=1, max_staleness=max_staleness, grace_factor=0.0)
+    assert staleness_refusal(policy, 2, current) is None
+
+    late = arrival("b", 5.0, base=2)
+    new_round = RoundState(fragment=0, version=current, opened_at=1.0, arrivals=[late])
+    d = decide_close(new_round, 5.0, policy, LIVE3, step_time_s=1.0)
+    assert d.close
+    assert d.recheck_at is None
+
+
+def test_straggler_late_push_refused_without_staleness():
+    policy = SyncPolicy(quorum=1, max_staleness=0)
+    reason = staleness_refusal(policy, 2, 3)
+    assert reason is not None
+    assert "stale" in reason
+    assert "2" in reason and "3" in reason
+
+
+@pytest.mark.parametrize(
+    ("base", "current", "max_staleness", "accepted"),
+    [
+        (2, 4, 1, False),  # two versions behind: one past the bound
+        (2, 4, 2, True),
+        (0, 16, 16, True),
+        (0, 17, 16, False),
+        (7, 7, 0, True),
+    ],
+)
+def test_staleness_is_the_version_difference(base, current, max_staleness, accepted):
+    reason = staleness_refusal(SyncPolicy(max_staleness=max_staleness), base, current)
+    assert (reason is None) == accepted
+    if not accepted:
+        assert "stale" in reason
+
+
+# -- quorum counts distinct learners --------------------------------------------------------------
+
+
+def test_two_pushes_from_one_worker_do_not_make_quorum_two():
+    policy = SyncPolicy(quorum=2)
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("a", 1.5)])
+    d = decide_close(state, 100.0, policy, LIVE3)
+    assert not d.close
+    assert "1/2" in d.reason
+    # Even if "a" is the only learner that ever pushes, repeated pushes never reach K = 2.
+    state.arrivals += [arrival("a", float(t)) for t in range(2, 10)]
+    assert not decide_close(state, 100.0, policy, LIVE3).close
+
+
+def test_grace_window_quorum_time_is_needed_th_distinct_learner():
+    # K = 2, gamma 0.5, tau 10 steps of 1 s. "a" pushes twice early (1.0, 1.5); "b" first at 4.0.
+    # Quorum is reached at 4.0 (time to quorum 3 s), not 1.5: slack 10 - 3 = 7, window 3.5 -> 7.5.
+    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    state = RoundState(
+        fragment=0,
+        version=0,
+        opened_at=0.0,
+        arrivals=[arrival("a", 1.0), arrival("a", 1.5), arrival("b", 4.0)],
+    )
+    d = decide_close(state, 4.0, policy, LIVE3, step_time_s=1.0)
+    assert not d.close
+    assert d.recheck_at == pytest.approx(7.5)
+    assert not decide_close(state, 7.49, policy, LIVE3, step_time_s=1.0).close
+    assert decide_close(state, 7.5, policy, LIVE3, step_time_s=1.0).close
+
+
+def test_grace_window_quorum_time_uses_each_learners_first_push():
+    # a at 1, b at 2, a again at 3: quorum at 2 (b's first), not 3. slack 10 - 1 = 9 -> window 4.5 -> 6.5.
+    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    arrivals = [arrival("a", 1.0), arrival("b", 2.0), arrival("a", 3.0)]
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=arrivals)
+    assert decide_close(state, 3.0, policy, LIVE3, step_time_s=1.0).recheck_at == pytest.approx(6.5)
+    # The list's order does not matter, only arrival times.
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=arrivals[::-1])
+    assert decide_close(state, 3.0, policy, LIVE3, step_time_s=1.0).recheck_at == pytest.approx(6.5)
+
+
+# -- the step time the grace window uses ----------------------------------------------------------
+
+
+def timed(worker, at, step_time_s):
+    return Arrival(
+        worker_id=worker, tokens=10, steps=1, arrived_at=at, base_version=0, step_time_s=step_time_s
+    )
+
+
+def test_grace_window_uses_first_pushers_step_time_not_a_later_ones():
+    # K = 2; first pusher a (0.5 s/step) at 1, b (3 s/step) at 2. slack = 10*0.5 - 1 = 4 -> window 2 -> 4.
+    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    state = RoundState(
+        fragment=0, version=0, opened_at=0.0, arrivals=[timed("b", 2.0, 3.0), timed("a", 1.0, 0.5)]
+    )
+    assert decide_close(state, 2.0, policy, LIVE3, step_time_s=7.0).recheck_at == pytest.approx(4.0)
+
+
+def test_grace_window_falls_back_to_argument_when_arrival_step_time_zero():
+    # The first pusher reports no step time: the argument (2 s) is used. slack 10*2 = 20 -> window 10 -> 12.
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[timed("a", 2.0, 0.0)])
+    d = decide_close(state, 2.0, GRACE, LIVE3, step_time_s=2.0)
+    assert not d.close
+    assert d.recheck_at == pytest.approx(12.0)
+    # ... even if a later pusher reports one.
+    state.arrivals.append(timed("b", 3.0, 0.1))
+    assert decide_close(state, 3.0, GRACE, LIVE3, step_time_s=2.0).recheck_at == pytest.approx(12.0)
+    # Neither known: no window, the round closes at quorum.
+    state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[timed("a", 2.0, 0.0)])
+    assert decide_close(state, 2.0, GRACE, LIVE3, step_time_s=0.0).close

@@ -268,7 +268,7 @@ class Learner:
             self.finishing.set()
         for shard_id in reply.lost_shard_leases:
             log.warning("lease on shard %d lost", shard_id)
-            self.prefetcher.release(shard_id)
+            self.prefetcher.lose(shard_id)
 
     def _heartbeat_forever(self, period_s: float) -> None:
         while not self.stop.wait(period_s):

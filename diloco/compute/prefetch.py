@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,7 @@ class ShardPrefetcher:
         self.queue: queue.Queue[Batch | object] = queue.Queue(maxsize=max(1, max_batches))
         self.starved = threading.Event()  # the last lease said "wait": no data ready anywhere
         self._held: set[int] = set()
+        self._lost: set[int] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
 
@@ -62,12 +64,22 @@ class ShardPrefetcher:
         with self._lock:
             self._held.discard(shard_id)
 
+    def lose(self, shard_id: int) -> None:
+        """The lease ran out (we were silent too long): its queued rows are someone else's now."""
+        with self._lock:
+            self._held.discard(shard_id)
+            self._lost.add(shard_id)
+
     def get(self, timeout_s: float) -> Batch | object | None:
-        """A batch, DONE, or None when nothing arrived in time."""
-        try:
-            return self.queue.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        """A batch, DONE, or None when nothing arrived in time. Batches of lost shards are skipped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if not (isinstance(item, Batch) and item.shard_id in self._lost):
+                return item
 
     def _put(self, item: Batch | object) -> bool:
         while not self.stop.is_set():

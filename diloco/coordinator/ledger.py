@@ -55,7 +55,7 @@ CREATE INDEX IF NOT EXISTS spans_by_push ON spans(push_id);
 CREATE TABLE IF NOT EXISTS rounds (
   fragment INTEGER NOT NULL, version INTEGER NOT NULL, closed REAL NOT NULL,
   pushes INTEGER NOT NULL, tokens INTEGER NOT NULL, steps INTEGER NOT NULL,
-  mean_loss REAL, reason TEXT, PRIMARY KEY (fragment, version)
+  mean_loss REAL, reason TEXT, scale REAL NOT NULL DEFAULT 1.0, PRIMARY KEY (fragment, version)
 );
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL);
 """
@@ -398,8 +398,10 @@ class Ledger:
     ) -> str | None:
         """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
 
-        Spans must lie inside their shard and must not overlap rows already merged or pending:
-        that is the guard against counting a token twice.
+        Spans must lie inside their shard and not overlap each other (else the push is malformed
+        and refused). Rows already merged or pending for someone else (a learner that lost its
+        lease, then came back) are cut out of the spans: the delta still merges, but those rows
+        are counted once, by whoever had them first. That is the guard against counting twice.
         """
         with self._tx() as db:
             if state == "pending":
@@ -408,13 +410,15 @@ class Ledger:
                     by_shard.setdefault(sid, []).append((a, b))
                 if any(leases.overlaps(ranges) for ranges in by_shard.values()):
                     return "spans of this push overlap each other"
+                kept: list[tuple[int, int, int]] = []
                 for sid, a, b in spans:
                     shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
                     if shard is None or not 0 <= a < b <= shard["rows"]:
                         return f"span {sid}:[{a},{b}) is not inside a known shard"
-                    taken = self._spans(db, sid, ("merged", "pending"))
-                    if leases.subtract((a, b), taken) != [(a, b)]:
-                        return f"span {sid}:[{a},{b}) overlaps rows already trained"
+                    fresh = leases.subtract((a, b), self._spans(db, sid, ("merged", "pending")))
+                    kept.extend((sid, x, y) for x, y in fresh)
+                    _bump(db, "rows_trained_twice", (b - a) - sum(y - x for x, y in fresh))
+                spans = kept
             db.execute(
                 "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, received) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -464,6 +468,7 @@ class Ledger:
         steps: int,
         mean_loss: float | None,
         reason: str,
+        scale: float = 1.0,
     ) -> None:
         """One transaction: the round, its pushes merged, their shards' rows counted, version on."""
         with self._tx() as db:
@@ -473,9 +478,9 @@ class Ledger:
                 (version, *push_ids),
             )
             db.execute(
-                "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (fragment, version, self.clock(), len(push_ids), tokens, steps, mean_loss, reason),
+                "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason, scale) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (fragment, version, self.clock(), len(push_ids), tokens, steps, mean_loss, reason, scale),
             )
             db.execute(
                 "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",

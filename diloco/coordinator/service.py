@@ -593,7 +593,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         steps = sum(q.arrival.steps for q in pending)
         losses = [q.mean_loss for q in pending if q.mean_loss > 0]
         mean_loss = sum(losses) / len(losses) if losses else None
-        self.ledger.commit_merge(p, version, [q.push_id for q in pending], tokens, steps, mean_loss, reason)
+        self.ledger.commit_merge(
+            p, version, [q.push_id for q in pending], tokens, steps, mean_loss, reason, scale
+        )
         checkpoint.prune_fragment(self.checkpoint_root, p, version)
         frag.params, frag.momentum, frag.version = params, momentum, version
         frag.pending = []

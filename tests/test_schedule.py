@@ -1,0 +1,142 @@
+"""The learner's schedule: which fragment is pushed when, when a merge applies, mixing, blocking."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.compute.schedule import apply_due, fragment_due, mix, must_block, push_interval
+
+
+def pushes(first: int, last: int, inner_steps: int, fragments: int) -> dict[int, int]:
+    """{step: fragment} for every push in steps first..last (inclusive)."""
+    out = {}
+    for step in range(first, last + 1):
+        p = fragment_due(step, inner_steps, fragments)
+        if p is not None:
+            out[step] = p
+    return out
+
+
+# -- push_interval and fragment_due ---------------------------------------------------------------
+
+
+def test_two_fragments_alternate_every_half_period():
+    assert push_interval(50, 2) == 25
+    assert pushes(1, 100, 50, 2) == {25: 0, 50: 1, 75: 0, 100: 1}
+
+
+def test_two_fragments_each_pushed_every_h_steps():
+    got = pushes(1, 500, 50, 2)
+    for frag in (0, 1):
+        steps = [s for s, p in got.items() if p == frag]
+        assert len(steps) == 10
+        assert all(b - a == 50 for a, b in zip(steps, steps[1:], strict=False))
+
+
+@pytest.mark.parametrize("inner_steps", [1, 7, 50, 500])
+def test_one_fragment_pushed_every_h_steps(inner_steps):
+    assert push_interval(inner_steps, 1) == inner_steps
+    got = pushes(1, 4 * inner_steps, inner_steps, 1)
+    assert got == {k * inner_steps: 0 for k in range(1, 5)}
+
+
+@pytest.mark.parametrize(("inner_steps", "fragments"), [(1, 2), (3, 8), (4, 5)])
+def test_more_fragments_than_steps_gives_interval_one(inner_steps, fragments):
+    assert push_interval(inner_steps, fragments) == 1
+    # A push after every step, round-robin over all fragments.
+    for step in range(1, 3 * fragments + 1):
+        assert fragment_due(step, inner_steps, fragments) == (step - 1) % fragments
+
+
+@pytest.mark.parametrize(("inner_steps", "fragments"), [(50, 2), (50, 1), (1, 1), (3, 8)])
+@pytest.mark.parametrize("step", [0, -1, -25, -50, -100])
+def test_step_zero_or_negative_never_pushes(step, inner_steps, fragments):
+    assert fragment_due(step, inner_steps, fragments) is None
+
+
+def test_no_push_between_intervals():
+    for step in range(1, 25):
+        assert fragment_due(step, 50, 2) is None
+    for step in range(26, 50):
+        assert fragment_due(step, 50, 2) is None
+
+
+@st.composite
+def h_and_p(draw):
+    fragments = draw(st.integers(1, 8))
+    inner_steps = fragments * draw(st.integers(1, 200 // fragments))
+    return inner_steps, fragments
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(hp=h_and_p(), start=st.integers(1, 2000))
+def test_every_window_of_h_steps_pushes_each_fragment_once(hp, start):
+    inner_steps, fragments = hp
+    assert 1 <= fragments <= inner_steps <= 200 and inner_steps % fragments == 0
+    got = pushes(start, start + inner_steps - 1, inner_steps, fragments)
+    assert sorted(got.values()) == list(range(fragments))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(hp=h_and_p())
+def test_each_fragment_recurs_exactly_every_h_steps(hp):
+    inner_steps, fragments = hp
+    got = pushes(1, 3 * inner_steps, inner_steps, fragments)
+    assert len(got) == 3 * fragments
+    for step, frag in got.items():
+        assert 0 <= frag < fragments
+        if step + inner_steps <= 3 * inner_steps:
+            assert got.get(step + inner_steps) == frag
+            # ... and not sooner.
+            assert frag not in {got[s] for s in got if step < s < step + inner_steps}
+
+
+# -- apply_due ------------------------------------------------------------------------------------
+
+
+def test_apply_due_boundary():
+    assert not apply_due(9, 10)
+    assert apply_due(10, 10)
+    assert apply_due(11, 10)
+    assert apply_due(0, 0)
+    assert not apply_due(-1, 0)
+
+
+# -- mix ------------------------------------------------------------------------------------------
+
+finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(local=finite, merged=finite)
+def test_mix_alpha_zero_overwrites(local, merged):
+    assert mix(local, merged, 0.0) == merged
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(local=finite, merged=finite)
+def test_mix_alpha_half_is_halfway(local, merged):
+    assert mix(local, merged, 0.5) == pytest.approx((local + merged) / 2, rel=1e-12, abs=1e-12)
+
+
+def test_mix_hand_computed():
+    assert mix(2.0, 10.0, 0.0) == 10.0
+    assert mix(2.0, 10.0, 0.5) == 6.0
+    assert mix(2.0, 10.0, 0.25) == pytest.approx(8.0)  # 0.25*2 + 0.75*10
+
+
+# -- must_block -----------------------------------------------------------------------------------
+
+
+def test_must_block_only_past_a_positive_bound():
+    assert not must_block(0.0, 30.0)
+    assert not must_block(29.9, 30.0)
+    assert not must_block(30.0, 30.0)  # "longer than" the bound
+    assert must_block(30.01, 30.0)
+    assert must_block(1e9, 30.0)
+
+
+@pytest.mark.parametrize("unreachable", [0.0, 1.0, 1e9, float("inf")])
+@pytest.mark.parametrize("bound", [0.0, -1.0])
+def test_must_block_never_with_bound_zero_or_negative(unreachable, bound):
+    assert not must_block(unreachable, bound)
