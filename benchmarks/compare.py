@@ -1,10 +1,12 @@
-"""DDP and diloco side by side: same model, same data, same token budget, measured in one run.
+"""DDP, synchronous DiLoCo and Decoupled DiLoCo side by side: same model, data and token budget.
 
-    python benchmarks/compare.py --tokens 2000000 --workers 2 --out benchmarks/results/compare.json
+    python benchmarks/compare.py --tokens 1500000 --workers 4 --out benchmarks/results/compare.json
 
-Prints eval loss (on the same held-out rows), wall time, and bytes on the wire per trained token
-for each arm, and the ratios against DDP. Every arm runs in its own processes on 127.0.0.1, one
-after the other, so they do not share the machine's cores.
+Each arm runs fault-free and with one worker made 3× slower (an injected delay per step). For
+each: eval loss (on the same held-out rows), tokens trained and merged per second, learner
+utilization (share of wall time in inner steps; the slowest of the *other* learners too), and
+bytes on the wire per trained token. Arms run one after the other in their own processes on
+127.0.0.1, so they never share the machine's cores.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.ddp_baseline import run_ddp  # noqa: E402
 from diloco.run import EVAL_MAX_BATCHES, default_run_config  # noqa: E402
 
-# Each diloco arm: a name and the `diloco run` flags that make it. Later arms (the asynchronous
-# syncer, codecs) are added here so every comparison stays in one table.
+# The diloco arms: `diloco run` flags. Later comparisons (codecs, ...) add arms here.
 DILOCO_ARMS: dict[str, list[str]] = {
-    "diloco-sync": ["--quorum", "0", "--fragments", "1"],
+    "sync-diloco": ["--sync"],
+    "decoupled": ["--quorum", "1", "--fragments", "2"],
 }
 
 
@@ -41,127 +43,98 @@ def run_diloco(
     workdir: Path,
     max_minutes: float,
 ) -> dict[str, Any]:
-    started = time.perf_counter()
     cmd = [
-        sys.executable,
-        "-m",
-        "cli",
-        "run",
-        "--config",
-        str(config_path),
-        "--tokens",
-        str(tokens),
-        "--minutes",
-        str(max_minutes),
-        "--learners",
-        str(workers),
-        "--data-workers",
-        "2",
-        "--workdir",
-        str(workdir / name),
-        "--name",
-        name,
-        "--no-progress",
-        *flags,
-    ]
+        sys.executable, "-m", "cli", "run", "--config", str(config_path), "--tokens", str(tokens),
+        "--minutes", str(max_minutes), "--learners", str(workers), "--data-workers", "2",
+        "--workdir", str(workdir / name), "--name", name, "--no-progress", *flags,
+    ]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(
         cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=max_minutes * 60 + 600
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((workdir / name / "summary.json").read_text())
-    summary["process_seconds"] = time.perf_counter() - started
-    return summary
+    return json.loads((workdir / name / "summary.json").read_text())
 
 
 def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
+    wall = max(1e-9, r["wall_seconds"])
+    ddp = r.get("mode") == "ddp"
     return {
         "arm": name,
         "eval_loss": r["eval_loss"],
         "baseline_loss": r.get("baseline_loss", r.get("eval_unigram_entropy")),
         "tokens_trained": r["tokens_trained"],
         "wall_seconds": r["wall_seconds"],
-        "wire_bytes": r["wire_bytes"],
+        "trained_tokens_per_s": r["tokens_trained"] / wall,
+        # DDP applies every step's gradient at once: everything it trains is merged.
+        "merged_tokens_per_s": r["tokens_trained"] / wall if ddp else r["merged_tokens_per_s"],
+        "merged_share": 1.0 if ddp else r["tokens_merged"] / max(1, r["tokens_trained"]),
+        "utilization": None if ddp else r["utilization"],
+        "utilization_min_others": None if ddp else r["utilization_min_others"],
         "wire_bytes_per_token": r["wire_bytes"] / max(1, r["tokens_trained"]),
-        "tokens_per_s": r["tokens_trained"] / max(1e-9, r["wall_seconds"]),
-        "utilization": r.get("utilization"),
     }
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    ddp = rows[0]
-    header = f"{'arm':<16}{'eval loss':>10}{'unigram':>9}{'tokens':>12}{'wall s':>9}{'tok/s':>9}{'wire B/tok':>12}{'vs DDP':>10}"
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    header = (f"{'arm':<20}{'eval loss':>10}{'tok/s':>9}{'merged/s':>10}{'merged':>8}"
+              f"{'util':>8}{'util min':>9}{'wire B/tok':>12}{'wall s':>8}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
-        ratio = (
-            ddp["wire_bytes_per_token"] / r["wire_bytes_per_token"]
-            if r["wire_bytes_per_token"]
-            else float("inf")
-        )
-        print(
-            f"{r['arm']:<16}{r['eval_loss']:>10.4f}{r['baseline_loss']:>9.4f}{r['tokens_trained']:>12,}"
-            f"{r['wall_seconds']:>9.1f}{r['tokens_per_s']:>9.0f}{r['wire_bytes_per_token']:>12.2f}{ratio:>9.1f}x"
-        )
+        print(f"{r['arm']:<20}{r['eval_loss']:>10.4f}{r['trained_tokens_per_s']:>9.0f}{r['merged_tokens_per_s']:>10.0f}"
+              f"{pct(r['merged_share']):>8}{pct(r['utilization']):>8}{pct(r['utilization_min_others']):>9}"
+              f"{r['wire_bytes_per_token']:>12.2f}{r['wall_seconds']:>8.1f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
-        "--tokens", type=int, default=2_000_000, help="token budget per arm (all workers together)"
+        "--tokens", type=int, default=1_500_000, help="token budget per arm (all workers together)"
     )
-    p.add_argument("--workers", type=int, default=2, help="DDP ranks = diloco learners")
+    p.add_argument("--workers", type=int, default=4, help="DDP ranks = diloco learners")
     p.add_argument("--dataset", default="stdlib")
     p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's slowdown in the slow arms")
     p.add_argument("--max-minutes", type=float, default=30.0, help="safety bound per arm")
     p.add_argument("--arms", default=",".join(["ddp", *DILOCO_ARMS]), help="comma-separated arms to run")
+    p.add_argument("--no-slow", action="store_true", help="fault-free arms only")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
     args = p.parse_args(argv)
 
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
     cfg = default_run_config().with_overrides(
-        {
-            "data.dataset": args.dataset,
-            "train.inner_steps": args.inner_steps,
-            "train.threads": max(1, (os.cpu_count() or 1) // args.workers),
-        }
+        {"data.dataset": args.dataset, "train.inner_steps": args.inner_steps, "train.threads": threads}
     )
-    arms = args.arms.split(",")
+    slow_variants = [1.0] if args.no_slow else [1.0, args.slow_factor]
     results: dict[str, Any] = {}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="diloco_compare_") as tmp:
         config_path = Path(tmp) / "run.toml"
         config_path.write_text(cfg.to_toml())
-        if "ddp" in arms:
-            print(f"== ddp: {args.workers} ranks, {args.tokens:,} tokens", file=sys.stderr)
-            results["ddp"] = run_ddp(
-                cfg,
-                workers=args.workers,
-                max_tokens=args.tokens,
-                max_seconds=args.max_minutes * 60,
-                eval_batches=EVAL_MAX_BATCHES,
-                log_every=0,
-            )
-        for name in arms:
-            if name in DILOCO_ARMS:
-                print(f"== {name}: {args.workers} learners, {args.tokens:,} tokens", file=sys.stderr)
-                results[name] = run_diloco(
-                    name,
-                    DILOCO_ARMS[name],
-                    config_path,
-                    args.tokens,
-                    args.workers,
-                    Path(tmp),
-                    args.max_minutes,
+        for arm in args.arms.split(","):
+            for slow in slow_variants:
+                name = arm if slow == 1.0 else f"{arm}-slow{slow:g}x"
+                print(
+                    f"== {name}: {args.workers} workers, {args.tokens:,} tokens", file=sys.stderr, flush=True
                 )
+                if arm == "ddp":
+                    results[name] = run_ddp(cfg, workers=args.workers, max_tokens=args.tokens,
+                                            max_seconds=args.max_minutes * 60, eval_batches=EVAL_MAX_BATCHES,
+                                            log_every=0, slow_factor=slow)  # fmt: skip
+                else:
+                    flags = DILOCO_ARMS[arm] + (["--slow-learner", str(slow)] if slow > 1.0 else [])
+                    results[name] = run_diloco(name, flags, config_path, args.tokens, args.workers, Path(tmp),
+                                               args.max_minutes)  # fmt: skip
     rows = [row(name, r) for name, r in results.items()]
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {"rows": rows, "raw": results, "args": {k: str(v) for k, v in vars(args).items()}}, indent=2
-        )
-        + "\n"
-    )
+    payload = {"rows": rows, "raw": results, "args": {k: str(v) for k, v in vars(args).items()},
+               "seconds": time.perf_counter() - started}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"results: {args.out}")
 
 

@@ -126,6 +126,7 @@ def _rank_main(
     eval_batches: int,
     result_path: str,
     log_every: int,
+    slow_factor: float,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -159,6 +160,7 @@ def _rank_main(
             dist.broadcast(stop, src=0)
             if stop.item():
                 break
+            step_started = time.perf_counter()
             lr = lr_at(step, cfg.train)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -172,6 +174,8 @@ def _rank_main(
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             opt.step()
             losses.append(loss.item())
+            if slow_factor > 1.0 and rank == world - 1:  # an injected straggler, as in diloco run
+                time.sleep((slow_factor - 1.0) * (time.perf_counter() - step_started))
             step += 1
             if rank == 0 and log_every > 0 and step % log_every == 0:
                 elapsed = time.perf_counter() - t0
@@ -244,6 +248,7 @@ def run_ddp(
     out: str | Path | None = None,
     log_every: int = 50,
     grace_seconds: float = 120.0,
+    slow_factor: float = 1.0,
 ) -> dict[str, Any]:
     """Train with DDP over `workers` processes until max_tokens (None: cfg.train.max_tokens; 0: no
     token bound) or max_seconds of training; returns the result dict (also written to `out`).
@@ -270,7 +275,7 @@ def run_ddp(
     with tempfile.TemporaryDirectory(prefix="ddp_baseline_") as tmp:
         result_path = os.path.join(tmp, "result.json")
         args = (workers, _free_port(), cfg, train_rows, eval_rows, max_steps, max_seconds, eval_batches,
-                result_path, log_every)  # fmt: skip
+                result_path, log_every, slow_factor)  # fmt: skip
         ctx = mp.start_processes(_rank_main, args=args, nprocs=workers, join=False, start_method="spawn")
         deadline = time.monotonic() + max_seconds + grace_seconds
         try:
@@ -308,6 +313,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write the result JSON here")
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--slow-factor", type=float, default=1.0, help="make the last rank FACTOR× slower")
     # dotted config overrides; None keeps the config's (or the default's) value
     for flag, key, kind in [
         ("--seq-len", "model.seq_len", int),
@@ -345,6 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         eval_batches=args.eval_batches,
         out=args.out,
         log_every=args.log_every,
+        slow_factor=args.slow_factor,
     )
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
 

@@ -36,6 +36,9 @@ SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")
 ]
 CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordinator's HOST:PORT")]
+WorkerIdOpt = Annotated[
+    str | None, typer.Option("--worker-id", help="a stable identity for this worker (default: generated)")
+]
 ConnectOpt = Annotated[
     float, typer.Option("--connect-timeout", help="seconds to wait for the coordinator at start")
 ]
@@ -103,12 +106,14 @@ def coordinator(
 
 @app.command()
 @clear_errors
-def data(coordinator: CoordinatorOpt, connect_timeout: ConnectOpt = 60.0) -> None:
+def data(
+    coordinator: CoordinatorOpt, connect_timeout: ConnectOpt = 60.0, worker_id: WorkerIdOpt = None
+) -> None:
     """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
     from diloco.data.worker import run_data_worker
 
     setup_logging("data")
-    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout))
+    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout, worker_id))
 
 
 @app.command()
@@ -123,12 +128,13 @@ def compute(
         float, typer.Option(help="make this learner FACTOR× slower (straggler experiments)")
     ] = 1.0,
     connect_timeout: ConnectOpt = 60.0,
+    worker_id: WorkerIdOpt = None,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.learner import LocalOverrides, run_learner
 
     setup_logging("learner")
-    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout)
+    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout, worker_id)
     sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
 
 

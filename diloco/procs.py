@@ -41,19 +41,27 @@ class ProcessGroup:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, **self.env, **(extra_env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        with open(log_path, "ab") as log:
-            # A session of its own: a Ctrl-C at the terminal reaches only the parent, which then
-            # stops the children in order instead of all of them dying at once.
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "cli", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        child = Child(name, role, args, proc, log_path)
-        self.children.append(child)
+        # A Ctrl-C between fork and bookkeeping would leave a child nobody stops: hold SIGINT and
+        # SIGTERM until the child is on the list (they are delivered right after).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            with open(log_path, "ab") as log:
+                # A session of its own: a Ctrl-C at the terminal reaches only the parent, which then
+                # stops the children in order instead of all of them dying at once.
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "cli", *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    # ...but the child must not inherit the held signals, or SIGTERM would not reach it.
+                    preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, blocked),
+                )
+            child = Child(name, role, args, proc, log_path)
+            self.children.append(child)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return child
 
     def by_role(self, role: str) -> list[Child]:

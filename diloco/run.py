@@ -123,9 +123,12 @@ class LocalRun:
     def _start_workers(self, address: str) -> None:
         o = self.options
         for i in range(o.data_workers):
-            self.group.spawn(f"data-{i}", "data", ["data", "--coordinator", address])
+            self.group.spawn(
+                f"data-{i}", "data", ["data", "--coordinator", address, "--worker-id", f"data-{i}"]
+            )
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
+            args += ["--worker-id", f"learner-{i}"]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             self.group.spawn(f"learner-{i}", "learner", args)
@@ -266,6 +269,15 @@ class LocalRun:
             w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in learners if w.get("wall_seconds")
         ]
         summary["utilization_per_learner"] = [round(u, 4) for u in per_learner]
+        summary["utilization_by_learner"] = {
+            w["worker_id"]: round(w.get("busy_seconds", 0.0) / w["wall_seconds"], 4)
+            for w in learners
+            if w.get("wall_seconds")
+        }
+        slow = f"learner-{self.options.learners - 1}" if self.options.slow_learner > 1.0 else None
+        summary["slow_learner"] = slow
+        others = [u for wid, u in summary["utilization_by_learner"].items() if wid != slow]
+        summary["utilization_min_others"] = min(others) if others else 0.0
         summary["utilization"] = round(sum(per_learner) / len(per_learner), 4) if per_learner else 0.0
         timed = [w for w in learners if w.get("wall_seconds")]
         summary["data_stall_share"] = _mean(

@@ -46,6 +46,8 @@ class LocalOverrides:
     # Make this learner FACTOR× slower: after each step, sleep (FACTOR − 1)× its compute time.
     slow_factor: float = 1.0
     connect_timeout_s: float = 60.0
+    # A stable identity (e.g. the host's name) instead of a generated one.
+    worker_id: str | None = None
 
 
 @dataclass
@@ -99,8 +101,8 @@ class Learner:
     def __init__(
         self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
     ):
-        self.client = CoordinatorClient(address, pb.ROLE_COMPUTE)
         self.overrides = overrides or LocalOverrides()
+        self.client = CoordinatorClient(address, pb.ROLE_COMPUTE, worker_id=self.overrides.worker_id)
         self.stop = stop or threading.Event()
         self.finishing = threading.Event()
         self.progress = Progress()

@@ -25,9 +25,15 @@ log = logging.getLogger("diloco.data")
 
 
 class DataWorker:
-    def __init__(self, address: str, stop: threading.Event | None = None, connect_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        address: str,
+        stop: threading.Event | None = None,
+        connect_timeout_s: float = 60.0,
+        worker_id: str | None = None,
+    ):
         self.connect_timeout_s = connect_timeout_s
-        self.client = CoordinatorClient(address, pb.ROLE_DATA)
+        self.client = CoordinatorClient(address, pb.ROLE_DATA, worker_id=worker_id)
         self.stop = stop or threading.Event()
         self.current_chunk: int | None = None
         self.chunks_done = 0
@@ -140,6 +146,9 @@ class DataWorker:
 
 
 def run_data_worker(
-    address: str, stop: threading.Event | None = None, connect_timeout_s: float = 60.0
+    address: str,
+    stop: threading.Event | None = None,
+    connect_timeout_s: float = 60.0,
+    worker_id: str | None = None,
 ) -> int:
-    return DataWorker(address, stop, connect_timeout_s).run()
+    return DataWorker(address, stop, connect_timeout_s, worker_id).run()
