@@ -167,6 +167,9 @@ def run(
     ] = False,
     merge: Annotated[str | None, typer.Option(help="mean | token | rda")] = None,
     slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
+    chaos_interval: Annotated[
+        float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
+    ] = 0.0,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="no live progress display")] = False,
@@ -203,6 +206,7 @@ def run(
             workdir=str(workdir) if workdir else None,
             name=name,
             slow_learner=slow_learner,
+            chaos_interval=chaos_interval,
             show_progress=not no_progress,
         )
     )
@@ -211,13 +215,33 @@ def run(
 @app.command()
 @clear_errors
 def status(
-    coordinator: CoordinatorOpt,
+    coordinator: Annotated[
+        str | None, typer.Option("--coordinator", help="a running coordinator's HOST:PORT")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the full status as JSON")] = False,
+    audit: Annotated[
+        bool, typer.Option("--audit", help="check the ledger's invariants; exit 1 on a violation")
+    ] = False,
+    workdir: Annotated[Path | None, typer.Option(help="a coordinator's state dir (for --audit)")] = None,
 ) -> None:
-    """Show a running coordinator's state: chunks, shards, tokens, rounds, workers."""
+    """Show a running coordinator's state, or (--audit --workdir DIR) prove its ledger's promises."""
     from diloco.client import CoordinatorClient
     from diloco.v1 import coordinator_pb2 as pb
 
+    if audit:
+        from diloco.coordinator.audit import audit as audit_ledger
+
+        if workdir is None:
+            raise DilocoError("--audit needs --workdir (the coordinator's state dir)")
+        report = audit_ledger(workdir)
+        typer.echo(
+            json.dumps(report.to_dict(), indent=2)
+            if as_json
+            else ("audit ok" if report.ok else "audit FAILED:\n  " + "\n  ".join(report.violations))
+        )
+        raise typer.Exit(0 if report.ok else 1)
+    if coordinator is None:
+        raise DilocoError("give --coordinator HOST:PORT (or --audit --workdir DIR)")
     client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5)
     client.wait_ready(5)
     detail = json.loads(client.call("Status", pb.StatusRequest(), timeout_s=10).detail_json)

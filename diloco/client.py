@@ -36,6 +36,8 @@ RETRYABLE = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 CLIENT_MESSAGE_LIMIT = 64 << 20
+# How long a worker rides out a coordinator outage (a restart, a network cut) before giving up.
+WORKER_OUTAGE_TOLERANCE_S = 600.0
 
 
 def backoff_delay(

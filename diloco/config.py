@@ -159,25 +159,11 @@ class RunConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file not found: {path}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(_read_toml(path))
 
     def merged_with_toml(self, path: str | Path) -> RunConfig:
         """This config with the keys a TOML file sets replaced (unknown keys are refused)."""
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except FileNotFoundError as e:
-            raise ConfigError(f"config file not found: {path}") from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
-        return self.with_overrides(_flatten(data))
+        return self.with_overrides(_flatten(_read_toml(path)))
 
     def with_overrides(self, overrides: dict[str, Any]) -> RunConfig:
         """Apply dotted overrides such as {"train.inner_steps": 100}; None values are ignored."""
@@ -245,6 +231,16 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
         else:
             kwargs[name] = _coerce(value, type(default), path)
     return cls(**kwargs)
+
+
+def _read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {path}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
 
 
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

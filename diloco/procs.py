@@ -64,6 +64,11 @@ class ProcessGroup:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return child
 
+    def respawn(self, child: Child, args: list[str] | None = None) -> Child:
+        """Start a process again in a child's place (same name, role and, unless given, args)."""
+        self.children.remove(child)
+        return self.spawn(child.name, child.role, args or child.args)
+
     def by_role(self, role: str) -> list[Child]:
         return [c for c in self.children if c.role == role]
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import signal
+import sqlite3
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,8 +28,10 @@ from rich.live import Live
 from rich.table import Table
 
 from diloco import store
+from diloco.chaos import ChaosPlan
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
+from diloco.coordinator.audit import audit
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.server import store_root
 from diloco.data.shard import read_shard
@@ -67,6 +70,8 @@ class LocalRunOptions:
     # One learner made FACTOR× slower by an injected delay per inner step (1.0: none).
     slow_learner: float = 1.0
     show_progress: bool = True
+    # Mean seconds between SIGKILLs of random processes, coordinator included (0: no chaos).
+    chaos_interval: float = 0.0
 
 
 @dataclass
@@ -85,6 +90,7 @@ class LocalRun:
         if o.tokens:
             cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
         self.config = cfg.with_overrides({"name": self.name}).validate()
+        self.kills: dict[str, int] = {}
         self.group = ProcessGroup(
             self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
         )
@@ -96,25 +102,23 @@ class LocalRun:
         info_path.unlink(missing_ok=True)
         config_path = self.workdir / "run.toml"
         config_path.write_text(self.config.to_toml())
-        coordinator = self.group.spawn(
+        args = [
             "coordinator",
-            "coordinator",
-            [
-                "coordinator",
-                "--workdir",
-                str(self.workdir),
-                "--config",
-                str(config_path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-            ],
-        )
+            "--workdir",
+            str(self.workdir),
+            "--config",
+            str(config_path),
+            "--host",
+            "127.0.0.1",
+        ]
+        coordinator = self.group.spawn("coordinator", "coordinator", [*args, "--port", "0"])
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if info_path.exists():
-                return json.loads(info_path.read_text())["address"]
+                info = json.loads(info_path.read_text())
+                # A restarted coordinator comes back on the same port: the workers only know it.
+                coordinator.args = [*args, "--port", str(info["port"])]
+                return info["address"]
             if not coordinator.alive:
                 raise DilocoError(f"coordinator exited early:\n{self.group.tail(coordinator)}")
             time.sleep(0.1)
@@ -154,6 +158,13 @@ class LocalRun:
         finally:
             self.group.stop(grace_s=15)
         summary = self._summarize(detail, train_seconds, time.monotonic() - started)
+        report = audit(self.workdir)
+        summary.update(
+            kills=self.kills,
+            audit_ok=report.ok,
+            audit_violations=report.violations,
+            longest_merge_gap_s=longest_merge_gap(self.workdir),
+        )
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
 
@@ -167,16 +178,26 @@ class LocalRun:
     def _watch(self, observer: CoordinatorClient, started: float) -> dict[str, Any]:
         """Show progress until every learner has exited; ask the coordinator to finish at the deadline."""
         deadline = started + self.options.minutes * 60 if self.options.minutes > 0 else math.inf
-        learners = self.group.by_role("learner")
-        coordinator = self.group.by_role("coordinator")[0]
         detail: dict[str, Any] = {}
         finish_sent = False
+        chaos = (
+            ChaosPlan(self.options.chaos_interval, self.config.train.seed)
+            if self.options.chaos_interval
+            else None
+        )
+        next_kill = time.monotonic() + chaos.next_delay() if chaos else math.inf
         live = Live(self._progress_table(detail, started), console=self.console, refresh_per_second=2)
         last_line = 0.0
         with live if self.options.show_progress else contextlib.nullcontext():
-            while any(c.alive for c in learners):
+            while any(c.alive for c in self.group.by_role("learner")):
+                coordinator = self.group.by_role("coordinator")[0]
                 if not coordinator.alive:
-                    raise DilocoError(f"coordinator died:\n{self.group.tail(coordinator)}")
+                    if not chaos:
+                        raise DilocoError(f"coordinator died:\n{self.group.tail(coordinator)}")
+                    self.group.respawn(coordinator)  # a supervisor restarts what dies
+                if chaos and not finish_sent and time.monotonic() >= next_kill:
+                    self._kill_one(chaos)
+                    next_kill = time.monotonic() + chaos.next_delay()
                 detail = self._status(observer) or detail
                 if self.options.show_progress:
                     live.update(self._progress_table(detail, started))
@@ -189,12 +210,26 @@ class LocalRun:
                 time.sleep(0.5)
             if self.options.show_progress:
                 live.update(self._progress_table(detail, started))
-        failed = [c.name for c in learners if c.proc.returncode not in (0, None)]
+        failed = [c.name for c in self.group.by_role("learner") if c.proc.returncode not in (0, None)]
         if failed:
             self.console.print(
                 f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})"
             )
         return detail
+
+    def _kill_one(self, chaos: ChaosPlan) -> None:
+        """SIGKILL one random live process and start it again, as a supervisor would."""
+        alive = [c for c in self.group.children if c.alive]
+        role = chaos.pick_role([c.role for c in alive])
+        if role is None:
+            return
+        name = chaos.pick([c.name for c in alive if c.role == role])
+        victim = next(c for c in alive if c.name == name)
+        self.group.signal(victim, signal.SIGKILL)
+        victim.proc.wait(timeout=10)
+        self.kills[role] = self.kills.get(role, 0) + 1
+        self.group.respawn(victim)
+        self.console.print(f"chaos: killed {victim.name} (kill #{sum(self.kills.values())}), restarted it")
 
     def _wind_down(self, observer: CoordinatorClient) -> None:
         with contextlib.suppress(Exception):
@@ -308,6 +343,13 @@ class LocalRun:
         return summary
 
 
+def longest_merge_gap(workdir: Path) -> float:
+    """The longest time between two merges (any fragment): how long the syncer made no progress."""
+    with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
+        closed = [r[0] for r in db.execute("SELECT closed FROM rounds ORDER BY closed")]
+    return round(max((b - a for a, b in zip(closed, closed[1:], strict=False)), default=0.0), 2)
+
+
 def _mean(values: list[float]) -> float:
     return round(sum(values) / len(values), 4) if values else 0.0
 
@@ -325,6 +367,11 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}")
     table.add_row("learner utilization", f"{summary['utilization']:.1%}")
     table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
+    if summary.get("kills"):
+        table.add_row("chaos kills", ", ".join(f"{k} {v}" for k, v in sorted(summary["kills"].items())))
+    table.add_row(
+        "audit", "ok" if summary.get("audit_ok") else f"VIOLATIONS: {summary.get('audit_violations')}"
+    )
     console.print(table)
     if summary.get("sample"):
         console.print("[bold]sample[/] (the trained model continues the prompt):")

@@ -189,7 +189,13 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
             n: g * scales[version] for n, g in syncer.merge_deltas(deltas, weights, cfg.sync.merge).items()
         }
         theta, momentum = syncer.outer_step(
-            theta, momentum, grad, cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.nesterov
+            theta,
+            momentum,
+            grad,
+            cfg.sync.outer_lr,
+            cfg.sync.outer_momentum,
+            cfg.sync.nesterov,
+            scales[version],
         )
 
     final = load_model_params(store.join(str(workdir.resolve()), "checkpoints"), [max(scales)])

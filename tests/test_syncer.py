@@ -523,3 +523,26 @@ def test_grace_window_falls_back_to_argument_when_arrival_step_time_zero():
     # Neither known: no window, the round closes at quorum.
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[timed("a", 2.0, 0.0)])
     assert decide_close(state, 2.0, GRACE, LIVE3, step_time_s=0.0).close
+
+
+def test_fractional_rounds_move_about_as_far_as_one_full_round():
+    # Two half rounds (coverage 1/2, gradient already halved) vs one full round, same gradient,
+    # with momentum carried in: the half rounds must not apply the momentum twice over.
+    p0, m0, g = {"w": torch.tensor([0.0])}, {"w": torch.tensor([1.0])}, torch.tensor([1.0])
+    full, _ = outer_step(p0, m0, {"w": g}, lr=0.7, mu=0.9, nesterov=True)
+    half, m_half = outer_step(p0, m0, {"w": g / 2}, lr=0.7, mu=0.9, nesterov=True, fraction=0.5)
+    half, _ = outer_step(half, m_half, {"w": g / 2}, lr=0.7, mu=0.9, nesterov=True, fraction=0.5)
+    plain, m_plain = outer_step(p0, m0, {"w": g / 2}, lr=0.7, mu=0.9, nesterov=True)
+    plain, _ = outer_step(plain, m_plain, {"w": g / 2}, lr=0.7, mu=0.9, nesterov=True)
+    gap_fractional = abs(half["w"] - full["w"]).item()
+    gap_plain = abs(plain["w"] - full["w"]).item()
+    assert gap_fractional < 0.1 * abs(full["w"]).item()
+    assert gap_fractional < gap_plain / 3
+
+
+def test_fraction_one_is_the_plain_step():
+    p0, m0, g = {"w": torch.tensor([0.3])}, {"w": torch.tensor([0.2])}, {"w": torch.tensor([0.5])}
+    for nesterov in (True, False):
+        a = outer_step(p0, m0, g, lr=0.7, mu=0.9, nesterov=nesterov)
+        b = outer_step(p0, m0, g, lr=0.7, mu=0.9, nesterov=nesterov, fraction=1.0)
+        assert torch.equal(a[0]["w"], b[0]["w"]) and torch.equal(a[1]["w"], b[1]["w"])

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.client import CoordinatorClient
+from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import schedule
 from diloco.compute.device import pick_device, set_threads
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
@@ -63,8 +63,10 @@ class Progress:
     sync_wait_s: float = 0.0  # time waiting for the syncer
     started: float = field(default_factory=time.monotonic)
 
+    ended: float | None = None  # the training loop's end: the final flush is not training time
+
     def wall_s(self) -> float:
-        return time.monotonic() - self.started
+        return (self.ended or time.monotonic()) - self.started
 
 
 @dataclass
@@ -102,7 +104,12 @@ class Learner:
         self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
     ):
         self.overrides = overrides or LocalOverrides()
-        self.client = CoordinatorClient(address, pb.ROLE_COMPUTE, worker_id=self.overrides.worker_id)
+        self.client = CoordinatorClient(
+            address,
+            pb.ROLE_COMPUTE,
+            retry_deadline_s=WORKER_OUTAGE_TOLERANCE_S,
+            worker_id=self.overrides.worker_id,
+        )
         self.stop = stop or threading.Event()
         self.finishing = threading.Event()
         self.progress = Progress()
@@ -113,6 +120,7 @@ class Learner:
 
     def _setup(self) -> RunConfig:
         reply = self.client.join(self.overrides.connect_timeout_s)
+        self.epoch = reply.coordinator_epoch
         cfg = self.client.config
         assert cfg is not None
         self.cfg = cfg
@@ -268,6 +276,10 @@ class Learner:
         )
         if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
             self.finishing.set()
+        if reply.coordinator_epoch != self.epoch:
+            log.warning("coordinator epoch %d -> %d: it restarted", self.epoch, reply.coordinator_epoch)
+            self.epoch = reply.coordinator_epoch
+            self.channel.coordinator_restarted()
         for shard_id in reply.lost_shard_leases:
             log.warning("lease on shard %d lost", shard_id)
             self.prefetcher.lose(shard_id)
@@ -385,6 +397,7 @@ class Learner:
                 if cfg.sync.synchronous:
                     self._wait_for_merges()
                 self._wait_if_unreachable()
+            self.progress.ended = time.monotonic()
             if not self.stop.is_set():
                 # Finished work is not thrown away: what was not pushed yet is pushed and merged.
                 self._flush()

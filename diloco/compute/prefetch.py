@@ -107,9 +107,12 @@ class ShardPrefetcher:
                 try:
                     shard = read_shard(lease.uri, expected_checksum=lease.checksum)
                 except (ShardCorrupt, StoreError) as e:
-                    # Not renewed, the lease runs out and the shard goes back to the pool.
-                    log.warning("shard %d unreadable (%s); skipping it", lease.shard_id, e)
+                    # The coordinator has the raw chunk reprocessed into a good shard.
+                    log.warning("shard %d unreadable (%s); reported for reprocessing", lease.shard_id, e)
                     self.release(lease.shard_id)
+                    self.client.call(
+                        "ReportShard", pb.ReportShardRequest(shard_id=lease.shard_id, error=str(e))
+                    )
                     continue
                 self._enqueue(lease, shard.rows)
         except Exception:

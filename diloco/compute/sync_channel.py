@@ -46,7 +46,9 @@ class SyncChannel:
         self.pull_wait_s = pull_wait_s
         self.jobs: queue.Queue[PushJob] = queue.Queue()
         self._cond = threading.Condition()
-        self._awaiting: dict[int, tuple[int, bool]] = {}  # fragment -> (version held back, accepted)
+        # fragment -> (version the merge must exceed, accepted, the push): kept until the merge is
+        # back, so a push can be asked about again after a coordinator restart.
+        self._awaiting: dict[int, tuple[int, bool, PushJob]] = {}
         self._results: dict[int, Merged] = {}
         self._unreachable_since: float | None = None
         self.pushes_refused = 0
@@ -74,6 +76,21 @@ class SyncChannel:
         with self._cond:
             if not self._results:
                 self._cond.wait(timeout_s)
+
+    def coordinator_restarted(self) -> None:
+        """A new coordinator epoch: pushes that were waiting for a merge may have been dropped.
+
+        Each is sent again with its own push_id. The ledger answers for it: merged (we get the
+        merge), or dropped with the restart (refused: we take the current fragment and go on).
+        Nothing is applied twice.
+        """
+        with self._cond:
+            jobs = [job for _, accepted, job in self._awaiting.values() if accepted]
+            for job in jobs:
+                del self._awaiting[job.header.fragment]
+        for job in jobs:
+            log.info("coordinator restarted: asking again about the push of fragment %d", job.header.fragment)
+            self.jobs.put(job)
 
     def unreachable_for(self) -> float:
         since = self._unreachable_since
@@ -135,7 +152,7 @@ class SyncChannel:
         with self._cond:
             # Accepted: the merge that includes us makes a version above reply.version.
             # Refused: any version will do (we take the current one and go on).
-            self._awaiting[p] = (reply.version if reply.accepted else -1, bool(reply.accepted))
+            self._awaiting[p] = (reply.version if reply.accepted else -1, bool(reply.accepted), job)
             self._cond.notify_all()
 
     def _pull_forever(self) -> None:

@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS shards (
   id INTEGER PRIMARY KEY AUTOINCREMENT, chunk_id INTEGER NOT NULL UNIQUE REFERENCES chunks(id),
   completion_id TEXT NOT NULL UNIQUE, uri TEXT NOT NULL, split TEXT NOT NULL,
   rows INTEGER NOT NULL, tokens INTEGER NOT NULL, checksum TEXT NOT NULL, nbytes INTEGER NOT NULL,
-  state TEXT NOT NULL DEFAULT 'ready',            -- ready | leased | consumed
+  state TEXT NOT NULL DEFAULT 'ready',            -- ready | leased | consumed | corrupt
   holder TEXT, lease_expires REAL, created REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS workers (
@@ -223,10 +223,21 @@ class Ledger:
     def workers(self) -> list[sqlite3.Row]:
         return self._q("SELECT * FROM workers ORDER BY joined")
 
-    def reclaim_expired(self, ttl_s: float) -> dict[str, int]:
-        """Expired leases back to the pool; silent workers marked lost (and their leases freed)."""
+    def reclaim_expired(self, ttl_s: float, max_chunk_attempts: int = 0) -> dict[str, int]:
+        """Expired leases back to the pool; silent workers marked lost (and their leases freed).
+
+        A chunk whose lease ran out max_chunk_attempts times (its workers died or hung on it: a
+        poison chunk) is quarantined instead of handed out again.
+        """
         now = self.clock()
         with self._tx() as db:
+            if max_chunk_attempts > 0:
+                db.execute(
+                    "UPDATE chunks SET state = 'quarantined', holder = NULL, lease_expires = NULL, "
+                    "error = 'lease expired ' || attempts || ' times: the worker died or hung on this chunk' "
+                    "WHERE state = 'leased' AND lease_expires <= ? AND attempts >= ?",
+                    (now, max_chunk_attempts),
+                )
             chunks = db.execute(
                 "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL "
                 "WHERE state = 'leased' AND lease_expires <= ?",
@@ -244,9 +255,9 @@ class Ledger:
 
     # -- chunks (data workers) ------------------------------------------------------------------
 
-    def lease_chunk(self, worker_id: str, ttl_s: float) -> ChunkLease | str:
+    def lease_chunk(self, worker_id: str, ttl_s: float, max_attempts: int = 0) -> ChunkLease | str:
         """A pending chunk, or "wait" (others hold the rest), or "done"."""
-        self.reclaim_expired(ttl_s)
+        self.reclaim_expired(ttl_s, max_attempts)
         with self._tx() as db:
             row = db.execute(
                 "SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY id LIMIT 1"
@@ -286,6 +297,27 @@ class Ledger:
                 return Completion(False, "chunk already has a shard")
             if chunk["state"] == "quarantined":
                 return Completion(False, "chunk is quarantined")
+            corrupt = db.execute(
+                "SELECT id, rows FROM shards WHERE chunk_id = ? AND state = 'corrupt'", (chunk_id,)
+            ).fetchone()
+            if corrupt is not None:
+                # Reprocessing is deterministic, so the repaired shard has the same rows and the
+                # rows already merged from the old file stay counted: same shard id, new file.
+                if corrupt["rows"] != rows:
+                    return Completion(
+                        False, f"repaired shard has {rows} rows, the original had {corrupt['rows']}"
+                    )
+                db.execute(
+                    "UPDATE shards SET completion_id = ?, uri = ?, checksum = ?, nbytes = ?, state = 'ready', "
+                    "holder = NULL, lease_expires = NULL WHERE id = ?",
+                    (completion_id, uri, checksum, nbytes, corrupt["id"]),
+                )
+                db.execute(
+                    "UPDATE chunks SET state = 'done', holder = NULL, lease_expires = NULL WHERE id = ?",
+                    (chunk_id,),
+                )
+                _bump(db, "shards_repaired", 1)
+                return Completion(True, "shard repaired", corrupt["id"])
             cur = db.execute(
                 "INSERT INTO shards(chunk_id, completion_id, uri, split, rows, tokens, checksum, nbytes, state, created) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -363,6 +395,24 @@ class Ledger:
                 "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state != 'consumed'"
             ).fetchone()[0]
             return "wait" if unfinished_chunks or open_shards else "done"
+
+    def report_corrupt_shard(self, shard_id: int, error: str) -> bool:
+        """A shard that failed its checksum: take it out of play and reprocess its raw chunk."""
+        with self._tx() as db:
+            shard = db.execute("SELECT chunk_id, state FROM shards WHERE id = ?", (shard_id,)).fetchone()
+            if shard is None or shard["state"] in ("corrupt", "consumed"):
+                return False
+            db.execute(
+                "UPDATE shards SET state = 'corrupt', holder = NULL, lease_expires = NULL WHERE id = ?",
+                (shard_id,),
+            )
+            db.execute(
+                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL, error = ? "
+                "WHERE id = ?",
+                (f"shard {shard_id} corrupt: {error}"[:2000], shard["chunk_id"]),
+            )
+            _bump(db, "shards_corrupt", 1)
+            return True
 
     def release_shards(self, worker_id: str, shard_ids: Iterable[int]) -> None:
         with self._tx() as db:

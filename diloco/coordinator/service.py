@@ -114,6 +114,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=5)
 
     def _load_parameters(self) -> None:
         """After a restart: the global fragments at the versions the ledger last committed."""
@@ -233,7 +235,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.run_state != "running":
             reply = pb.LeaseChunkReply(done=True, run_state=self._state_pb())
         else:
-            lease = self.ledger.lease_chunk(request.worker_id, ttl)
+            lease = self.ledger.lease_chunk(
+                request.worker_id, ttl, self.config.coordinator.max_chunk_attempts
+            )
             if isinstance(lease, ChunkLease):
                 shard_uri = store.join(self.shard_root, f"chunk-{lease.chunk_id:06d}-a{lease.attempt}.shard")
                 reply = pb.LeaseChunkReply(
@@ -334,6 +338,23 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             else:
                 reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())
         self.wire.add_out("lease_shard", reply)
+        return reply
+
+    def ReportShard(
+        self, request: pb.ReportShardRequest, context: grpc.ServicerContext
+    ) -> pb.ReportShardReply:
+        self.wire.add_in("report_shard", request)
+        self._require_worker(request.worker_id, context)
+        again = self.ledger.report_corrupt_shard(request.shard_id, request.error)
+        log.warning(
+            "shard %d reported corrupt by %s (%s); reprocessing=%s",
+            request.shard_id,
+            request.worker_id,
+            request.error,
+            again,
+        )
+        reply = pb.ReportShardReply(reprocessing=again)
+        self.wire.add_out("report_shard", reply)
         return reply
 
     # -- learners: parameters -------------------------------------------------------------------
@@ -443,10 +464,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if prior is not None:  # a retry after a lost reply: answer again, change nothing
             for _ in messages:
                 pass
+            # A merged push answers with the version just before its merge, so the learner's
+            # "newer than" pull returns the merge that holds it at once.
+            merged_at = prior["merged_version"]
             reply = pb.PushReply(
                 accepted=prior["state"] != "dropped",
-                reason=prior["reason"] or "already received",
-                version=self.fragments[header.fragment].version,
+                reason=prior["reason"] or f"already received ({prior['state']})",
+                version=merged_at - 1 if merged_at else self.fragments[header.fragment].version,
             )
             self.wire.add_out("push", reply)
             return reply
@@ -586,6 +610,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.policy.outer_lr,
             self.policy.outer_momentum,
             self.policy.nesterov,
+            fraction=scale,
         )
         version = frag.version + 1
         checkpoint.save_fragment(self.checkpoint_root, p, version, params, momentum)
@@ -625,7 +650,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 log.exception("syncer tick failed")
 
     def tick(self) -> None:
-        self.ledger.reclaim_expired(self.config.coordinator.lease_ttl_s)
+        self.ledger.reclaim_expired(
+            self.config.coordinator.lease_ttl_s, self.config.coordinator.max_chunk_attempts
+        )
         with self.cond:
             self._close_ready_rounds()
         budget = self.config.train.max_tokens

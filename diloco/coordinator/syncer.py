@@ -185,17 +185,23 @@ def outer_step(
     lr: float,
     mu: float,
     nesterov: bool,
+    fraction: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SGD with (Nesterov) momentum on the outer gradient, as torch.optim.SGD does it.
 
     m ← μ·m + g;  θ ← θ − lr·(g + μ·m) with Nesterov, θ ← θ − lr·m without. Returns new tensors.
+
+    A round that holds only a `fraction` f of the learners (its g already scaled by f) is a
+    fraction of an outer step: the momentum decays by μ^f and pushes by f·μ·m, so k rounds of 1/k
+    each move about as far as one full round — not k times the momentum. f = 1 is the plain step.
     """
+    decay = mu**fraction
     new_params: dict[str, torch.Tensor] = {}
     new_momentum: dict[str, torch.Tensor] = {}
     for name, theta in params.items():
         g = outer_grad[name].to(torch.float32)
-        m = mu * momentum[name] + g
-        update = g + mu * m if nesterov else m
+        m = decay * momentum[name] + g
+        update = g + fraction * mu * m if nesterov else fraction * m + (1.0 - fraction) * g
         new_params[name] = (theta.to(torch.float32) - lr * update).to(theta.dtype)
         new_momentum[name] = m
     return new_params, new_momentum

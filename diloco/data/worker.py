@@ -14,7 +14,7 @@ import traceback
 import uuid
 
 from diloco import store
-from diloco.client import CoordinatorClient
+from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.data.chunks import ChunkSpec, Segment
 from diloco.data.process import process_chunk
 from diloco.data.shard import write_shard
@@ -33,7 +33,9 @@ class DataWorker:
         worker_id: str | None = None,
     ):
         self.connect_timeout_s = connect_timeout_s
-        self.client = CoordinatorClient(address, pb.ROLE_DATA, worker_id=worker_id)
+        self.client = CoordinatorClient(
+            address, pb.ROLE_DATA, retry_deadline_s=WORKER_OUTAGE_TOLERANCE_S, worker_id=worker_id
+        )
         self.stop = stop or threading.Event()
         self.current_chunk: int | None = None
         self.chunks_done = 0

@@ -232,6 +232,22 @@ class LeaseShardReply(_message.Message):
     run_state: RunState
     def __init__(self, shard_id: _Optional[int] = ..., uri: _Optional[str] = ..., checksum: _Optional[str] = ..., rows: _Optional[int] = ..., todo: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., done: _Optional[bool] = ..., run_state: _Optional[_Union[RunState, str]] = ...) -> None: ...
 
+class ReportShardRequest(_message.Message):
+    __slots__ = ("worker_id", "shard_id", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    shard_id: int
+    error: str
+    def __init__(self, worker_id: _Optional[str] = ..., shard_id: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReportShardReply(_message.Message):
+    __slots__ = ("reprocessing",)
+    REPROCESSING_FIELD_NUMBER: _ClassVar[int]
+    reprocessing: bool
+    def __init__(self, reprocessing: _Optional[bool] = ...) -> None: ...
+
 class TensorSpec(_message.Message):
     __slots__ = ("name", "dtype", "shape")
     NAME_FIELD_NUMBER: _ClassVar[int]

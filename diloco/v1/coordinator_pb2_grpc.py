@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.LeaseShardRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_coordinator__pb2.LeaseShardReply.FromString,
                 _registered_method=True)
+        self.ReportShard = channel.unary_unary(
+                '/diloco.v1.Coordinator/ReportShard',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.ReportShardRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ReportShardReply.FromString,
+                _registered_method=True)
         self.InitParameters = channel.stream_unary(
                 '/diloco.v1.Coordinator/InitParameters',
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.TensorStreamMessage.SerializeToString,
@@ -144,6 +149,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportShard(self, request, context):
+        """A shard that failed its checksum when read: the coordinator has its raw chunk reprocessed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def InitParameters(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -212,6 +224,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.LeaseShard,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.LeaseShardRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_coordinator__pb2.LeaseShardReply.SerializeToString,
+            ),
+            'ReportShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportShard,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ReportShardRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.ReportShardReply.SerializeToString,
             ),
             'InitParameters': grpc.stream_unary_rpc_method_handler(
                     servicer.InitParameters,
@@ -428,6 +445,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/LeaseShard',
             diloco_dot_v1_dot_coordinator__pb2.LeaseShardRequest.SerializeToString,
             diloco_dot_v1_dot_coordinator__pb2.LeaseShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/ReportShard',
+            diloco_dot_v1_dot_coordinator__pb2.ReportShardRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.ReportShardReply.FromString,
             options,
             channel_credentials,
             insecure,

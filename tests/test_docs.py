@@ -1,0 +1,34 @@
+"""The README is the configuration reference: it must name every key the config accepts."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from diloco.config import RunConfig
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def config_keys() -> list[str]:
+    keys = []
+    for f in dataclasses.fields(RunConfig):
+        value = getattr(RunConfig(), f.name)
+        if dataclasses.is_dataclass(value):
+            keys += [f"{f.name}.{g.name}" for g in dataclasses.fields(value)]
+        else:
+            keys.append(f.name)
+    return keys
+
+
+def test_readme_documents_every_config_key() -> None:
+    text = README.read_text()
+    missing = [k for k in config_keys() if f"`{k}`" not in text]
+    assert not missing, f"README's configuration reference lacks: {missing}"
+
+
+def test_readme_opens_with_the_two_commands() -> None:
+    head = README.read_text().splitlines()[:6]
+    assert "```bash" in head
+    commands = [line for line in head if line.startswith("bash ")]
+    assert [c.split()[1] for c in commands] == ["scripts/run.sh", "scripts/test.sh"]
