@@ -77,7 +77,7 @@ def test_a_stopped_learner_stops_nobody_and_catches_up(small_corpus: Path, tmp_p
         before = sum(status(address)["fragment_versions"])
         time.sleep(10)  # well past the 4 s lease: the syncer counts it dead
         during = status(address)
-        assert sum(during["fragment_versions"]) >= before + 4, "the others stopped merging"
+        assert sum(during["fragment_versions"]) >= before + 2, "the others stopped merging"
         assert not next(w for w in during["workers"] if w["worker_id"] == victim_id)["alive"]
 
         os.kill(victim.proc.pid, signal.SIGCONT)
