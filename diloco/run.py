@@ -297,6 +297,10 @@ class LocalRun:
         }
         trained = max(1, summary["tokens_trained"])
         summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
+        params = sum(math.prod(s) for s in _param_shapes(cfg, vocab))
+        summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
+            params, self.options.learners, cfg.train.batch_size, cfg.model.seq_len
+        )
         summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
         summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
         learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
@@ -343,6 +347,22 @@ class LocalRun:
         return summary
 
 
+def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, seq_len: int) -> float:
+    """What DDP moves per trained token with the same model, batch and workers: a ring all-reduce
+    of fp32 gradients every step, in which each of N ranks sends (and receives) 2(N−1)/N × 4 bytes
+    per parameter. Each byte is counted once, as diloco's wire bytes are (sent by one side,
+    received by the other)."""
+    if workers < 2:
+        return 0.0
+    per_step = workers * (2 * (workers - 1) / workers) * 4 * params
+    return per_step / (workers * batch_size * (seq_len + 1))
+
+
+def _param_shapes(cfg: RunConfig, vocab: int) -> list[tuple[int, ...]]:
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in build_model(cfg.model, vocab, 0).parameters()]
+
+
 def longest_merge_gap(workdir: Path) -> float:
     """The longest time between two merges (any fragment): how long the syncer made no progress."""
     with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
@@ -364,7 +384,13 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     table.add_row("tokens trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
-    table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}")
+    ddp = summary.get("ddp_wire_bytes_per_token") or 0.0
+    ratio = (
+        f" (DDP: {ddp:,.0f}, {ddp / summary['wire_bytes_per_token']:,.0f}× more)"
+        if ddp and summary["wire_bytes_per_token"]
+        else ""
+    )
+    table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
     table.add_row("learner utilization", f"{summary['utilization']:.1%}")
     table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
     if summary.get("kills"):
