@@ -166,6 +166,9 @@ def run(
         bool, typer.Option("--sync", help="synchronous DiLoCo: quorum = every learner, one fragment, τ = 0")
     ] = False,
     merge: Annotated[str | None, typer.Option(help="mean | token | rda")] = None,
+    codec: Annotated[
+        str | None, typer.Option(help="how deltas travel: fp32 | bf16 | int8 | int4 (then zstd)")
+    ] = None,
     slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
     chaos_interval: Annotated[
         float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
@@ -192,6 +195,7 @@ def run(
             "sync.fragments": fragments,
             "sync.merge": merge,
             "sync.overlap_steps": overlap,
+            "sync.codec": codec,
         },
     )
     if sync:  # the baseline every benchmark compares with

@@ -101,6 +101,11 @@ class SyncConfig:
     max_unreachable_s: float = 300.0
     # Longest a learner long-polls for a new version before asking again (seconds).
     pull_wait_s: float = 10.0
+    # How deltas travel: fp32 (raw), or bf16 / int8 / int4 (blockwise absmax) then zstd.
+    codec: str = "fp32"
+    codec_level: int = 3
+    # Learners keep what quantization dropped and send it with the next delta of that fragment.
+    error_feedback: bool = True
 
     @property
     def synchronous(self) -> bool:
@@ -121,6 +126,8 @@ class CoordinatorConfig:
     grpc_workers: int = 64
     # A chunk that fails this many times is quarantined.
     max_chunk_attempts: int = 3
+    # Pushes received at once; more wait (and are told to retry): memory stays bounded.
+    max_inflight_pushes: int = 16
 
 
 @dataclass
@@ -204,6 +211,8 @@ class RunConfig:
                 f"sync.overlap_steps (τ = {s.overlap_steps}) must be below train.inner_steps (H = {t.inner_steps}): "
                 "a fragment's merge must be applied before its next push"
             )
+        if s.codec not in ("fp32", "bf16", "int8", "int4"):
+            raise ConfigError(f"sync.codec must be fp32, bf16, int8 or int4, not {s.codec!r}")
         if s.merge not in ("mean", "token", "rda"):
             raise ConfigError(f"sync.merge must be mean, token or rda, not {s.merge!r}")
         if not 0.0 <= self.data.eval_fraction < 1.0:

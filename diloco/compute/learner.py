@@ -30,6 +30,7 @@ from diloco.config import RunConfig
 from diloco.fragments import assign_fragments
 from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire import codecs
 
 log = logging.getLogger("diloco.learner")
 
@@ -115,6 +116,7 @@ class Learner:
         self.progress = Progress()
         self.unpushed = Unpushed()
         self.frags: list[FragmentState] = []
+        self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -194,6 +196,9 @@ class Learner:
         if not empty:
             with torch.no_grad():  # Δ = Θ(base) − θ: the outer gradient this learner proposes
                 tensors = {n: f.base[n] - self.params[n].detach().to("cpu", torch.float32) for n in f.names}
+            header.codec = self.cfg.sync.codec
+            if header.codec != "fp32":
+                tensors = self._encode(tensors)
             header.spans.extend(
                 pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in self.unpushed.spans
             )
@@ -221,6 +226,20 @@ class Learner:
         log.info("returning %d unmerged row span(s) to the pool", len(self.unpushed.spans))
         self.unpushed = Unpushed()
         self.channel.submit(header, {})
+
+    def _encode(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Quantize + zstd each tensor into a uint8 blob; keep what was dropped for the next push."""
+        sync = self.cfg.sync
+        out = {}
+        for name, value in delta.items():
+            if sync.error_feedback:
+                blob, self.residual[name] = codecs.encode_with_feedback(
+                    value, sync.codec, self.residual.get(name), sync.codec_level
+                )
+            else:
+                blob = codecs.encode(value, sync.codec, sync.codec_level)
+            out[name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        return out
 
     def _push_due(self) -> None:
         p = schedule.fragment_due(self.progress.inner_steps, self.cfg.train.inner_steps, len(self.frags))

@@ -30,6 +30,8 @@ from diloco.coordinator.wirecount import WireCounter
 from diloco.fragments import assign_fragments
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
+from diloco.wire import codecs
+from diloco.wire.codecs import CodecError
 from diloco.wire.tensors import TensorAssembler, WireError, receive_one, spec_of, stream_tensors
 
 log = logging.getLogger("diloco.coordinator")
@@ -41,6 +43,7 @@ RUN_STATES = {
     "finished": pb.RUN_STATE_FINISHED,
 }
 MAX_PULL_WAIT_S = 30.0
+PUSH_SLOT_WAIT_S = 10.0
 
 
 @dataclass
@@ -93,6 +96,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.policy = policy_of(config)
         self.cond = threading.Condition(threading.RLock())
         self.wire = WireCounter()
+        self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"
         self.started_at = clock()
@@ -447,6 +451,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PushDelta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.PushReply:
+        # At most max_inflight_pushes deltas are held at once; the rest are told to come back
+        # (clients retry RESOURCE_EXHAUSTED with backoff), so memory does not grow with learners.
+        if not self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S):
+            self.ledger.bump("pushes_deferred")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pushes in flight; retry shortly")
+        try:
+            return self._push_delta(request_iterator, context)
+        finally:
+            self._push_slots.release()
+
+    def _push_delta(
+        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+    ) -> pb.PushReply:
         messages = self.wire.count_in("push", request_iterator)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
@@ -478,16 +495,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         frag = self.fragments[header.fragment]
         empty = header.tokens == 0 and not header.tensors
         tensors: dict[str, torch.Tensor] = {}
+        codec = header.codec or "fp32"
+        if codec != self.config.sync.codec:
+            self.ledger.bump("pushes_malformed")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"push uses codec {codec!r} but this run is configured for {self.config.sync.codec!r}",
+            )
         if not empty:
-            expected = {n: self.specs[n] for n in frag.names}
             try:
-                asm = TensorAssembler(header, self.config.coordinator.max_push_bytes, expected)
-                for msg in messages:
-                    if msg.WhichOneof("kind") != "piece":
-                        raise WireError("only one header is allowed in a push")
-                    asm.add(msg.piece)
-                tensors = asm.tensors()
-            except WireError as e:
+                tensors = self._receive_delta(header, frag.names, codec, messages)
+            except (WireError, CodecError) as e:
                 self.ledger.bump("pushes_malformed")
                 log.warning("push refused worker=%s: %s", header.worker_id, e)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {e}")
@@ -507,6 +525,35 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._close_ready_rounds()
         self.wire.add_out("push", reply)
         return reply
+
+    def _receive_delta(
+        self,
+        header: pb.TensorHeader,
+        names: list[str],
+        codec: str,
+        messages: Iterator[pb.TensorStreamMessage],
+    ) -> dict[str, torch.Tensor]:
+        """The delta's fp32 tensors: raw for fp32, else one encoded blob per tensor, decoded here."""
+        if codec == "fp32":
+            expected = {n: self.specs[n] for n in names}
+        else:
+            expected = None
+            blobs = {s.name: s for s in header.tensors}
+            if set(blobs) != set(names) or any(
+                s.dtype != "uint8" or len(s.shape) != 1 for s in blobs.values()
+            ):
+                raise WireError(f"a {codec} push carries one 1-D uint8 blob per tensor of the fragment")
+        asm = TensorAssembler(header, self.config.coordinator.max_push_bytes, expected)
+        for msg in messages:
+            if msg.WhichOneof("kind") != "piece":
+                raise WireError("only one header is allowed in a push")
+            asm.add(msg.piece)
+        received = asm.tensors()
+        if codec == "fp32":
+            return received
+        return {
+            n: codecs.decode(received[n].numpy().tobytes(), codec, tuple(self.specs[n].shape)) for n in names
+        }
 
     def _accept_push(
         self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool

@@ -1,0 +1,181 @@
+"""Outer-gradient codecs: error bounds, error feedback, and the coordinator's side of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+
+from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
+from diloco.coordinator.server import start_coordinator
+from diloco.data.worker import DataWorker
+from diloco.model.gpt import build_model, make_inner_optimizer
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire import codecs
+from diloco.wire.tensors import stream_tensors
+from tests.conftest import ledger_rows
+
+QMAX = {"int8": 127, "int4": 7}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    codec=st.sampled_from(codecs.CODECS),
+    shape=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    log_scale=st.floats(-8, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_error_is_within_the_codec_bound(codec, shape, log_scale, seed):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 10**log_scale
+    y = codecs.decode(codecs.encode(x, codec), codec, tuple(shape))
+    assert y.shape == x.shape and y.dtype == torch.float32
+    if codec == "fp32":
+        assert torch.equal(x, y)
+        return
+    if codec == "bf16":
+        assert torch.allclose(y, x, rtol=2**-8, atol=0)
+        return
+    # Blockwise absmax: each value is off by at most half a quantization step of its block, plus
+    # the bf16 rounding of the block's scale.
+    flat, err = x.flatten(), (x - y).abs().flatten()
+    pad = (-flat.numel()) % codecs.BLOCK
+    absmax = torch.nn.functional.pad(flat.abs(), (0, pad)).view(-1, codecs.BLOCK).amax(1)
+    bound = absmax.repeat_interleave(codecs.BLOCK)[: flat.numel()] * (0.5 / QMAX[codec] + 2**-7)
+    assert bool((err <= bound + 1e-30).all())
+
+
+def realistic_delta() -> dict[str, torch.Tensor]:
+    """A real pseudo-gradient: Θ − θ after 20 AdamW steps of the built-in GPT on random tokens."""
+    cfg = RunConfig().with_overrides({"model.n_layer": 2, "model.n_embd": 64, "model.seq_len": 32})
+    model = build_model(cfg.model, 257, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = make_inner_optimizer(model, cfg.train)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        batch = torch.randint(0, 257, (8, 33), generator=gen)
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {n: before[n] - p.detach() for n, p in model.named_parameters()}
+
+
+def test_int4_relative_error_on_a_real_pseudo_gradient_and_error_feedback():
+    delta = realistic_delta()
+    flat = torch.cat([t.flatten() for t in delta.values()])
+    decoded = torch.cat(
+        [codecs.decode(codecs.encode(t, "int4"), "int4", tuple(t.shape)).flatten() for t in delta.values()]
+    )
+    assert (decoded - flat).norm() / flat.norm() < 0.15
+    # With error feedback, what was dropped is sent later: the sum of 10 sends tracks 10 deltas to
+    # within one round's quantization error, instead of accumulating it.
+    w = delta["transformer.h.0.mlp.c_fc.weight"]
+    residual, sent = None, torch.zeros_like(w)
+    for _ in range(10):
+        blob, residual = codecs.encode_with_feedback(w, "int4", residual)
+        sent += codecs.decode(blob, "int4", tuple(w.shape))
+    assert (sent - 10 * w).norm() / (10 * w).norm() < 0.02
+
+
+def test_int4_and_int8_are_small_on_the_wire():
+    w = realistic_delta()["transformer.h.0.mlp.c_fc.weight"]
+    assert len(codecs.encode(w, "int4")) < 0.56 * w.numel()
+    assert len(codecs.encode(w, "int8")) < 1.05 * w.numel()
+
+
+def test_blobs_that_do_not_match_are_refused():
+    x = torch.randn(100)
+    blob = codecs.encode(x, "int8")
+    with pytest.raises(codecs.CodecError):
+        codecs.decode(blob, "int8", (101,))  # another tensor's size
+    with pytest.raises(codecs.CodecError):
+        codecs.decode(blob, "int4", (100,))  # another codec
+    with pytest.raises(codecs.CodecError):
+        codecs.decode(blob[:-3], "int8", (100,))  # truncated
+    with pytest.raises(codecs.CodecError):
+        codecs.decode(codecs.encode(torch.full((100,), float("nan")), "bf16"), "bf16", (100,))
+
+
+@pytest.fixture
+def int8_coordinator(tiny_corpus: Path, tmp_path: Path):
+    cfg = RunConfig().with_overrides({
+        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
+        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.codec": "int8",
+    })  # fmt: skip
+    running = start_coordinator(cfg, str(tmp_path))
+    address = f"127.0.0.1:{running.port}"
+    assert DataWorker(address).run() == 0
+    learner = CoordinatorClient(address, pb.ROLE_COMPUTE)
+    model_cfg = RunConfig.from_json(learner.join().config_json).model
+    init = {
+        n: p.detach().clone() for n, p in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
+    }
+    assert learner.init_parameters(init).accepted
+    yield running, learner, init, tmp_path
+    learner.close()
+    running.stop()
+
+
+def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
+    shard = learner.call("LeaseShard", pb.LeaseShardRequest())
+    header = pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=1290, codec=codec, push_id=push_id)
+    header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=10)
+    return header
+
+
+@pytest.mark.timeout(120)
+def test_coordinator_decodes_its_codec_and_refuses_another(int8_coordinator):
+    running, learner, init, workdir = int8_coordinator
+    delta = {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}
+    with pytest.raises(grpc.RpcError) as refused:
+        learner.push(delta_header(learner, "fp32", "p-fp32"), delta)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "codec" in refused.value.details()
+    assert ledger_rows(workdir, "SELECT COUNT(*) FROM pushes") == [(0,)]
+
+    blobs = {
+        n: torch.frombuffer(bytearray(codecs.encode(t, "int8")), dtype=torch.uint8) for n, t in delta.items()
+    }
+    reply = learner.push(delta_header(learner, "int8", "p-int8"), blobs)
+    assert reply.accepted
+    ((_, pulled),) = learner.pull([0], [-1])
+    for name, value in pulled.items():  # one Nesterov step from zero momentum on the decoded delta
+        expected = init[name] - 0.7 * 1.9 * codecs.decode(
+            codecs.encode(delta[name], "int8"), "int8", tuple(value.shape)
+        )
+        torch.testing.assert_close(value, expected)
+
+
+@pytest.mark.timeout(120)
+def test_push_bytes_are_counted_exactly_and_a_cut_stream_changes_nothing(int8_coordinator):
+    running, learner, init, workdir = int8_coordinator
+    delta = {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}
+    blobs = {
+        n: torch.frombuffer(bytearray(codecs.encode(t, "int8")), dtype=torch.uint8) for n, t in delta.items()
+    }
+    header = delta_header(learner, "int8", "p-cut")
+    header.worker_id = learner.worker_id
+    messages = list(stream_tensors(header, blobs, 4096))
+    assert len(messages) > 3
+
+    def cut_short():  # the connection dies after two pieces
+        yield from messages[:3]
+        raise ConnectionError("link lost")
+
+    before = running.service.wire.received.get("push", 0)
+    with pytest.raises(grpc.RpcError):
+        learner.stub.PushDelta(cut_short(), timeout=30)
+    assert ledger_rows(workdir, "SELECT COUNT(*) FROM pushes") == [(0,)], "a partial push was recorded"
+
+    counted_before = running.service.wire.received.get("push", 0)
+    reply = learner.stub.PushDelta(iter(messages), timeout=30)
+    assert reply.accepted
+    assert running.service.wire.received["push"] - counted_before == sum(m.ByteSize() for m in messages)
+    assert counted_before >= before
+    assert ledger_rows(workdir, "SELECT COUNT(*), MAX(state) FROM pushes") == [(1, "merged")]
+    assert np.isfinite(ledger_rows(workdir, "SELECT value FROM counters WHERE name = 'tokens_merged'")[0][0])
