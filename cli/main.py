@@ -169,6 +169,10 @@ def run(
     codec: Annotated[
         str | None, typer.Option(help="how deltas travel: fp32 | bf16 | int8 | int4 (then zstd)")
     ] = None,
+    pull_codec: Annotated[
+        str | None,
+        typer.Option(help="how merged fragments come back: fp32 (whole) or bf16 | int8 | int4 steps"),
+    ] = None,
     slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
     chaos_interval: Annotated[
         float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
@@ -196,6 +200,7 @@ def run(
             "sync.merge": merge,
             "sync.overlap_steps": overlap,
             "sync.codec": codec,
+            "sync.pull_codec": pull_codec,
         },
     )
     if sync:  # the baseline every benchmark compares with

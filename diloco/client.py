@@ -156,10 +156,17 @@ class CoordinatorClient:
         return self._retry(once, "push")
 
     def pull(
-        self, fragments: list[int], have_versions: list[int] | None = None, wait_s: float = 0.0
+        self,
+        fragments: list[int],
+        have_versions: list[int] | None = None,
+        wait_s: float = 0.0,
+        wait_above: list[int] | None = None,
     ) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
-        """Fragments newer than the versions held (all wanted ones when none are held)."""
-        request = pb.PullRequest(fragments=fragments, have_versions=have_versions or [], wait_s=wait_s)
+        """Fragments newer than the versions held (all wanted ones when none are held); with
+        wait_above, long-poll until a fragment passes that version (deltas still start at `have`)."""
+        request = pb.PullRequest(
+            fragments=fragments, have_versions=have_versions or [], wait_s=wait_s, wait_above=wait_above or []
+        )
 
         def once() -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
             request.worker_id = self.worker_id

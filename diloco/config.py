@@ -106,6 +106,11 @@ class SyncConfig:
     codec_level: int = 3
     # Learners keep what quantization dropped and send it with the next delta of that fragment.
     error_feedback: bool = True
+    # How merged fragments go back: fp32 (the full fragment), or bf16 / int8 / int4 deltas against
+    # the version the learner holds (the coordinator keeps the error feedback).
+    pull_codec: str = "fp32"
+    # Encoded deltas kept per fragment; a learner further behind gets the full fragment.
+    pull_chain: int = 32
 
     @property
     def synchronous(self) -> bool:
@@ -211,8 +216,9 @@ class RunConfig:
                 f"sync.overlap_steps (τ = {s.overlap_steps}) must be below train.inner_steps (H = {t.inner_steps}): "
                 "a fragment's merge must be applied before its next push"
             )
-        if s.codec not in ("fp32", "bf16", "int8", "int4"):
-            raise ConfigError(f"sync.codec must be fp32, bf16, int8 or int4, not {s.codec!r}")
+        for key in ("codec", "pull_codec"):
+            if getattr(s, key) not in ("fp32", "bf16", "int8", "int4"):
+                raise ConfigError(f"sync.{key} must be fp32, bf16, int8 or int4, not {getattr(s, key)!r}")
         if s.merge not in ("mean", "token", "rda"):
             raise ConfigError(f"sync.merge must be mean, token or rda, not {s.merge!r}")
         if not 0.0 <= self.data.eval_fraction < 1.0:

@@ -179,3 +179,57 @@ def test_push_bytes_are_counted_exactly_and_a_cut_stream_changes_nothing(int8_co
     assert counted_before >= before
     assert ledger_rows(workdir, "SELECT COUNT(*), MAX(state) FROM pushes") == [(1, "merged")]
     assert np.isfinite(ledger_rows(workdir, "SELECT value FROM counters WHERE name = 'tokens_merged'")[0][0])
+
+
+@pytest.mark.timeout(120)
+def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corpus: Path, tmp_path: Path):
+    cfg = RunConfig().with_overrides({
+        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
+        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        "sync.codec": "int8", "sync.pull_codec": "int4",
+    })  # fmt: skip
+    running = start_coordinator(cfg, str(tmp_path))
+    address = f"127.0.0.1:{running.port}"
+    try:
+        assert DataWorker(address).run() == 0
+        learner = CoordinatorClient(address, pb.ROLE_COMPUTE)
+        model_cfg = RunConfig.from_json(learner.join().config_json).model
+        init = {
+            n: p.detach().clone()
+            for n, p in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
+        }
+        assert learner.init_parameters(init).accepted
+        gen = torch.Generator().manual_seed(0)
+        for version in range(3):
+            delta = {n: torch.randn(t.shape, generator=gen) * 1e-2 for n, t in init.items()}
+            blobs = {
+                n: torch.frombuffer(bytearray(codecs.encode(t, "int8")), dtype=torch.uint8)
+                for n, t in delta.items()
+            }
+            header = delta_header(learner, "int8", f"p{version}")
+            header.version = version
+            assert learner.push(header, blobs).accepted
+        wire = running.service.wire
+        sent = wire.sent["pull"]
+        ((full_header, full),) = learner.pull([0], [-1])
+        full_bytes = wire.sent["pull"] - sent
+        steps = learner.pull([0], [0])
+        step_bytes = wire.sent["pull"] - sent - full_bytes
+        assert full_header.version == 3 and not full_header.delta
+        assert [h.version for h, _ in steps] == [1, 2, 3] and all(
+            h.delta and h.codec == "int4" for h, _ in steps
+        )
+        rebuilt = {n: t.clone() for n, t in init.items()}
+        for _header, blobs in steps:
+            for name, blob in blobs.items():
+                rebuilt[name] += codecs.decode(blob.numpy().tobytes(), "int4", tuple(rebuilt[name].shape))
+        for name in init:
+            assert torch.equal(rebuilt[name], full[name]), name
+        # The coordinator's error feedback keeps the learners' copy on top of Θ itself.
+        theta = running.service.fragments[0].params
+        for name in init:
+            assert (full[name] - theta[name]).norm() <= 0.15 * (theta[name] - init[name]).norm() + 1e-6
+        assert step_bytes < 0.5 * full_bytes  # three int4 steps cost less than one fp32 fragment
+        learner.close()
+    finally:
+        running.stop()

@@ -139,7 +139,7 @@ class Learner:
             log.info("init parameters: %s", init.reason)
         everything = list(range(len(self.frags)))
         for header, tensors in self.client.pull(everything, None, wait_s=cfg.sync.pull_wait_s):
-            self._apply(Merged(header.fragment, header.version, tensors, True))
+            self._apply(Merged.full(header.fragment, header.version, tensors))
         log.info(
             "learner %s on %s: %d params in %d fragment(s), H=%d, tau=%d, versions %s",
             self.client.worker_id,
@@ -158,18 +158,40 @@ class Learner:
         """Take a merged fragment: θ_p ← α·θ_p + (1−α)·Θ_p, and Θ_p becomes the new base."""
         f = self.frags[merged.fragment]
         alpha = self.cfg.sync.mix_alpha
+        value, version = self._merged_value(f, merged)
         with torch.no_grad():
-            for name, t in merged.tensors.items():
+            for name, t in value.items():
                 new = t.to(self.device, self.params[name].dtype)
                 if alpha > 0 and f.version >= 0:
                     self.params[name].mul_(alpha).add_(new, alpha=1.0 - alpha)
                 else:
                     self.params[name].copy_(new)
                 f.base[name] = t.to(torch.float32).clone()
-        f.version = merged.version
+        f.version = version
         f.steps = f.tokens = 0
         f.loss_sum = 0.0
         f.in_flight = False
+
+    def _merged_value(self, f: FragmentState, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
+        """The fragment's new value and version: sent in full, or the held base plus each encoded
+        step since."""
+        first = merged.parts[0][0]
+        if not first.delta:
+            return merged.parts[-1][1], merged.version
+        if first.version != f.version + 1:  # not a continuation of what we hold: ask for it whole
+            log.warning(
+                "fragment %d: steps from %d do not follow version %d; pulling it whole",
+                merged.fragment,
+                first.version,
+                f.version,
+            )
+            (header, tensors), *_ = self.client.pull([merged.fragment], None)
+            return tensors, header.version
+        value = {n: t.clone() for n, t in f.base.items()}
+        for header, blobs in merged.parts:
+            for name, blob in blobs.items():
+                value[name] += codecs.decode(blob.numpy().tobytes(), header.codec, tuple(value[name].shape))
+        return value, merged.version
 
     def _apply_due(self) -> None:
         step = self.progress.inner_steps
@@ -384,7 +406,9 @@ class Learner:
         self.prefetcher = ShardPrefetcher(
             self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop
         )
-        self.channel = SyncChannel(self.client, self.stop, cfg.sync.pull_wait_s)
+        self.channel = SyncChannel(
+            self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
+        )
         self.prefetcher.start()
         self.channel.start()
         threading.Thread(

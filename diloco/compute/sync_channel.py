@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -31,17 +32,32 @@ class PushJob:
 
 @dataclass
 class Merged:
-    """A fragment's global value, to apply: the merge that used our push, or the current one."""
+    """A fragment's global value, to apply: the merge that used our push, or the current one.
+
+    Either its full value (`parts` is one group with delta False), or the encoded steps from the
+    version the learner holds (groups with delta True, one per version, in order).
+    """
 
     fragment: int
     version: int
-    tensors: dict[str, torch.Tensor]
+    parts: list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]
     accepted: bool  # False: our push was refused; this is the fragment as it is now
+
+    @classmethod
+    def full(
+        cls, fragment: int, version: int, tensors: dict[str, torch.Tensor], accepted: bool = True
+    ) -> Merged:
+        return cls(
+            fragment, version, [(pb.TensorHeader(fragment=fragment, version=version), tensors)], accepted
+        )
 
 
 class SyncChannel:
-    def __init__(self, client: CoordinatorClient, stop: threading.Event, pull_wait_s: float):
+    def __init__(
+        self, client: CoordinatorClient, stop: threading.Event, pull_wait_s: float, held: Callable[[int], int]
+    ):
         self.client = client
+        self.held = held  # fragment -> the version the learner holds (deltas start there)
         self.stop = stop
         self.pull_wait_s = pull_wait_s
         self.jobs: queue.Queue[PushJob] = queue.Queue()
@@ -165,7 +181,12 @@ class SyncChannel:
                 wanted = dict(self._awaiting)
             fragments = sorted(wanted)
             try:
-                got = self.client.pull(fragments, [wanted[p][0] for p in fragments], wait_s=self.pull_wait_s)
+                got = self.client.pull(
+                    fragments,
+                    [self.held(p) for p in fragments],
+                    self.pull_wait_s,
+                    [wanted[p][0] for p in fragments],
+                )
                 self._reachable(True)
                 attempt = 0
             except Exception as e:  # the thread must survive anything; the learner depends on it
@@ -176,11 +197,13 @@ class SyncChannel:
                 self.stop.wait(backoff_delay(attempt))
                 attempt += 1
                 continue
+            by_fragment: dict[int, list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]] = {}
+            for header, tensors in got:
+                by_fragment.setdefault(header.fragment, []).append((header, tensors))
             with self._cond:
-                for header, tensors in got:
-                    p = header.fragment
+                for p, parts in by_fragment.items():
                     if p in self._awaiting:
                         accepted = self._awaiting.pop(p)[1]
-                        self._results[p] = Merged(p, header.version, tensors, accepted)
+                        self._results[p] = Merged(p, parts[-1][0].version, parts, accepted)
                 if got:
                     self._cond.notify_all()

@@ -63,6 +63,12 @@ class FragmentState:
     version: int
     round: syncer.RoundState
     pending: list[PendingPush] = field(default_factory=list)
+    # What up-to-date learners hold: Θ itself with fp32 pulls; with a pull codec, the sum of the
+    # encoded deltas sent so far. Θ − broadcast is the coordinator's error feedback: it goes out
+    # with the next delta, so the learners' copy never drifts from Θ.
+    broadcast: dict[str, torch.Tensor] = field(default_factory=dict)
+    # version -> the encoded blobs of broadcast(version) − broadcast(version − 1), the last few.
+    chain: dict[int, dict[str, bytes]] = field(default_factory=dict)
 
 
 def policy_of(config: RunConfig) -> syncer.SyncPolicy:
@@ -149,7 +155,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         momentum: dict[str, torch.Tensor],
         version: int,
     ) -> FragmentState:
-        return FragmentState(names, params, momentum, version, syncer.RoundState(p, version, self.clock()))
+        round_ = syncer.RoundState(p, version, self.clock())
+        return FragmentState(names, params, momentum, version, round_, broadcast=params)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -430,9 +437,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             if any(p >= len(self.fragments) for p in wanted):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment in {wanted}")
             have = dict(zip(wanted, request.have_versions, strict=False))
+            above = dict(zip(wanted, request.wait_above, strict=False)) if request.wait_above else have
 
             def newer() -> list[int]:
-                return [p for p in wanted if p not in have or self.fragments[p].version > have[p]]
+                return [p for p in wanted if p not in above or self.fragments[p].version > above[p]]
 
             while (
                 not newer()
@@ -442,11 +450,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             ):
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             # Tensors are replaced, never changed in place, so this snapshot stays consistent.
-            snapshot = [(p, self.fragments[p].version, self.fragments[p].params) for p in newer()]
+            groups = [g for p in newer() for g in self._pull_groups(p, have.get(p, -1))]
         piece = self.config.coordinator.stream_chunk_bytes
-        for p, version, params in snapshot:
-            header = pb.TensorHeader(fragment=p, version=version)
-            yield from self.wire.count_out("pull", stream_tensors(header, params, piece))
+        for header, tensors in groups:
+            yield from self.wire.count_out("pull", stream_tensors(header, tensors, piece))
 
     def PushDelta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
@@ -670,6 +677,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         checkpoint.prune_fragment(self.checkpoint_root, p, version)
         frag.params, frag.momentum, frag.version = params, momentum, version
+        self._extend_broadcast(frag)
         frag.pending = []
         frag.round = syncer.RoundState(p, version, self.clock())
         if mean_loss is not None:
@@ -687,6 +695,39 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             elapsed,
         )
         self.cond.notify_all()
+
+    def _extend_broadcast(self, frag: FragmentState) -> None:
+        """After a merge: what learners will hold next, and the encoded step that gets them there."""
+        codec = self.config.sync.pull_codec
+        if codec == "fp32":
+            frag.broadcast = frag.params
+            return
+        blobs, new = {}, {}
+        for name, theta in frag.params.items():
+            target = theta.float() - frag.broadcast[name].float()  # includes what was dropped before
+            blob = codecs.encode(target, codec, self.config.sync.codec_level)
+            blobs[name] = blob
+            new[name] = frag.broadcast[name].float() + codecs.decode(blob, codec, tuple(theta.shape))
+        frag.broadcast = new
+        frag.chain[frag.version] = blobs
+        for old in [v for v in frag.chain if v <= frag.version - self.config.sync.pull_chain]:
+            del frag.chain[old]
+
+    def _pull_groups(self, p: int, have: int) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+        """What a learner holding version `have` of fragment p needs: the encoded steps since, or
+        (no version held, or the steps are gone) the full fragment as learners hold it."""
+        frag = self.fragments[p]
+        steps = range(have + 1, frag.version + 1)
+        codec = self.config.sync.pull_codec
+        if codec != "fp32" and have >= 0 and all(v in frag.chain for v in steps):
+            return [
+                (
+                    pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),
+                    {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in frag.chain[v].items()},
+                )
+                for v in steps
+            ]
+        return [(pb.TensorHeader(fragment=p, version=frag.version, codec="fp32"), frag.broadcast)]
 
     def _tick_forever(self) -> None:
         """Time-driven events: lease expiry, dead learners, grace windows, the token budget."""

@@ -279,7 +279,7 @@ class ShardSpan(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "fragment", "version", "tensors", "push_id", "inner_steps", "tokens", "spans", "mean_loss", "first_loss", "step_time_s", "codec", "released_shards")
+    __slots__ = ("worker_id", "fragment", "version", "tensors", "push_id", "inner_steps", "tokens", "spans", "mean_loss", "first_loss", "step_time_s", "codec", "released_shards", "delta")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class TensorHeader(_message.Message):
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     fragment: int
     version: int
@@ -306,7 +307,8 @@ class TensorHeader(_message.Message):
     step_time_s: float
     codec: str
     released_shards: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., push_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., released_shards: _Optional[_Iterable[int]] = ...) -> None: ...
+    delta: bool
+    def __init__(self, worker_id: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., push_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., released_shards: _Optional[_Iterable[int]] = ..., delta: _Optional[bool] = ...) -> None: ...
 
 class TensorStreamMessage(_message.Message):
     __slots__ = ("header", "piece")
@@ -325,16 +327,18 @@ class InitParametersReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("worker_id", "fragments", "have_versions", "wait_s")
+    __slots__ = ("worker_id", "fragments", "have_versions", "wait_s", "wait_above")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     HAVE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    WAIT_ABOVE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     fragments: _containers.RepeatedScalarFieldContainer[int]
     have_versions: _containers.RepeatedScalarFieldContainer[int]
     wait_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., have_versions: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    wait_above: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., have_versions: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., wait_above: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("accepted", "reason", "version")
