@@ -744,7 +744,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.cond:
             self._close_ready_rounds()
         budget = self.config.train.max_tokens
-        if budget and self.run_state == "running" and self._tokens_reported() >= budget:
+        # The budget counts tokens handed in with pushes (the ledger's durable count): a learner's
+        # own heartbeat counter restarts with its process, and work a kill loses is not training.
+        if budget and self.run_state == "running" and self.ledger.counter("tokens_trained") >= budget:
             self._set_run_state("finishing", f"token budget of {budget} reached")
         if self.run_state == "finishing" and not self._live_learners():
             with self.cond:
