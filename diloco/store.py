@@ -37,10 +37,6 @@ def is_local(uri: str) -> bool:
     return "://" not in uri or uri.startswith("file://")
 
 
-def local_path(uri: str) -> str:
-    return uri[len("file://") :] if uri.startswith("file://") else uri
-
-
 def open_read(uri: str) -> IO[bytes]:
     fs, path = filesystem(uri)
     try:

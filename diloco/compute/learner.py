@@ -163,7 +163,7 @@ class Learner:
             for name, t in value.items():
                 new = t.to(self.device, self.params[name].dtype)
                 if alpha > 0 and f.version >= 0:
-                    self.params[name].mul_(alpha).add_(new, alpha=1.0 - alpha)
+                    self.params[name].copy_(schedule.mix(self.params[name], new, alpha))
                 else:
                     self.params[name].copy_(new)
                 f.base[name] = t.to(torch.float32).clone()

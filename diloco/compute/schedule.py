@@ -7,6 +7,10 @@ steps, round-robin, so each fragment is pushed every H steps. The merged result 
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 def push_interval(inner_steps: int, fragments: int) -> int:
     """Inner steps between two pushes (of different fragments)."""
@@ -29,8 +33,8 @@ def apply_due(step: int, apply_at: int) -> bool:
     return step >= apply_at
 
 
-def mix(local: float, merged: float, alpha: float) -> float:
-    """θ ← α·θ_local + (1−α)·Θ_merged (α = 0: overwrite). Scalar form, for the docs and tests."""
+def mix(local: T, merged: T, alpha: float) -> T:
+    """θ ← α·θ_local + (1−α)·Θ_merged (α = 0: overwrite); numbers or tensors alike."""
     return alpha * local + (1.0 - alpha) * merged
 
 

@@ -32,7 +32,7 @@ from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from diloco.wire import codecs
 from diloco.wire.codecs import CodecError
-from diloco.wire.tensors import TensorAssembler, WireError, receive_one, spec_of, stream_tensors
+from diloco.wire.tensors import TensorAssembler, WireError, receive_one, spec_of, stream_many
 
 log = logging.getLogger("diloco.coordinator")
 
@@ -452,8 +452,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Tensors are replaced, never changed in place, so this snapshot stays consistent.
             groups = [g for p in newer() for g in self._pull_groups(p, have.get(p, -1))]
         piece = self.config.coordinator.stream_chunk_bytes
-        for header, tensors in groups:
-            yield from self.wire.count_out("pull", stream_tensors(header, tensors, piece))
+        yield from self.wire.count_out("pull", stream_many(groups, piece))
 
     def PushDelta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
