@@ -1,0 +1,158 @@
+"""Coordinator ingest + merge throughput next to raw gRPC client-streaming of the same bytes.
+
+    python benchmarks/ingest.py --learners 4 --seconds 20 --out benchmarks/results/ingest.json
+
+Both sides run in this process tree on 127.0.0.1, one after the other: M client threads stream the
+very same serialized push messages (a GPT fragment's delta, fp32, in 1 MiB pieces) to (a) a bare
+gRPC client-streaming handler that only reads them, and (b) the real coordinator, which validates,
+assembles, records the push in its ledger, merges (quorum 1) and checkpoints. Printed: MB/s of push
+bytes each way and the ratio (target: ingest + merge >= 50% of raw streaming).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diloco.client import CoordinatorClient  # noqa: E402
+from diloco.config import RunConfig  # noqa: E402
+from diloco.coordinator.server import grpc_options, start_coordinator  # noqa: E402
+from diloco.data.worker import DataWorker  # noqa: E402
+from diloco.model.gpt import build_model  # noqa: E402
+from diloco.v1 import coordinator_pb2 as pb  # noqa: E402
+from diloco.wire.tensors import stream_tensors  # noqa: E402
+
+RAW_METHOD = "/bench.Raw/Ingest"
+
+
+def raw_server(cfg: RunConfig) -> tuple[grpc.Server, int]:
+    """A client-streaming handler that reads every message and answers: gRPC's own ceiling."""
+
+    def ingest(request_iterator, context):
+        n = sum(len(m) for m in request_iterator)
+        return n.to_bytes(8, "little")
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Ingest": grpc.stream_unary_rpc_method_handler(ingest)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(cfg))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def drive(send_one, learners: int, seconds: float) -> tuple[int, float]:
+    """M threads call send_one(thread index) in a loop for `seconds`; returns (bytes sent, elapsed)."""
+    total = [0]
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def loop(i: int) -> None:
+        while time.monotonic() < stop:
+            n = send_one(i)
+            with lock:
+                total[0] += n
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(learners)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return total[0], time.monotonic() - started
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int, default=384)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
+    args = p.parse_args(argv)
+
+    with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
+        corpus = Path(tmp) / "corpus.txt"
+        corpus.write_text("def f(x):\n    return x + 1\n" * 4000)
+        cfg = RunConfig().with_overrides({
+            "data.dataset": str(corpus), "model.n_layer": args.n_layer, "model.n_embd": args.n_embd,
+            "model.n_head": 6, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+            "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
+        })  # fmt: skip
+        running = start_coordinator(cfg, str(Path(tmp) / "coord"))
+        address = f"127.0.0.1:{running.port}"
+        DataWorker(address).run()
+        clients = [CoordinatorClient(address, pb.ROLE_COMPUTE) for _ in range(args.learners)]
+        model_cfg = RunConfig.from_json(clients[0].join().config_json).model
+        for c in clients[1:]:
+            c.join()
+        params = {
+            n: t.detach() for n, t in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
+        }
+        clients[0].init_parameters(params)
+        delta = {n: torch.randn_like(t) * 1e-4 for n, t in params.items()}
+        piece = cfg.coordinator.stream_chunk_bytes
+        template = list(
+            stream_tensors(pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=129), delta, piece)
+        )
+        raw_messages = [m.SerializeToString() for m in template]
+        push_bytes = sum(len(m) for m in raw_messages)
+
+        raw, raw_port = raw_server(cfg)
+        channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=grpc_options(cfg))
+        call = channel.stream_unary(RAW_METHOD)
+        raw_bytes, raw_s = drive(
+            lambda i: (call(iter(raw_messages)), push_bytes)[1], args.learners, args.seconds
+        )
+        channel.close()
+        raw.stop(0)
+
+        def push_one(i: int) -> int:
+            client = clients[i]
+            header = pb.TensorHeader(fragment=0, version=running.service.fragments[0].version, inner_steps=1,
+                                     tokens=129, push_id=uuid.uuid4().hex, worker_id=client.worker_id)  # fmt: skip
+            reply = client.stub.PushDelta(stream_tensors(header, delta, piece), timeout=120)
+            assert reply.accepted, reply.reason
+            return push_bytes
+
+        ingest_bytes, ingest_s = drive(push_one, args.learners, args.seconds)
+        versions = [f.version for f in running.service.fragments]
+        for c in clients:
+            c.close()
+        running.stop()
+
+    result = {
+        "learners": args.learners,
+        "params": sum(t.numel() for t in params.values()),
+        "push_mb": push_bytes / 1e6,
+        "raw_mb_per_s": raw_bytes / raw_s / 1e6,
+        "ingest_mb_per_s": ingest_bytes / ingest_s / 1e6,
+        "merges": sum(versions),
+    }
+    result["ratio"] = result["ingest_mb_per_s"] / result["raw_mb_per_s"]
+    print(
+        f"push of {result['push_mb']:.1f} MB ({result['params']:,} params), {args.learners} concurrent learners"
+    )
+    print(f"raw gRPC client-streaming : {result['raw_mb_per_s']:8.1f} MB/s")
+    print(f"coordinator ingest + merge: {result['ingest_mb_per_s']:8.1f} MB/s  ({result['merges']} merges)")
+    print(f"ratio                     : {result['ratio']:.0%}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
