@@ -475,7 +475,7 @@ def test_live_workers_respects_ttl(ledger, clock):
     assert ledger.live_workers("compute", TTL) == ["L1"]
     clock.advance(6)  # w1 silent for 11 s, w2 for 6 s
     assert ledger.live_workers("data", TTL) == ["w2"]
-    ledger.heartbeat("w1", {"steps": 3}, TTL)
+    ledger.heartbeat("w1", {"steps": 3})
     assert sorted(ledger.live_workers("data", TTL)) == ["w1", "w2"]
 
 

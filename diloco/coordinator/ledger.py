@@ -170,7 +170,7 @@ class Ledger:
     def known_worker(self, worker_id: str) -> bool:
         return self._one("SELECT 1 FROM workers WHERE id = ? AND state = 'active'", (worker_id,)) is not None
 
-    def heartbeat(self, worker_id: str, stats: dict[str, Any], ttl_s: float) -> None:
+    def heartbeat(self, worker_id: str, stats: dict[str, Any]) -> None:
         now = self.clock()
         with self._tx() as db:
             db.execute(

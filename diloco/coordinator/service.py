@@ -216,7 +216,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "sync_wait_seconds": request.sync_wait_seconds,
         }
         ttl = self.config.coordinator.lease_ttl_s
-        self.ledger.heartbeat(request.worker_id, stats, ttl)
+        self.ledger.heartbeat(request.worker_id, stats)
         lost_chunks, lost_shards = self.ledger.renew(
             request.worker_id, request.chunk_leases, request.shard_leases, ttl
         )
