@@ -31,7 +31,12 @@ from diloco.run import EVAL_MAX_BATCHES, default_run_config  # noqa: E402
 DILOCO_ARMS: dict[str, list[str]] = {
     "sync-diloco": ["--sync"],
     "decoupled": ["--quorum", "1", "--fragments", "2"],
+    # Codecs both ways (pushes and pulls), for wire bytes and loss at equal tokens vs fp32.
+    "decoupled-bf16": ["--quorum", "1", "--fragments", "2", "--codec", "bf16", "--pull-codec", "bf16"],
+    "decoupled-int8": ["--quorum", "1", "--fragments", "2", "--codec", "int8", "--pull-codec", "int8"],
+    "decoupled-int4": ["--quorum", "1", "--fragments", "2", "--codec", "int4", "--pull-codec", "int4"],
 }
+DEFAULT_ARMS = ["ddp", "sync-diloco", "decoupled"]
 
 
 def run_diloco(
@@ -100,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's slowdown in the slow arms")
     p.add_argument("--max-minutes", type=float, default=30.0, help="safety bound per arm")
-    p.add_argument("--arms", default=",".join(["ddp", *DILOCO_ARMS]), help="comma-separated arms to run")
+    p.add_argument(
+        "--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of: ddp, {', '.join(DILOCO_ARMS)}"
+    )
     p.add_argument("--no-slow", action="store_true", help="fault-free arms only")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
     args = p.parse_args(argv)
