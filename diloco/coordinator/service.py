@@ -743,9 +743,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         with self.cond:
             self._close_ready_rounds()
         budget = self.config.train.max_tokens
-        # The budget counts tokens handed in with pushes (the ledger's durable count): a learner's
-        # own heartbeat counter restarts with its process, and work a kill loses is not training.
-        if budget and self.run_state == "running" and self.ledger.counter("tokens_trained") >= budget:
+        # The budget counts tokens merged into the model (the ledger's exact, durable count): work
+        # a kill or a restart throws away is not training, and a heartbeat counter restarts with
+        # its process.
+        if budget and self.run_state == "running" and self.ledger.counter("tokens_merged") >= budget:
             self._set_run_state("finishing", f"token budget of {budget} reached")
         if self.run_state == "finishing" and not self._live_learners():
             with self.cond:
