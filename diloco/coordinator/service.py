@@ -575,19 +575,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
             return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version)
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
-        refusal = syncer.staleness_refusal(self.policy, header.version, frag.version)
-        if refusal is None:
-            refusal = self.ledger.record_push(
-                header.push_id,
-                header.worker_id,
-                header.fragment,
-                header.version,
-                header.inner_steps,
-                header.tokens,
-                spans,
-                released,
-            )
-        else:
+        stale = syncer.staleness_refusal(self.policy, header.version, frag.version)
+        # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
+        refusal = (
             self.ledger.record_push(
                 header.push_id,
                 header.worker_id,
@@ -597,9 +587,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 header.tokens,
                 spans,
                 released,
-                state="dropped",
-                reason=refusal,
+                state="dropped" if stale else "pending",
+                reason=stale or "",
             )
+            or stale
+        )
         if refusal is not None:
             log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
             return pb.PushReply(accepted=False, reason=refusal, version=frag.version)
