@@ -66,8 +66,11 @@ class CoordinatorClient:
         self.config: RunConfig | None = None
         self._join_lock = threading.RLock()
         self.join_reply: pb.JoinReply | None = None
+        self.closed = False
 
     def close(self) -> None:
+        # In-flight calls end CANCELLED and no retry starts: background threads wind down.
+        self.closed = True
         self.channel.close()
 
     # -- connection -----------------------------------------------------------------------------
@@ -103,12 +106,12 @@ class CoordinatorClient:
                 return fn()
             except grpc.RpcError as e:
                 code = e.code()
-                if code == grpc.StatusCode.NOT_FOUND and rejoin and not rejoined:
+                if code == grpc.StatusCode.NOT_FOUND and rejoin and not rejoined and not self.closed:
                     log.warning("%s: coordinator does not know us (%s); joining again", what, e.details())
                     self.join()
                     rejoined = True
                     continue
-                if code not in RETRYABLE or time.monotonic() >= deadline:
+                if self.closed or code not in RETRYABLE or time.monotonic() >= deadline:
                     raise
                 delay = backoff_delay(attempt)
                 log.info("%s failed (%s); retrying in %.2fs", what, code.name, delay)

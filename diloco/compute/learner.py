@@ -411,9 +411,10 @@ class Learner:
         )
         self.prefetcher.start()
         self.channel.start()
-        threading.Thread(
-            target=self._heartbeat_forever, args=(cfg.coordinator.heartbeat_s,), daemon=True
-        ).start()
+        heartbeats = threading.Thread(
+            target=self._heartbeat_forever, args=(cfg.coordinator.heartbeat_s,), name="heartbeat", daemon=True
+        )
+        heartbeats.start()
         self.progress.started = time.monotonic()
         reason = "stopped"
         last_empty_push = 0.0
@@ -450,6 +451,12 @@ class Learner:
                 self._heartbeat()  # the final counters, for status and utilization
             self.client.leave(reason)
             self.client.close()
+            # A thread still inside gRPC or torch when the interpreter exits can abort the
+            # process ("terminate called without an active exception"): wait for all of them.
+            deadline = time.monotonic() + 10.0
+            self.channel.join(max(0.0, deadline - time.monotonic()))
+            self.prefetcher.join(max(0.0, deadline - time.monotonic()))
+            heartbeats.join(max(0.0, deadline - time.monotonic()))
         p = self.progress
         log.info(
             "learner done (%s): steps=%d tokens=%d busy=%.1fs wall=%.1fs data stall=%.1fs sync wait=%.1fs refused=%d",

@@ -56,6 +56,11 @@ class ShardPrefetcher:
     def start(self) -> None:
         self._thread.start()
 
+    def join(self, timeout_s: float) -> None:
+        """After `stop`: wait for the thread, so it is not inside gRPC or torch at exit."""
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
     def held_shards(self) -> list[int]:
         with self._lock:
             return sorted(self._held)

@@ -78,6 +78,13 @@ class SyncChannel:
         for t in self._threads:
             t.start()
 
+    def join(self, timeout_s: float) -> None:
+        """After `stop`: wait for both threads, so none is inside gRPC or torch at exit."""
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            if t.is_alive():
+                t.join(max(0.0, deadline - time.monotonic()))
+
     # -- the training thread's side -------------------------------------------------------------
 
     def submit(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor]) -> None:

@@ -65,7 +65,10 @@ class DataWorker:
         config = self.client.config
         assert config is not None
         tokenizer = load_tokenizer(config.data.tokenizer)
-        threading.Thread(target=self._heartbeat_forever, args=(reply.heartbeat_s,), daemon=True).start()
+        heartbeats = threading.Thread(
+            target=self._heartbeat_forever, args=(reply.heartbeat_s,), name="heartbeat", daemon=True
+        )
+        heartbeats.start()
         try:
             while not self.stop.is_set():
                 lease = self.client.call("LeaseChunk", pb.LeaseChunkRequest())
@@ -80,6 +83,7 @@ class DataWorker:
             self.stop.set()
             self.client.leave("finished" if self.current_chunk is None else "stopping")
             self.client.close()
+            heartbeats.join(5.0)  # not inside gRPC at interpreter exit
         return 0
 
     def _process(self, lease: pb.LeaseChunkReply, tokenizer, seq_len: int, text_field: str) -> None:
