@@ -269,8 +269,63 @@ def status(
         f"tokens trained {detail['tokens_trained']:,}, merged {detail['tokens_merged']:,}, rounds {detail['rounds']}"
     )
     typer.echo(f"fragment versions {detail['fragment_versions']}, last loss {detail['last_loss']}")
+    typer.echo(records_line(detail.get("record_stats", {})))
     for w in detail["workers"]:
-        typer.echo(
-            f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
-            f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
-        )
+        typer.echo(worker_line(w))
+
+
+def worker_line(w: dict) -> str:
+    """One worker in `diloco status`: a learner's progress and data stall, a data worker's tokens/s."""
+    line = f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
+    if w["role"] == "data":
+        return line + f"tokens={w.get('tokens_prepared', 0)} tokens/s={w.get('tokens_per_s', 0.0):,.0f}"
+    line += f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
+    if w["role"] == "compute" and w.get("wall_seconds"):
+        line += f" data-stall={w.get('data_stall_seconds', 0.0) / w['wall_seconds']:.1%}"
+    return line
+
+
+def records_line(stats: dict) -> str:
+    """The bad-input summary in `diloco status`: records read, and what was skipped or repaired, by reason."""
+    bad = ", ".join(
+        f"{k.removeprefix('skipped_')} {v:,}" for k, v in sorted(stats.items()) if k != "records" and v
+    )
+    return f"records {stats.get('records', 0):,}" + (f"; bad input: {bad}" if bad else "; no bad input")
+
+
+tokenizer_app = typer.Typer(help="Tokenizers for `data.tokenizer`.", no_args_is_help=True)
+app.add_typer(tokenizer_app, name="tokenizer")
+
+
+@tokenizer_app.command("train")
+@clear_errors
+def tokenizer_train(
+    dataset: Annotated[str, typer.Option(help='"stdlib", a directory, glob or file (local or s3://)')],
+    vocab: Annotated[int, typer.Option(help="vocabulary size, end-of-text included (>= 257)")],
+    store: Annotated[
+        str | None, typer.Option(help="URI of the run's store: writes <store>/tokenizer/tokenizer.json")
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option(help="URI of the tokenizer.json to write (overrides --store)")
+    ] = None,
+    max_bytes: Annotated[
+        int, typer.Option(help="text sampled for training, spread over the files by size")
+    ] = 200_000_000,
+    text_field: Annotated[
+        str, typer.Option(help="the text field of .jsonl records and .parquet files")
+    ] = "text",
+) -> None:
+    """Train a byte-level BPE over a dataset's texts; print the tokenizer.json URI and its sha256."""
+    from diloco.tokenizer_train import default_output, train_tokenizer
+
+    setup_logging("tokenizer")
+    result = train_tokenizer(
+        dataset, vocab, out or default_output(store or "."), max_bytes=max_bytes, text_field=text_field
+    )
+    typer.echo(f"tokenizer {result.uri}")
+    typer.echo(f"sha256 {result.sha256}")
+    typer.echo(
+        f"vocab {result.vocab_size} (end-of-text id {result.eot_id}), trained on {result.sample_bytes:,} "
+        f"characters of {result.files} files"
+    )
+    typer.echo(f"use it with: --set data.tokenizer={result.uri}")

@@ -39,14 +39,22 @@ class DataConfig:
     # Where processed shards are written; "" means <workdir>/shards.
     store: str = ""
     chunk_bytes: int = 64 * 1024 * 1024
-    # Field holding the text in .jsonl records.
+    # Field holding the text in .jsonl records (and the column of .parquet files).
     text_field: str = "text"
+    # Records (JSONL lines, parquet values) larger than this are skipped and counted.
+    max_record_bytes: int = 8 * 1024 * 1024
     # "byte" (256 byte values + end-of-text) or a path/URI of a HF tokenizer.json.
     tokenizer: str = "byte"
     # Share of chunks held out for evaluation (never leased to learners).
     eval_fraction: float = 0.05
     # Learner-side queue of prefetched batches, in batches.
     prefetch_batches: int = 64
+    # Learner-side copy of shards read from the store (LRU, checksum-verified): "" caches in the
+    # per-user cache dir, and only shards on a remote store (a local one gains nothing from a
+    # copy); a directory caches every shard there; "off" never caches.
+    cache_dir: str = ""
+    # Most bytes the shard cache keeps (0: off).
+    cache_bytes: int = 2 << 30
 
 
 @dataclass
@@ -221,8 +229,12 @@ class RunConfig:
                 raise ConfigError(f"sync.{key} must be fp32, bf16, int8 or int4, not {getattr(s, key)!r}")
         if s.merge not in ("mean", "token", "rda"):
             raise ConfigError(f"sync.merge must be mean, token or rda, not {s.merge!r}")
+        if self.data.max_record_bytes < 1:
+            raise ConfigError("data.max_record_bytes must be >= 1")
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ConfigError("data.eval_fraction must be in [0, 1)")
+        if self.data.cache_bytes < 0:
+            raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
         if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:
             raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
         return self

@@ -13,12 +13,14 @@ STDLIB = "stdlib"
 # Directory names left out of the stdlib corpus, so it does not depend on what is installed.
 _STDLIB_EXCLUDED = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
 
-# File kinds by suffix. Compressed variants (.gz/.zst) will add entries to _COMPRESSION and be
-# recognised by stripping that suffix first; everything else keys off the inner suffix.
+# File kinds by suffix. Compressed variants (.gz/.zst) are recognised by stripping the compression
+# suffix first; everything else keys off the inner suffix. Parquet is read by row group, never
+# compressed on top (parquet compresses its own pages).
 TEXT_SUFFIXES = (".txt", ".md", ".py")
 JSONL_SUFFIXES = (".jsonl",)
-SUPPORTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES
-_COMPRESSION: dict[str, str] = {}  # suffix -> codec name; empty until compressed inputs land
+PARQUET_SUFFIXES = (".parquet",)
+_COMPRESSION: dict[str, str] = {".gz": "gzip", ".zst": "zstd"}  # suffix -> codec name
+SUPPORTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
 
 
 def _split_compression(uri: str) -> tuple[str, str | None]:
@@ -29,19 +31,30 @@ def _split_compression(uri: str) -> tuple[str, str | None]:
     return uri, None
 
 
+def compression(uri: str) -> str | None:
+    """ "gzip", "zstd", or None when the file is stored uncompressed."""
+    return _split_compression(uri)[1]
+
+
 def file_kind(uri: str) -> str | None:
-    """ "text", "jsonl", or None when diloco cannot read this file."""
-    inner, _ = _split_compression(uri)
+    """ "text", "jsonl", "parquet", or None when diloco cannot read this file."""
+    inner, codec = _split_compression(uri)
     if inner.endswith(TEXT_SUFFIXES):
         return "text"
     if inner.endswith(JSONL_SUFFIXES):
         return "jsonl"
+    if inner.endswith(PARQUET_SUFFIXES) and codec is None:
+        return "parquet"
     return None
 
 
 def is_splittable(uri: str) -> bool:
-    """Whether a file may be cut at byte offsets (compressed files must be read whole)."""
-    return _split_compression(uri)[1] is None
+    """Whether a file may be cut at byte offsets after newlines.
+
+    Compressed files must be decoded from their start, so each is one segment; parquet files are
+    cut by row group instead (see diloco.data.chunks).
+    """
+    return compression(uri) is None and file_kind(uri) in ("text", "jsonl")
 
 
 def stdlib_files() -> list[str]:
@@ -68,5 +81,6 @@ def resolve_dataset(dataset: str) -> list[str]:
     files = [f for f in store.list_files(dataset) if file_kind(f) is not None]
     if not files:
         kinds = "/".join(SUPPORTED_SUFFIXES)
-        raise store.StoreError(f"no {kinds} files in {dataset}")
+        codecs = "/".join(_COMPRESSION)
+        raise store.StoreError(f"no {kinds} files in {dataset} (text and JSONL may also be {codecs})")
     return files

@@ -290,6 +290,7 @@ class LocalRun:
             "first_loss": d.get("first_loss"),
             "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
             "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
+            "wire_bytes_by_role": d.get("wire_by_role", {}),
             "wall_seconds": round(train_seconds, 2),
             "total_seconds": round(total_seconds, 2),
             "pushes_refused": d.get("pushes_refused", 0),
@@ -322,6 +323,7 @@ class LocalRun:
         summary["data_stall_share"] = _mean(
             [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
         )
+        summary.update(data_plane_metrics(d, train_seconds))
         summary["sync_wait_share"] = _mean(
             [w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
         )
@@ -345,6 +347,28 @@ class LocalRun:
             summary.update(eval_loss=None, baseline_loss=None, eval_tokens=0, sample="")
         summary["config"] = cfg.to_dict()
         return summary
+
+
+def data_plane_metrics(d: dict[str, Any], train_seconds: float) -> dict[str, Any]:
+    """summary.json's data-plane numbers, from the coordinator's status detail.
+
+    data_tokens_per_s: tokens written into shards by all data workers per wall second of the run;
+    data_tokens_per_s_by_worker: each data worker's tokens per second of work on its chunks (its
+    speed, whatever share of the run it was busy); data_stall_by_learner: each learner's share of
+    its wall time spent waiting for data.
+    """
+    workers = d.get("workers", [])
+    return {
+        "data_tokens_per_s": round(d.get("tokens_prepared", 0) / max(train_seconds, 1e-9), 1),
+        "data_tokens_per_s_by_worker": {
+            w["worker_id"]: w.get("tokens_per_s", 0.0) for w in workers if w["role"] == "data"
+        },
+        "data_stall_by_learner": {
+            w["worker_id"]: round(w.get("data_stall_seconds", 0.0) / w["wall_seconds"], 4)
+            for w in workers
+            if w["role"] == "compute" and w.get("wall_seconds")
+        },
+    }
 
 
 def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, seq_len: int) -> float:
@@ -392,6 +416,11 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     )
     table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
     table.add_row("learner utilization", f"{summary['utilization']:.1%}")
+    table.add_row(
+        "data",
+        f"{summary.get('data_tokens_per_s', 0.0):,.0f} tokens/s prepared, "
+        f"learners waited {summary.get('data_stall_share', 0.0):.1%} of the time",
+    )
     table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
     if summary.get("kills"):
         table.add_row("chaos kills", ", ".join(f"{k} {v}" for k, v in sorted(summary["kills"].items())))

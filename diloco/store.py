@@ -1,32 +1,81 @@
 """One fsspec-backed store for raw data, shards and checkpoints.
 
 Every path in diloco is a URI that goes through here, so `s3://bucket/prefix` is only a URI away
-from a local directory: s3fs takes endpoint and credentials from the standard AWS environment.
+from a local directory: s3fs takes endpoint and credentials from the standard AWS environment
+(`AWS_ENDPOINT_URL_S3` or `AWS_ENDPOINT_URL`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+`AWS_DEFAULT_REGION`, ...).
+
+S3 specifics: one s3fs instance per process *and* AWS environment (so a changed endpoint or key is
+seen), with fsspec's listings cache off, because shards and checkpoints are written by other
+processes and a stale listing would say a fresh object is missing. Writes go up in
+S3_BLOCK_SIZE parts: a larger object is a multipart upload, a smaller one a single PUT.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from typing import IO
 
 import fsspec
 from fsspec.core import url_to_fs
 
+S3_BLOCK_SIZE = 8 * 2**20  # multipart part size for writes (S3's minimum part is 5 MiB)
+_S3_ENV = (
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+)
+_s3_lock = threading.Lock()
+_s3_filesystems: dict[tuple, fsspec.AbstractFileSystem] = {}
+
 
 class StoreError(OSError):
     """A store path that cannot be read or written."""
 
 
+def _s3_filesystem() -> fsspec.AbstractFileSystem:
+    """The s3fs instance for this process and the current AWS environment."""
+    key = (os.getpid(), *(os.environ.get(name) for name in _S3_ENV))
+    with _s3_lock:
+        fs = _s3_filesystems.get(key)
+        if fs is None:
+            if any(k[0] != key[0] for k in _s3_filesystems):
+                _s3_filesystems.clear()  # made before a fork: their event loop and sockets are not ours
+            options: dict = {
+                # Our own cache above is keyed by the environment; fsspec's is not.
+                "skip_instance_cache": True,
+                "use_listings_cache": False,
+                "default_block_size": S3_BLOCK_SIZE,
+            }
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            if endpoint:
+                options["endpoint_url"] = endpoint
+            fs = fsspec.filesystem("s3", **options)
+            _s3_filesystems[key] = fs
+    return fs
+
+
 def filesystem(uri: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem for a URI and the path inside it."""
-    options: dict = {}
     if uri.startswith("s3://"):
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            options["endpoint_url"] = endpoint
-    fs, path = url_to_fs(uri, **options)
+        fs = _s3_filesystem()
+        return fs, fs._strip_protocol(uri)
+    fs, path = url_to_fs(uri)
     return fs, path
+
+
+def _fresh(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Forget any cached listing (a remote fsspec store may keep one): other processes write there."""
+    fs.invalidate_cache(path)
 
 
 def join(base: str, *parts: str) -> str:
@@ -74,18 +123,36 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         return
-    with fs.open(path, "wb") as f:
-        f.write(data)
+    # Block-sized writes, so s3fs uploads parts of S3_BLOCK_SIZE as they fill (a multipart upload
+    # when there is more than one block; one PUT otherwise). On an error the upload is aborted:
+    # closing the file would publish whatever parts had gone up, under the final name.
+    f = fs.open(path, "wb", block_size=S3_BLOCK_SIZE)
+    view = memoryview(data)
+    try:
+        for start in range(0, len(view), S3_BLOCK_SIZE):
+            f.write(view[start : start + S3_BLOCK_SIZE])
+    except BaseException:
+        try:
+            f.discard()
+        finally:
+            f.closed = True
+        raise
+    f.close()
 
 
 def exists(uri: str) -> bool:
     fs, path = filesystem(uri)
+    _fresh(fs, path)
     return fs.exists(path)
 
 
 def size(uri: str) -> int:
     fs, path = filesystem(uri)
-    return int(fs.size(path))
+    _fresh(fs, path)
+    try:
+        return int(fs.size(path))
+    except FileNotFoundError as e:
+        raise StoreError(f"not found: {uri}") from e
 
 
 def makedirs(uri: str) -> None:
@@ -113,6 +180,7 @@ def with_protocol(fs: fsspec.AbstractFileSystem, path: str) -> str:
 def list_files(uri: str) -> list[str]:
     """Files at a URI: a single file, every file under a directory (recursive), or a glob; sorted."""
     fs, path = filesystem(uri)
+    _fresh(fs, path)
     if any(ch in path for ch in "*?["):
         found = [p for p in fs.glob(path) if fs.isfile(p)]
     elif fs.isdir(path):

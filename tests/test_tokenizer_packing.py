@@ -106,7 +106,11 @@ def test_process_chunk_text_and_jsonl(tmp_path):
         "skipped_missing_field": 2,
         "skipped_not_json": 2,
         "skipped_empty": 1,
+        "skipped_oversized": 0,
         "replaced_undecodable": 0,
+        "truncated_compressed": 0,
+        "empty_files": 0,
+        "unreadable_files": 0,
     }
 
 

@@ -27,8 +27,11 @@ from diloco.compute.device import pick_device, set_threads
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
+from diloco.data.cache import open_cache
+from diloco.errors import DilocoError
 from diloco.fragments import assign_fragments
 from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
+from diloco.tokenizer import load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 
@@ -125,6 +128,7 @@ class Learner:
         self.epoch = reply.coordinator_epoch
         cfg = self.client.config
         assert cfg is not None
+        self._check_tokenizer(cfg, reply.tokenizer_hash)
         self.cfg = cfg
         self.device = pick_device(self.overrides.device or cfg.train.device)
         set_threads(self.overrides.threads if self.overrides.threads is not None else cfg.train.threads)
@@ -151,6 +155,21 @@ class Learner:
             [f.version for f in self.frags],
         )
         return cfg
+
+    def _check_tokenizer(self, cfg: RunConfig, expected_hash: str) -> None:
+        """Refuse to train (clear error, non-zero exit) on a tokenizer other than the run's: the
+        model's vocabulary comes from the coordinator's config, the shards from its tokenizer."""
+        try:
+            tokenizer = load_checked_tokenizer(cfg.data.tokenizer, expected_hash)
+            if cfg.model.vocab_size < tokenizer.vocab_size:
+                raise DilocoError(
+                    f"model.vocab_size {cfg.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
+                )
+        except DilocoError as e:
+            log.error("%s", e)
+            self.client.leave(f"refused: {e}")
+            self.client.close()
+            raise
 
     # -- fragments ------------------------------------------------------------------------------
 
@@ -404,7 +423,11 @@ class Learner:
     def run(self) -> int:
         cfg = self._setup()
         self.prefetcher = ShardPrefetcher(
-            self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop
+            self.client,
+            cfg.train.batch_size,
+            cfg.data.prefetch_batches,
+            self.stop,
+            cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes),
         )
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
@@ -423,9 +446,11 @@ class Learner:
                 if self.finishing.is_set():
                     reason = "run finishing"
                     break
+                ready = self.prefetcher.ready()
                 waited = time.monotonic()
                 item = self.prefetcher.get(timeout_s=0.5)
-                self.progress.stall_s += time.monotonic() - waited
+                if not ready:  # a stall is waiting with no batch ready, not a thread hand-off
+                    self.progress.stall_s += time.monotonic() - waited
                 if item is DONE:
                     reason = "no more data"
                     break
@@ -469,6 +494,9 @@ class Learner:
             p.sync_wait_s,
             self.channel.pushes_refused,
         )
+        cache = self.prefetcher.cache
+        if cache is not None and (cache.stats.hits or cache.stats.misses):
+            log.info("shard cache %s: %s", cache.directory, cache.stats.as_dict())
         return 0
 
 

@@ -1,8 +1,18 @@
-"""Shards to batches, on a background thread, ahead of need.
+"""Shards to batches, on background threads, ahead of need.
 
-The learner's loop only takes ready batches from a bounded queue; leasing, reading, checksum
-verification and decompression happen here, while the learner computes. Each batch carries the
-shard row range it came from, so the learner can say exactly which rows a delta trained on.
+The learner's loop only takes ready batches from a bounded queue. Two stages fill it while the
+learner computes:
+
+    fetch thread:  lease a shard -> read it (through the local shard cache, from the store on a
+                   miss) -> verify its checksum, decompress -> hand it over (one shard ahead)
+    batch thread:  cut the current shard's leased row ranges into batches -> the bounded queue
+
+so the next shard is downloaded and decoded while batches of the current one are trained on,
+even when a shard holds many more batches than the queue (a single stage would lease the next
+shard only once the last batch of the current one was queued). At most one decoded shard waits
+beside the one being cut, so a learner holds at most two shard leases ahead of its queue. Each
+batch carries the shard row range it came from, so the learner can say exactly which rows a delta
+trained on.
 """
 
 from __future__ import annotations
@@ -16,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from diloco.client import CoordinatorClient
-from diloco.data.shard import ShardCorrupt, read_shard
+from diloco.data.cache import ShardCache, read_shard_via
+from diloco.data.shard import ShardCorrupt
 from diloco.store import StoreError
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -31,6 +42,7 @@ class Batch:
     row_start: int
     row_end: int
     last_of_shard: bool  # no more rows of this shard follow: it can be released after the push
+    lease: int = 0  # which of this learner's leases on the shard the rows came with
 
     @property
     def tokens(self) -> int:
@@ -42,24 +54,44 @@ DONE = object()  # the coordinator has no more training data for us
 
 
 class ShardPrefetcher:
-    def __init__(self, client: CoordinatorClient, batch_size: int, max_batches: int, stop: threading.Event):
+    def __init__(
+        self,
+        client: CoordinatorClient,
+        batch_size: int,
+        max_batches: int,
+        stop: threading.Event,
+        cache: ShardCache | None = None,
+    ):
         self.client = client
         self.batch_size = batch_size
         self.stop = stop
+        self.cache = cache
         self.queue: queue.Queue[Batch | object] = queue.Queue(maxsize=max(1, max_batches))
         self.starved = threading.Event()  # the last lease said "wait": no data ready anywhere
+        # Decoded shards between the stages; the slot is taken before a lease and freed when the
+        # batch stage picks the shard up, so only one waits there.
+        self._ready: queue.Queue[tuple[pb.LeaseShardReply, int, object] | object] = queue.Queue()
+        self._slot = threading.Semaphore(1)
         self._held: set[int] = set()
-        self._lost: set[int] = set()
+        # shard id -> the number of the lease its queued batches must carry to be trained on. A
+        # lost lease is removed, so its queued rows are skipped, and a later lease of the same
+        # shard (rows handed back to the pool come round again) gets a new number.
+        self._live: dict[int, int] = {}
+        self._leases = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self._fetcher = threading.Thread(target=self._fetch_loop, name="prefetch-fetch", daemon=True)
+        self._batcher = threading.Thread(target=self._batch_loop, name="prefetch-batch", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._fetcher.start()
+        self._batcher.start()
 
     def join(self, timeout_s: float) -> None:
-        """After `stop`: wait for the thread, so it is not inside gRPC or torch at exit."""
-        if self._thread.is_alive():
-            self._thread.join(timeout_s)
+        """After `stop`: wait for the threads, so neither is inside gRPC or torch at exit."""
+        deadline = time.monotonic() + timeout_s
+        for thread in (self._fetcher, self._batcher):
+            if thread.is_alive():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def held_shards(self) -> list[int]:
         with self._lock:
@@ -73,64 +105,107 @@ class ShardPrefetcher:
         """The lease ran out (we were silent too long): its queued rows are someone else's now."""
         with self._lock:
             self._held.discard(shard_id)
-            self._lost.add(shard_id)
+            self._live.pop(shard_id, None)
+
+    def ready(self) -> bool:
+        """A batch (or DONE) is waiting: get() returns without waiting for data."""
+        return not self.queue.empty()
 
     def get(self, timeout_s: float) -> Batch | object | None:
-        """A batch, DONE, or None when nothing arrived in time. Batches of lost shards are skipped."""
+        """A batch, DONE, or None when nothing arrived in time. Batches of lost leases are skipped."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return None
-            if not (isinstance(item, Batch) and item.shard_id in self._lost):
+            if not (isinstance(item, Batch) and not self._is_live(item.shard_id, item.lease)):
                 return item
 
-    def _put(self, item: Batch | object) -> bool:
+    def _is_live(self, shard_id: int, lease: int) -> bool:
+        with self._lock:
+            return self._live.get(shard_id) == lease
+
+    def _put(self, q: queue.Queue, item: object) -> bool:
         while not self.stop.is_set():
             try:
-                self.queue.put(item, timeout=0.2)
+                q.put(item, timeout=0.2)
                 return True
             except queue.Full:
                 continue
         return False
 
-    def _run(self) -> None:
+    # -- stage 1: lease, read, verify, decode ---------------------------------------------------
+
+    def _fetch_loop(self) -> None:
         try:
             while not self.stop.is_set():
-                lease = self.client.call("LeaseShard", pb.LeaseShardRequest())
-                if lease.done:
-                    self._put(DONE)
+                if not self._slot.acquire(timeout=0.2):
+                    continue
+                item = self._fetch_one()
+                if item is None:
+                    self._slot.release()
+                    continue
+                self._ready.put(item)
+                if item is DONE:
                     return
-                if lease.retry_after_s > 0:
-                    self.starved.set()
-                    self.stop.wait(lease.retry_after_s)
-                    continue
-                self.starved.clear()
-                with self._lock:
-                    self._held.add(lease.shard_id)
-                try:
-                    shard = read_shard(lease.uri, expected_checksum=lease.checksum)
-                except (ShardCorrupt, StoreError) as e:
-                    # The coordinator has the raw chunk reprocessed into a good shard.
-                    log.warning("shard %d unreadable (%s); reported for reprocessing", lease.shard_id, e)
-                    self.release(lease.shard_id)
-                    self.client.call(
-                        "ReportShard", pb.ReportShardRequest(shard_id=lease.shard_id, error=str(e))
-                    )
-                    continue
-                self._enqueue(lease, shard.rows)
         except Exception:
-            log.exception("prefetch thread failed")
-            self._put(DONE)
+            log.exception("prefetch fetch thread failed")
+            self._ready.put(DONE)
 
-    def _enqueue(self, lease: pb.LeaseShardReply, rows) -> None:
-        tensor = torch.from_numpy(rows.astype("int64", copy=False))
+    def _fetch_one(self) -> tuple[pb.LeaseShardReply, int, object] | object | None:
+        """The next leased and decoded shard, DONE, or None (nothing this time)."""
+        lease = self.client.call("LeaseShard", pb.LeaseShardRequest())
+        if lease.done:
+            return DONE
+        if lease.retry_after_s > 0:
+            self.starved.set()
+            self.stop.wait(lease.retry_after_s)
+            return None
+        self.starved.clear()
+        with self._lock:
+            self._held.add(lease.shard_id)
+            self._leases += 1
+            number = self._live[lease.shard_id] = self._leases
+        try:
+            shard = read_shard_via(self.cache, lease.uri, lease.checksum)
+        except (ShardCorrupt, StoreError) as e:
+            # The coordinator has the raw chunk reprocessed into a good shard.
+            log.warning("shard %d unreadable (%s); reported for reprocessing", lease.shard_id, e)
+            self.release(lease.shard_id)
+            self.client.call("ReportShard", pb.ReportShardRequest(shard_id=lease.shard_id, error=str(e)))
+            return None
+        return lease, number, shard.rows
+
+    # -- stage 2: rows to batches ---------------------------------------------------------------
+
+    def _batch_loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                try:
+                    item = self._ready.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._slot.release()  # the fetch stage may lease and read the next shard now
+                if item is DONE:
+                    self._put(self.queue, DONE)
+                    return
+                lease, number, rows = item  # type: ignore[misc]
+                self._enqueue(lease, number, rows)
+        except Exception:
+            log.exception("prefetch batch thread failed")
+            self._put(self.queue, DONE)
+
+    def _enqueue(self, lease: pb.LeaseShardReply, number: int, rows) -> None:
         ranges = [(s.row_start, s.row_end) for s in lease.todo]
         for r, (a, b) in enumerate(ranges):
             for i in range(a, b, self.batch_size):
+                if not self._is_live(lease.shard_id, number):
+                    return  # the lease was lost meanwhile: its rows are someone else's
                 j = min(i + self.batch_size, b)
-                block = tensor[i:j]
+                # int64 one batch at a time: a whole shard widened at once would take 4x its memory.
+                block = torch.from_numpy(rows[i:j].astype("int64"))
                 last = r == len(ranges) - 1 and j == b
-                if not self._put(Batch(block[:, :-1], block[:, 1:], lease.shard_id, i, j, last)):
+                batch = Batch(block[:, :-1], block[:, 1:], lease.shard_id, i, j, last, number)
+                if not self._put(self.queue, batch):
                     return

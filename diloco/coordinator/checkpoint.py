@@ -3,7 +3,8 @@
 One file per fragment and version: `fragment-<p>-v<version>.safetensors` holding the parameters
 under their names and the Nesterov momentum under `momentum/<name>`. The file is complete on the
 store before the ledger records its version, so the ledger never points at a missing file; the
-previous version's file is kept until the next one is recorded.
+previous version's file is kept until the next one is recorded. Versions merged in one group get
+one file, that of the last.
 """
 
 from __future__ import annotations
@@ -41,11 +42,9 @@ def load_fragment(
     return params, momentum
 
 
-def prune_fragment(root: str, fragment: int, keep_version: int) -> None:
-    """Delete files of versions before keep_version − 1 (the one before stays as a fallback)."""
-    if keep_version < 2:
-        return
-    store.remove(fragment_uri(root, fragment, keep_version - 2))
+def remove_fragment(root: str, fragment: int, version: int) -> None:
+    """Delete one version's file (the ledger no longer points at it)."""
+    store.remove(fragment_uri(root, fragment, version))
 
 
 def load_model_params(root: str, versions: list[int]) -> dict[str, torch.Tensor]:

@@ -84,6 +84,19 @@ class Completion:
     shard_id: int = 0
 
 
+@dataclass(frozen=True)
+class MergeRecord:
+    """One merge of a fragment: the pushes it holds and what they brought."""
+
+    version: int
+    push_ids: tuple[str, ...]
+    tokens: int
+    steps: int
+    mean_loss: float | None
+    reason: str
+    scale: float = 1.0
+
+
 class Ledger:
     def __init__(self, path: str, clock: Callable[[], float] = time.time):
         self.path = path
@@ -128,8 +141,10 @@ class Ledger:
     def initialized(self) -> bool:
         return self.get_meta("dataset") is not None
 
-    def initialize(self, chunks: Iterable[ChunkSpec], **meta: str) -> None:
-        """Record the dataset's chunks once; a restart keeps what is there."""
+    def initialize(
+        self, chunks: Iterable[ChunkSpec], counters: dict[str, float] | None = None, **meta: str
+    ) -> None:
+        """Record the dataset's chunks once (and starting counters); a restart keeps what is there."""
         with self._tx() as db:
             if db.execute("SELECT 1 FROM meta WHERE key = 'dataset'").fetchone():
                 return
@@ -138,6 +153,8 @@ class Ledger:
                     "INSERT INTO chunks(id, spec, split, nbytes) VALUES (?, ?, ?, ?)",
                     (c.index + 1, c.to_json(), c.split, c.nbytes),
                 )
+            for name, value in (counters or {}).items():
+                _bump(db, name, value)
             for key, value in meta.items():
                 db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
 
@@ -166,6 +183,10 @@ class Ledger:
                 "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', host = excluded.host",
                 (worker_id, role, host, now, now),
             )
+
+    def worker_role(self, worker_id: str) -> str | None:
+        role = self._one("SELECT role FROM workers WHERE id = ?", (worker_id,))
+        return None if role is None else str(role)
 
     def known_worker(self, worker_id: str) -> bool:
         return self._one("SELECT 1 FROM workers WHERE id = ? AND state = 'active'", (worker_id,)) is not None
@@ -520,44 +541,70 @@ class Ledger:
         reason: str,
         scale: float = 1.0,
     ) -> None:
-        """One transaction: the round, its pushes merged, their shards' rows counted, version on."""
+        self.commit_merges(
+            fragment, [MergeRecord(version, tuple(push_ids), tokens, steps, mean_loss, reason, scale)]
+        )
+
+    def commit_merges(self, fragment: int, merges: Sequence[MergeRecord]) -> None:
+        """One transaction: the rounds, their pushes merged, their shards' rows counted, version on.
+
+        Several merges of one fragment may share a transaction (and one checkpoint file, that of
+        the last): the coordinator publishes merges in groups when merging outpaces the store.
+        """
+        if not merges:
+            return
         with self._tx() as db:
-            marks = ",".join("?" * len(push_ids))
-            db.execute(
-                f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE state = 'pending' AND push_id IN ({marks})",
-                (version, *push_ids),
-            )
-            db.execute(
-                "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason, scale) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (fragment, version, self.clock(), len(push_ids), tokens, steps, mean_loss, reason, scale),
-            )
+            for merge in merges:
+                self._commit_one_merge(db, fragment, merge)
             db.execute(
                 "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
-                (f"fragment_version.{fragment}", str(version)),
+                (f"fragment_version.{fragment}", str(merges[-1].version)),
             )
-            shard_ids = [
-                r[0]
-                for r in db.execute(
-                    f"SELECT DISTINCT shard_id FROM spans WHERE push_id IN ({marks})", tuple(push_ids)
+
+    def _commit_one_merge(self, db: sqlite3.Connection, fragment: int, merge: MergeRecord) -> None:
+        push_ids = merge.push_ids
+        marks = ",".join("?" * len(push_ids))
+        db.execute(
+            f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE state = 'pending' AND push_id IN ({marks})",
+            (merge.version, *push_ids),
+        )
+        db.execute(
+            "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason, scale) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                fragment,
+                merge.version,
+                self.clock(),
+                len(push_ids),
+                merge.tokens,
+                merge.steps,
+                merge.mean_loss,
+                merge.reason,
+                merge.scale,
+            ),
+        )
+        shard_ids = [
+            r[0]
+            for r in db.execute(
+                f"SELECT DISTINCT shard_id FROM spans WHERE push_id IN ({marks})", tuple(push_ids)
+            )
+        ]
+        merged_tokens = 0
+        for sid in shard_ids:
+            shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
+            per_row = shard["tokens"] // max(1, shard["rows"])
+            for a, b in db.execute(
+                f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})",
+                (sid, *push_ids),
+            ).fetchall():
+                merged_tokens += (b - a) * per_row
+            if leases.covered_rows(self._spans(db, sid, ("merged",))) >= shard["rows"]:
+                db.execute(
+                    "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?",
+                    (sid,),
                 )
-            ]
-            merged_tokens = 0
-            for sid in shard_ids:
-                shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
-                per_row = shard["tokens"] // max(1, shard["rows"])
-                for a, b in db.execute(
-                    f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})",
-                    (sid, *push_ids),
-                ).fetchall():
-                    merged_tokens += (b - a) * per_row
-                if leases.covered_rows(self._spans(db, sid, ("merged",))) >= shard["rows"]:
-                    db.execute(
-                        "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?",
-                        (sid,),
-                    )
-            _bump(db, "tokens_merged", merged_tokens)
-            _bump(db, "rounds", 1)
+        _bump(db, "tokens_merged", merged_tokens)
+        _bump(db, "rounds", 1)
 
     def drop_pushes(self, push_ids: Sequence[str], reason: str) -> None:
         """Pushes that will never merge: their rows become trainable again."""

@@ -18,9 +18,9 @@ from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.service import CoordinatorService
 from diloco.corpus import resolve_dataset
-from diloco.data.chunks import partition
+from diloco.data.chunks import partition_dataset
 from diloco.errors import DilocoError
-from diloco.tokenizer import load_tokenizer
+from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger("diloco.coordinator")
@@ -69,10 +69,7 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
         stored = RunConfig.from_json(ledger.get_meta("config") or "{}")
         log.info("resuming run %s from %s", stored.name, state_dir)
         return ledger, stored
-    try:
-        tokenizer = load_tokenizer(config.data.tokenizer)
-    except ValueError as e:
-        raise DilocoError(f"cannot load tokenizer {config.data.tokenizer!r}: {e}") from e
+    tokenizer = run_tokenizer(config)
     if config.model.vocab_size == 0:
         config = config.with_overrides({"model.vocab_size": tokenizer.vocab_size})
     elif config.model.vocab_size < tokenizer.vocab_size:
@@ -83,17 +80,58 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
         files = resolve_dataset(config.data.dataset)
     except (OSError, ValueError) as e:
         raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
-    chunks = partition(files, config.data.chunk_bytes, config.data.eval_fraction)
+    try:
+        parts = partition_dataset(
+            files, config.data.chunk_bytes, config.data.eval_fraction, config.data.text_field
+        )
+    except (OSError, ValueError) as e:
+        raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
+    chunks = parts.chunks
     if not chunks:
         raise DilocoError(f"dataset {config.data.dataset!r} has no data")
-    ledger.initialize(chunks, dataset=config.data.dataset, config=config.to_json(), tokenizer_id=tokenizer.id)
+    # Files left out at partition (empty, unreadable) count with the records the workers skip.
+    skipped = {f"records.{k}": float(v) for k, v in parts.stats.as_dict().items() if v}
+    ledger.initialize(
+        chunks,
+        counters=skipped,
+        dataset=config.data.dataset,
+        config=config.to_json(),
+        tokenizer_id=tokenizer.id,
+        tokenizer_hash=tokenizer.fingerprint,
+    )
     log.info(
-        "partitioned %d files into %d chunks (%d eval)",
+        "partitioned %d files into %d chunks (%d eval)%s",
         len(files),
         len(chunks),
         sum(c.split == "eval" for c in chunks),
+        "".join(f", {v} {k.replace('_', ' ')}" for k, v in parts.stats.as_dict().items() if v),
     )
     return ledger, config
+
+
+def run_tokenizer(config: RunConfig) -> Tokenizer:
+    try:
+        return load_tokenizer(config.data.tokenizer)
+    except ValueError as e:
+        raise DilocoError(f"cannot load tokenizer {config.data.tokenizer!r}: {e}") from e
+
+
+def tokenizer_hash(config: RunConfig, ledger: Ledger) -> str:
+    """The tokenizer's fingerprint now, which every worker must match at join.
+
+    Loaded at every start; a tokenizer that changed since the run began is refused (its shards
+    would mix two vocabularies).
+    """
+    fingerprint = run_tokenizer(config).fingerprint
+    recorded = ledger.get_meta("tokenizer_hash")
+    if recorded is None:
+        ledger.set_meta(tokenizer_hash=fingerprint)  # a ledger from before the check
+    elif recorded != fingerprint:
+        raise DilocoError(
+            f"tokenizer {config.data.tokenizer!r} changed since this run started ({recorded[:16]} then, "
+            f"{fingerprint[:16]} now): restore it, or start a new run in a fresh workdir"
+        )
+    return fingerprint
 
 
 def start_coordinator(
@@ -101,12 +139,17 @@ def start_coordinator(
 ) -> RunningCoordinator:
     config.validate()
     ledger, config = open_ledger(config, workdir)
+    try:
+        fingerprint = tokenizer_hash(config, ledger)
+    except DilocoError:
+        ledger.close()
+        raise
     root = store_root(config, workdir)
     shard_root = store.join(root, "shards")
     checkpoint_root = store.join(root, "checkpoints")
     for uri in (shard_root, checkpoint_root):
         store.makedirs(uri)
-    service = CoordinatorService(config, ledger, checkpoint_root, shard_root)
+    service = CoordinatorService(config, ledger, checkpoint_root, shard_root, tokenizer_hash=fingerprint)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
         options=grpc_options(config),

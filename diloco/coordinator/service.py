@@ -1,9 +1,16 @@
 """The coordinator's gRPC service: membership, leases, the syncer, checkpoints, status.
 
 State that must survive a crash lives in the ledger (committed before an RPC answers) and in the
-checkpoint files; what lives only here is the open round of each fragment (its pushes' tensors),
-which a crash drops — the ledger then marks those pushes dropped, and their rows go back to the
-pool. Decisions (quorum, grace window, merge, outer step, lease expiry) are the pure functions of
+checkpoint files; what lives only here is the open round of each fragment (its pushes' tensors)
+and merges not yet published, which a crash drops — the ledger then marks those pushes dropped,
+and their rows go back to the pool.
+
+Merging and publishing are two steps. A round merges in memory at once (the next merge builds on
+it); a publisher thread then writes the fragment's checkpoint and commits the merge in the ledger,
+and only then may learners pull it. When merges come faster than the store takes checkpoints,
+the publisher writes the newest state once and commits every merge since in one transaction:
+merge throughput is then bound by arithmetic, not by the store, and nothing a learner holds was
+ever lost by a crash. Decisions (quorum, grace window, merge, outer step, lease expiry) are the pure functions of
 syncer.py and leases.py; this module only applies them under one lock.
 """
 
@@ -25,7 +32,7 @@ import torch
 from diloco import store
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, syncer
-from diloco.coordinator.ledger import ChunkLease, Ledger, ShardLease
+from diloco.coordinator.ledger import ChunkLease, Ledger, MergeRecord, ShardLease
 from diloco.coordinator.wirecount import WireCounter
 from diloco.fragments import assign_fragments
 from diloco.v1 import coordinator_pb2 as pb
@@ -57,18 +64,26 @@ class PendingPush:
 
 @dataclass
 class FragmentState:
+    index: int
     names: list[str]
+    # The head: the newest merge, in memory (published or not); the next merge builds on it.
     params: dict[str, torch.Tensor]
     momentum: dict[str, torch.Tensor]
     version: int
     round: syncer.RoundState
     pending: list[PendingPush] = field(default_factory=list)
-    # What up-to-date learners hold: Θ itself with fp32 pulls; with a pull codec, the sum of the
-    # encoded deltas sent so far. Θ − broadcast is the coordinator's error feedback: it goes out
-    # with the next delta, so the learners' copy never drifts from Θ.
+    # Published: checkpointed and committed, so learners may hold it. Merges between the
+    # published version and the head wait for the publisher.
+    published_version: int = 0
+    unpublished: list[MergeRecord] = field(default_factory=list)
+    files: list[int] = field(default_factory=list)  # versions with a checkpoint file, oldest first
+    # What up-to-date learners hold: published Θ itself with fp32 pulls; with a pull codec, the
+    # sum of the encoded deltas sent so far. Θ − broadcast is the coordinator's error feedback: it
+    # goes out with the next delta, so the learners' copy never drifts from Θ.
     broadcast: dict[str, torch.Tensor] = field(default_factory=dict)
-    # version -> the encoded blobs of broadcast(version) − broadcast(version − 1), the last few.
-    chain: dict[int, dict[str, bytes]] = field(default_factory=dict)
+    # published version -> (the published version before it, the encoded blobs of the step
+    # between their broadcasts), the last few.
+    chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
 
 
 def policy_of(config: RunConfig) -> syncer.SyncPolicy:
@@ -93,15 +108,19 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         checkpoint_root: str,
         shard_root: str,
         clock: Callable[[], float] = time.time,
+        tokenizer_hash: str = "",
     ):
         self.config = config
         self.ledger = ledger
+        # Handed out at join; every worker refuses to work with a tokenizer that differs.
+        self.tokenizer_hash = tokenizer_hash
         self.checkpoint_root = checkpoint_root
         self.shard_root = shard_root
         self.clock = clock
         self.policy = policy_of(config)
         self.cond = threading.Condition(threading.RLock())
         self.wire = WireCounter()
+        self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"
@@ -110,22 +129,39 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.specs: dict[str, pb.TensorSpec] = {}
         self.step_time_s = 0.0  # EMA of learners' reported inner step time
         self.sync_time_s = 0.0  # EMA of merge duration
+        self.publish_time_s = 0.0  # EMA of writing a checkpoint and committing its merges
         self.last_loss = math.nan
         self._load_parameters()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_forever, name="syncer-tick", daemon=True)
+        self._publisher = threading.Thread(target=self._publish_forever, name="publisher", daemon=True)
 
     # -- life cycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._ticker.start()
+        self._publisher.start()
 
-    def stop(self) -> None:
+    def stop(self, publish_timeout_s: float = 60.0) -> None:
+        """Stop the clocks; merges already made are published first (bounded in time)."""
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
         if self._ticker.is_alive():
             self._ticker.join(timeout=5)
+        if self._publisher.is_alive():
+            self._publisher.join(timeout=publish_timeout_s)
+
+    def wait_published(self, timeout_s: float = 30.0) -> bool:
+        """Until every merge made so far is published (for tools and tests)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(f.unpublished for f in self.fragments):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.25))
+        return True
 
     def _load_parameters(self) -> None:
         """After a restart: the global fragments at the versions the ledger last committed."""
@@ -156,7 +192,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         version: int,
     ) -> FragmentState:
         round_ = syncer.RoundState(p, version, self.clock())
-        return FragmentState(names, params, momentum, version, round_, broadcast=params)
+        return FragmentState(
+            p, names, params, momentum, version, round_, published_version=version, files=[version],
+            broadcast=params,
+        )  # fmt: skip
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -166,6 +205,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _require_worker(self, worker_id: str, context: grpc.ServicerContext) -> None:
         if not worker_id or not self.ledger.known_worker(worker_id):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {worker_id!r}: join first")
+
+    def _role_of(self, worker_id: str) -> str:
+        role = self._roles.get(worker_id)
+        if role is None:
+            role = self.ledger.worker_role(worker_id) or "unknown"
+            self._roles[worker_id] = role
+        return role
 
     def _live_learners(self) -> list[str]:
         return self.ledger.live_workers("compute", self.config.coordinator.lease_ttl_s)
@@ -182,12 +228,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- membership -----------------------------------------------------------------------------
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        self.wire.add_in("join", request)
         role = ROLE_NAMES.get(request.role)
+        self.wire.unary_in("join", request, role)
         if role is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs a role")
         worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.ledger.join(worker_id, role, request.host or "?")
+        self._roles[worker_id] = role
         log.info("join worker=%s role=%s host=%s", worker_id, role, request.host)
         reply = pb.JoinReply(
             worker_id=worker_id,
@@ -197,14 +244,16 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             num_fragments=self.config.sync.fragments,
             run_state=self._state_pb(),
             heartbeat_s=self.config.coordinator.heartbeat_s,
+            tokenizer_hash=self.tokenizer_hash,
         )
         with self.cond:
             self.cond.notify_all()
-        self.wire.add_out("join", reply)
+        self.wire.add_out("join", reply, role)
         return reply
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        self.wire.add_in("heartbeat", request)
+        role = self._role_of(request.worker_id)
+        self.wire.unary_in("heartbeat", request, role)
         self._require_worker(request.worker_id, context)
         stats = {
             "inner_steps": request.inner_steps,
@@ -226,21 +275,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             lost_chunk_leases=lost_chunks,
             lost_shard_leases=lost_shards,
         )
-        self.wire.add_out("heartbeat", reply)
+        self.wire.add_out("heartbeat", reply, role)
         return reply
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
-        self.wire.add_in("leave", request)
+        role = self._role_of(request.worker_id)
+        self.wire.unary_in("leave", request, role)
         self.ledger.leave(request.worker_id)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
         with self.cond:
             self._close_ready_rounds()
-        return pb.LeaveReply()
+        reply = pb.LeaveReply()
+        self.wire.add_out("leave", reply, role)
+        return reply
 
     # -- data workers ---------------------------------------------------------------------------
 
     def LeaseChunk(self, request: pb.LeaseChunkRequest, context: grpc.ServicerContext) -> pb.LeaseChunkReply:
-        self.wire.add_in("lease_chunk", request)
+        self.wire.unary_in("lease_chunk", request)
         self._require_worker(request.worker_id, context)
         ttl = self.config.coordinator.lease_ttl_s
         if self.run_state != "running":
@@ -257,7 +309,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     shard_uri=shard_uri,
                     lease_ttl_s=ttl,
                     segments=[
-                        pb.Segment(uri=s.uri, start=s.start, end=s.end, file_end=s.file_end)
+                        pb.Segment(
+                            uri=s.uri,
+                            start=s.start,
+                            end=s.end,
+                            file_end=s.file_end,
+                            unit=s.unit,
+                            nbytes=s.nbytes,
+                        )
                         for s in lease.spec.segments
                     ],
                     run_state=self._state_pb(),
@@ -272,7 +331,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def CompleteChunk(
         self, request: pb.CompleteChunkRequest, context: grpc.ServicerContext
     ) -> pb.CompleteChunkReply:
-        self.wire.add_in("complete_chunk", request)
+        self.wire.unary_in("complete_chunk", request)
         self._require_worker(request.worker_id, context)
         if not request.completion_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion_id is required")
@@ -293,6 +352,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             request.shard_bytes,
             dict(request.record_stats),
         )
+        if done.accepted and done.reason != "already recorded":  # a retried completion counts once
+            # Each data worker's throughput, for status and summary.json: tokens it wrote into
+            # recorded shards, and the seconds it spent on those chunks.
+            self.ledger.bump(f"data_tokens.{request.worker_id}", request.tokens)
+            self.ledger.bump(f"data_seconds.{request.worker_id}", request.seconds)
         log.info(
             "chunk %d complete worker=%s accepted=%s (%s) rows=%d",
             request.chunk_id,
@@ -306,7 +370,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return reply
 
     def FailChunk(self, request: pb.FailChunkRequest, context: grpc.ServicerContext) -> pb.FailChunkReply:
-        self.wire.add_in("fail_chunk", request)
+        self.wire.unary_in("fail_chunk", request)
         self._require_worker(request.worker_id, context)
         quarantined = self.ledger.fail_chunk(
             request.worker_id, request.chunk_id, request.error, self.config.coordinator.max_chunk_attempts
@@ -325,7 +389,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- learners: shards -----------------------------------------------------------------------
 
     def LeaseShard(self, request: pb.LeaseShardRequest, context: grpc.ServicerContext) -> pb.LeaseShardReply:
-        self.wire.add_in("lease_shard", request)
+        self.wire.unary_in("lease_shard", request)
         self._require_worker(request.worker_id, context)
         ttl = self.config.coordinator.lease_ttl_s
         if self.run_state != "running":
@@ -354,7 +418,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def ReportShard(
         self, request: pb.ReportShardRequest, context: grpc.ServicerContext
     ) -> pb.ReportShardReply:
-        self.wire.add_in("report_shard", request)
+        self.wire.unary_in("report_shard", request)
         self._require_worker(request.worker_id, context)
         again = self.ledger.report_corrupt_shard(request.shard_id, request.error)
         log.warning(
@@ -422,7 +486,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PullParameters(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TensorStreamMessage]:
-        self.wire.add_in("pull", request)
+        self.wire.unary_in("pull", request)
         if list(request.have_versions) and len(request.have_versions) != len(request.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_versions must match fragments")
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_PULL_WAIT_S)
@@ -440,7 +504,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             above = dict(zip(wanted, request.wait_above, strict=False)) if request.wait_above else have
 
             def newer() -> list[int]:
-                return [p for p in wanted if p not in above or self.fragments[p].version > above[p]]
+                return [p for p in wanted if p not in above or self.fragments[p].published_version > above[p]]
 
             while (
                 not newer()
@@ -489,7 +553,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 pass
             # A merged push answers with the version just before its merge, so the learner's
             # "newer than" pull returns the merge that holds it at once.
-            merged_at = prior["merged_version"]
+            merged_at = prior["merged_version"] or self._unpublished_merge_of(header.fragment, header.push_id)
             reply = pb.PushReply(
                 accepted=prior["state"] != "dropped",
                 reason=prior["reason"] or f"already received ({prior['state']})",
@@ -515,7 +579,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 self.ledger.bump("pushes_malformed")
                 log.warning("push refused worker=%s: %s", header.worker_id, e)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {e}")
-            bad = [n for n, t in tensors.items() if not torch.isfinite(t).all()]
+            # A sum is NaN or ±inf when any element is (or when finite values overflow float32,
+            # which no sane delta does): one cheap reduction instead of a mask per tensor.
+            bad = [n for n, t in tensors.items() if not torch.isfinite(t.sum())]
             if bad:
                 self.ledger.bump("pushes_malformed")
                 log.warning("push refused worker=%s: non-finite values in %s", header.worker_id, bad[:3])
@@ -627,7 +693,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         now = self.clock()
         for frag in self.fragments:
             decision = syncer.decide_close(
-                frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s
+                frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s + self.publish_time_s
             )
             if decision.close:
                 self._merge(frag, decision.reason)
@@ -644,10 +710,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         contributors = {q.arrival.worker_id for q in pending}
         scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
-        outer_grad = {
-            n: g * scale
-            for n, g in syncer.merge_deltas([q.tensors for q in pending], weights, self.policy.merge).items()
-        }
+        # Every merge mode is linear in the weights, so the coverage scale rides on them.
+        outer_grad = syncer.merge_deltas(
+            [q.tensors for q in pending], [w * scale for w in weights], self.policy.merge
+        )
         params, momentum = syncer.outer_step(
             frag.params,
             frag.momentum,
@@ -658,17 +724,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             fraction=scale,
         )
         version = frag.version + 1
-        checkpoint.save_fragment(self.checkpoint_root, p, version, params, momentum)
         tokens = sum(q.arrival.tokens for q in pending)
         steps = sum(q.arrival.steps for q in pending)
         losses = [q.mean_loss for q in pending if q.mean_loss > 0]
         mean_loss = sum(losses) / len(losses) if losses else None
-        self.ledger.commit_merge(
-            p, version, [q.push_id for q in pending], tokens, steps, mean_loss, reason, scale
+        frag.unpublished.append(
+            MergeRecord(version, tuple(q.push_id for q in pending), tokens, steps, mean_loss, reason, scale)
         )
-        checkpoint.prune_fragment(self.checkpoint_root, p, version)
         frag.params, frag.momentum, frag.version = params, momentum, version
-        self._extend_broadcast(frag)
         frag.pending = []
         frag.round = syncer.RoundState(p, version, self.clock())
         if mean_loss is not None:
@@ -685,40 +748,108 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             reason,
             elapsed,
         )
-        self.cond.notify_all()
+        self.cond.notify_all()  # the publisher
 
-    def _extend_broadcast(self, frag: FragmentState) -> None:
-        """After a merge: what learners will hold next, and the encoded step that gets them there."""
+    def _unpublished_merge_of(self, fragment: int, push_id: str) -> int | None:
+        with self.cond:
+            for merge in self.fragments[fragment].unpublished:
+                if push_id in merge.push_ids:
+                    return merge.version
+        return None
+
+    # -- the publisher --------------------------------------------------------------------------
+
+    def _publish_forever(self) -> None:
+        """Checkpoint and commit merges off the RPC threads, every waiting merge at once."""
+        failures = 0
+        while True:
+            with self.cond:
+                ready = [(f, f.params, f.momentum, f.version) for f in self.fragments if f.unpublished]
+                if not ready:
+                    if self._stop.is_set():
+                        return
+                    self.cond.wait(0.25)
+                    continue
+            try:
+                for frag, params, momentum, version in ready:
+                    self._publish(frag, params, momentum, version)
+                failures = 0
+            except Exception:  # a store hiccup: the merges stay in memory and are tried again
+                failures += 1
+                log.exception("publishing merges failed (%d in a row); retrying", failures)
+                if self._stop.is_set() and failures >= 5:
+                    log.error("giving up publishing at shutdown: the last merges are lost")
+                    return
+                time.sleep(min(5.0, 0.2 * 2**failures))
+
+    def _publish(
+        self,
+        frag: FragmentState,
+        params: dict[str, torch.Tensor],
+        momentum: dict[str, torch.Tensor],
+        version: int,
+    ) -> None:
+        started = time.monotonic()
+        p = frag.index
+        # The file is complete on the store before the ledger points at it.
+        checkpoint.save_fragment(self.checkpoint_root, p, version, params, momentum)
+        with self.cond:
+            merges = [m for m in frag.unpublished if m.version <= version]
+            self.ledger.commit_merges(p, merges)
+            frag.unpublished = [m for m in frag.unpublished if m.version > version]
+            self._extend_broadcast(frag, params, version)
+            frag.published_version = version
+            frag.files.append(version)
+            # The version before the published one stays as a fallback.
+            obsolete, frag.files = frag.files[:-2], frag.files[-2:]
+            self.cond.notify_all()
+        for old in obsolete:
+            checkpoint.remove_fragment(self.checkpoint_root, p, old)
+        elapsed = time.monotonic() - started
+        self.publish_time_s = (
+            elapsed if self.publish_time_s == 0 else 0.8 * self.publish_time_s + 0.2 * elapsed
+        )
+        if len(merges) > 1:
+            log.info("published fragment=%d version=%d (%d merges at once)", p, version, len(merges))
+
+    def _extend_broadcast(self, frag: FragmentState, params: dict[str, torch.Tensor], version: int) -> None:
+        """On publishing `version`: what learners will hold next, and the encoded step there."""
         codec = self.config.sync.pull_codec
         if codec == "fp32":
-            frag.broadcast = frag.params
+            frag.broadcast = params
             return
         blobs, new = {}, {}
-        for name, theta in frag.params.items():
+        for name, theta in params.items():
             target = theta.float() - frag.broadcast[name].float()  # includes what was dropped before
             blob = codecs.encode(target, codec, self.config.sync.codec_level)
             blobs[name] = blob
             new[name] = frag.broadcast[name].float() + codecs.decode(blob, codec, tuple(theta.shape))
         frag.broadcast = new
-        frag.chain[frag.version] = blobs
-        for old in [v for v in frag.chain if v <= frag.version - self.config.sync.pull_chain]:
+        frag.chain[version] = (frag.published_version, blobs)
+        for old in sorted(frag.chain)[: -self.config.sync.pull_chain]:
             del frag.chain[old]
 
     def _pull_groups(self, p: int, have: int) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
         """What a learner holding version `have` of fragment p needs: the encoded steps since, or
         (no version held, or the steps are gone) the full fragment as learners hold it."""
         frag = self.fragments[p]
-        steps = range(have + 1, frag.version + 1)
         codec = self.config.sync.pull_codec
-        if codec != "fp32" and have >= 0 and all(v in frag.chain for v in steps):
-            return [
-                (
-                    pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),
-                    {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in frag.chain[v].items()},
-                )
-                for v in steps
-            ]
-        return [(pb.TensorHeader(fragment=p, version=frag.version, codec="fp32"), frag.broadcast)]
+        if codec != "fp32" and have >= 0:
+            steps: list[tuple[int, dict[str, bytes]]] = []
+            v = frag.published_version
+            while v > have and v in frag.chain:  # walk the chain back to the version held
+                base, blobs = frag.chain[v]
+                steps.append((v, blobs))
+                v = base
+            if v == have:
+                return [
+                    (
+                        pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),
+                        {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in blobs.items()},
+                    )
+                    for v, blobs in reversed(steps)
+                ]
+        return [(pb.TensorHeader(fragment=p, version=frag.published_version, codec="fp32"), frag.broadcast)]
 
     def _tick_forever(self) -> None:
         """Time-driven events: lease expiry, dead learners, grace windows, the token budget."""
@@ -742,7 +873,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self._set_run_state("finishing", f"token budget of {budget} reached")
         if self.run_state == "finishing" and not self._live_learners():
             with self.cond:
-                if not any(f.pending for f in self.fragments):
+                if not any(f.pending or f.unpublished for f in self.fragments):
                     self._set_run_state("finished", "every learner has left")
 
     def _tokens_reported(self) -> int:
@@ -755,13 +886,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     # -- operators ------------------------------------------------------------------------------
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
-        self.wire.add_in("finish", request)
+        self.wire.unary_in("finish", request)
         self._set_run_state("finishing", request.reason or "asked to finish")
         with self.cond:
             self._close_ready_rounds()
         reply = pb.FinishReply(run_state=self._state_pb())
         self.wire.add_out("finish", reply)
         return reply
+
+    @staticmethod
+    def _data_worker_rates(worker_id: str, counters: dict[str, float]) -> dict[str, Any]:
+        tokens = int(counters.get(f"data_tokens.{worker_id}", 0))
+        seconds = float(counters.get(f"data_seconds.{worker_id}", 0.0))
+        return {
+            "tokens_prepared": tokens,
+            "prepare_seconds": round(seconds, 3),
+            # While working on chunks (read, tokenize, pack, compress, write): one process's speed.
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        }
 
     def status_detail(self) -> dict[str, Any]:
         summary = self.ledger.summary()
@@ -779,6 +921,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     "last_seen_s": round(now - w["last_seen"], 3),
                     "alive": w["state"] == "active" and now - w["last_seen"] < ttl,
                     **stats,
+                    **(self._data_worker_rates(w["id"], summary["counters"]) if w["role"] == "data" else {}),
                 }
             )
         wire_in, wire_out = self.wire.totals()
@@ -788,7 +931,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             **summary,
             "run_state": self.run_state,
             "coordinator_epoch": self.epoch,
-            "fragment_versions": [f.version for f in self.fragments],
+            "fragment_versions": [f.published_version for f in self.fragments],
             "tokens_merged": int(counters.get("tokens_merged", 0)),
             "tokens_pushed": int(counters.get("tokens_trained", 0)),
             # Heartbeats are current while learners run; pushes are exact once they have left.
@@ -803,11 +946,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "wire_bytes_in": wire_in,
             "wire_bytes_out": wire_out,
             "wire_by_rpc": self.wire.by_kind(),
+            "wire_by_role": self.wire.by_role(),
             "workers": workers,
             "uptime_s": round(now - self.started_at, 3),
         }
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        self.wire.unary_in("status", request)
         d = self.status_detail()
         reply = pb.StatusReply(
             run_state=self._state_pb(),
@@ -845,4 +990,5 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             ],
             detail_json=json.dumps(d),
         )
+        self.wire.add_out("status", reply)
         return reply

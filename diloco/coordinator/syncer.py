@@ -174,7 +174,10 @@ def merge_deltas(
             dnorm = direction.norm()
             out[name] = direction * (mean_norm / dnorm) if dnorm > 0 else torch.zeros_like(parts[0])
         else:
-            out[name] = sum(w * p for w, p in zip(weights, parts, strict=True))
+            total = parts[0] * weights[0]
+            for w, p in zip(weights[1:], parts[1:], strict=True):
+                total.add_(p, alpha=w)
+            out[name] = total
     return out
 
 
@@ -200,8 +203,9 @@ def outer_step(
     new_momentum: dict[str, torch.Tensor] = {}
     for name, theta in params.items():
         g = outer_grad[name].to(torch.float32)
-        m = decay * momentum[name] + g
-        update = g + fraction * mu * m if nesterov else fraction * m + (1.0 - fraction) * g
-        new_params[name] = (theta.to(torch.float32) - lr * update).to(theta.dtype)
+        m = torch.add(g, momentum[name], alpha=decay)
+        # Fused forms of g + f·μ·m (Nesterov) and f·m + (1 − f)·g: one pass each, no temporaries.
+        update = torch.add(g, m, alpha=fraction * mu) if nesterov else torch.lerp(g, m, fraction)
+        new_params[name] = torch.add(theta.to(torch.float32), update, alpha=-lr).to(theta.dtype)
         new_momentum[name] = m
     return new_params, new_momentum

@@ -1,7 +1,10 @@
-"""Bytes on the wire, per RPC kind and direction, counted where every message passes: here.
+"""Bytes on the wire, per RPC kind, per role and direction, counted where every message passes: here.
 
-Counts are serialized protobuf sizes (what gRPC frames carry, less its 5-byte frame prefix and
-HTTP/2 headers, which a later issue may add).
+A message costs its serialized protobuf size plus gRPC's 5-byte length prefix plus the 9-byte
+header of every HTTP/2 DATA frame it fills (16 KiB frames, the HTTP/2 default). Each call also
+costs its HEADERS and trailers frames; HPACK shrinks those to a few dozen bytes once a
+connection has seen them, so they are counted as CALL_OVERHEAD_BYTES per call (an estimate:
+`benchmarks/wire_check.py` compares these counts with the bytes a TCP proxy sees).
 """
 
 from __future__ import annotations
@@ -15,22 +18,77 @@ from google.protobuf.message import Message
 
 M = TypeVar("M", bound=Message)
 
+GRPC_PREFIX_BYTES = 5
+HTTP2_FRAME_HEADER_BYTES = 9
+HTTP2_MAX_FRAME_BYTES = 16384
+CALL_OVERHEAD_BYTES = 100  # HPACK'd request HEADERS + response HEADERS + trailers, both ways
+
+# RPCs only one role makes; join, heartbeat and leave are attributed by the caller.
+ROLE_OF_KIND = {
+    "lease_chunk": "data",
+    "complete_chunk": "data",
+    "fail_chunk": "data",
+    "lease_shard": "compute",
+    "report_shard": "compute",
+    "init": "compute",
+    "pull": "compute",
+    "push": "compute",
+    "finish": "observer",
+    "status": "observer",
+}
+
+
+def framed_bytes(message_bytes: int) -> int:
+    """What one gRPC message of `message_bytes` costs on an HTTP/2 stream."""
+    payload = message_bytes + GRPC_PREFIX_BYTES
+    frames = max(1, -(-payload // HTTP2_MAX_FRAME_BYTES))
+    return payload + frames * HTTP2_FRAME_HEADER_BYTES
+
 
 class WireCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.received: dict[str, int] = defaultdict(int)
         self.sent: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._role_in: dict[str, int] = defaultdict(int)
+        self._role_out: dict[str, int] = defaultdict(int)
 
-    def add_in(self, kind: str, msg: Message) -> None:
-        with self._lock:
-            self.received[kind] += msg.ByteSize()
+    def _role(self, kind: str, role: str | None) -> str:
+        return role or ROLE_OF_KIND.get(kind, "unknown")
 
-    def add_out(self, kind: str, msg: Message) -> None:
+    def call(self, kind: str, role: str | None = None) -> None:
+        """One RPC started: its HEADERS and trailers, split evenly between the directions."""
+        r = self._role(kind, role)
         with self._lock:
-            self.sent[kind] += msg.ByteSize()
+            self.calls[kind] += 1
+            self.received[kind] += CALL_OVERHEAD_BYTES // 2
+            self.sent[kind] += CALL_OVERHEAD_BYTES - CALL_OVERHEAD_BYTES // 2
+            self._role_in[r] += CALL_OVERHEAD_BYTES // 2
+            self._role_out[r] += CALL_OVERHEAD_BYTES - CALL_OVERHEAD_BYTES // 2
+
+    def add_in(self, kind: str, msg: Message, role: str | None = None) -> None:
+        n = framed_bytes(msg.ByteSize())
+        r = self._role(kind, role)
+        with self._lock:
+            self.received[kind] += n
+            self._role_in[r] += n
+
+    def add_out(self, kind: str, msg: Message, role: str | None = None) -> None:
+        n = framed_bytes(msg.ByteSize())
+        r = self._role(kind, role)
+        with self._lock:
+            self.sent[kind] += n
+            self._role_out[r] += n
+
+    def unary_in(self, kind: str, msg: Message, role: str | None = None) -> None:
+        """A unary call's request: the call itself and its message."""
+        self.call(kind, role)
+        self.add_in(kind, msg, role)
 
     def count_in(self, kind: str, messages: Iterable[M]) -> Iterator[M]:
+        """A client stream: the call, then each message as it is read."""
+        self.call(kind)
         for msg in messages:
             self.add_in(kind, msg)
             yield msg
@@ -40,11 +98,28 @@ class WireCounter:
             self.add_out(kind, msg)
             yield msg
 
-    def totals(self) -> tuple[int, int]:
+    def totals(self, exclude_roles: Iterable[str] = ("observer",)) -> tuple[int, int]:
+        """(received, sent) of the job's own traffic: monitoring (observers) is left out."""
+        skip = set(exclude_roles)
         with self._lock:
-            return sum(self.received.values()), sum(self.sent.values())
+            return (
+                sum(n for r, n in self._role_in.items() if r not in skip),
+                sum(n for r, n in self._role_out.items() if r not in skip),
+            )
 
     def by_kind(self) -> dict[str, dict[str, int]]:
         with self._lock:
             kinds = sorted(set(self.received) | set(self.sent))
-            return {k: {"received": self.received.get(k, 0), "sent": self.sent.get(k, 0)} for k in kinds}
+            return {
+                k: {
+                    "received": self.received.get(k, 0),
+                    "sent": self.sent.get(k, 0),
+                    "calls": self.calls.get(k, 0),
+                }
+                for k in kinds
+            }
+
+    def by_role(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            roles = sorted(set(self._role_in) | set(self._role_out))
+            return {r: {"received": self._role_in.get(r, 0), "sent": self._role_out.get(r, 0)} for r in roles}

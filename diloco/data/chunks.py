@@ -3,15 +3,29 @@
 Small files are grouped into one chunk up to about `chunk_bytes`; a larger file is cut into byte
 ranges that end just after a newline, found by reading a small window after each target offset,
 so partitioning a terabyte costs a few stat calls and kilobytes of reads, not a full scan.
+A compressed file (.gz, .zst) cannot be cut by byte offset: it is one segment of its own. A
+parquet file is cut by row group, from its footer alone: a segment holds a range of row groups
+(small ones grouped up to about `chunk_bytes` of the text column's compressed bytes).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from diloco import store
-from diloco.corpus import is_splittable
+from diloco.corpus import file_kind, is_splittable
+
+if TYPE_CHECKING:  # records imports this module
+    from diloco.data.records import RecordStats
+
+log = logging.getLogger("diloco.data")
+
+# What a segment's [start, end) counts: bytes of the file, or parquet row groups.
+UNIT_BYTES = "bytes"
+UNIT_ROW_GROUPS = "row_groups"
 
 # First window read after a cut target when looking for a newline; doubled until one is found.
 _WINDOW = 4096
@@ -20,16 +34,36 @@ _MAX_WINDOW = 1 << 20
 
 @dataclass(frozen=True)
 class Segment:
-    """The byte range [start, end) of one file; `file_end` when `end` is the file's size."""
+    """The byte range [start, end) of one file; `file_end` when `end` is the file's size.
+
+    With unit "row_groups", [start, end) are the parquet row groups of the file instead, and
+    `size` the stored bytes they hold (what sizes chunks; a byte range's size is end - start).
+    """
 
     uri: str
     start: int
     end: int
     file_end: bool
+    unit: str = UNIT_BYTES
+    size: int = 0
 
     @property
     def nbytes(self) -> int:
-        return self.end - self.start
+        return self.size if self.unit == UNIT_ROW_GROUPS else self.end - self.start
+
+    def to_list(self) -> list:
+        base = [self.uri, self.start, self.end, self.file_end]
+        return base if self.unit == UNIT_BYTES else [*base, self.unit, self.size]
+
+    @classmethod
+    def from_list(cls, item: list) -> Segment:
+        if len(item) == 4:
+            uri, start, end, file_end = item
+            return cls(str(uri), int(start), int(end), bool(file_end))
+        uri, start, end, file_end, unit, size = item
+        if unit not in (UNIT_BYTES, UNIT_ROW_GROUPS) or int(size) < 0:
+            raise ValueError(f"unit={unit!r} size={size!r}")
+        return cls(str(uri), int(start), int(end), bool(file_end), str(unit), int(size))
 
 
 @dataclass(frozen=True)
@@ -47,7 +81,7 @@ class ChunkSpec:
             {
                 "index": self.index,
                 "split": self.split,
-                "segments": [[s.uri, s.start, s.end, s.file_end] for s in self.segments],
+                "segments": [s.to_list() for s in self.segments],
             },
             separators=(",", ":"),
         )
@@ -57,7 +91,7 @@ class ChunkSpec:
         try:
             obj = json.loads(text)
             index, split = obj["index"], obj["split"]
-            segments = tuple(Segment(str(u), int(a), int(b), bool(e)) for u, a, b, e in obj["segments"])
+            segments = tuple(Segment.from_list(item) for item in obj["segments"])
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"not a chunk spec: {e}") from e
         if not isinstance(index, int) or split not in ("train", "eval"):
@@ -98,6 +132,57 @@ def file_segments(uri: str, size: int, chunk_bytes: int) -> list[Segment]:
     return segments
 
 
+def parquet_segments(uri: str, chunk_bytes: int, text_field: str) -> list[Segment]:
+    """A parquet file as ranges of row groups, read from its footer alone (never its data).
+
+    Consecutive row groups are grouped while their size stays within `chunk_bytes` (one larger
+    than that is a segment of its own); a row group's size is the compressed size of its
+    `text_field` column, the bytes a data worker will read, or of all its columns when there is
+    no such column. No segments for a file without rows.
+    """
+    sizes = row_group_sizes(uri, text_field)
+    if not sizes:
+        return []
+    segments: list[Segment] = []
+    start, acc = 0, 0
+    for i, nbytes in enumerate(sizes):
+        if i > start and acc + nbytes > chunk_bytes:
+            segments.append(Segment(uri, start, i, False, UNIT_ROW_GROUPS, acc))
+            start, acc = i, 0
+        acc += nbytes
+    segments.append(Segment(uri, start, len(sizes), True, UNIT_ROW_GROUPS, acc))
+    return segments
+
+
+def row_group_sizes(uri: str, text_field: str) -> list[int]:
+    """Per row group, the compressed bytes of its `text_field` column (all columns if absent).
+
+    Empty when the file has no rows. Reads only the footer.
+    """
+    import pyarrow.parquet as pq
+
+    with store.open_read(uri) as f:
+        meta = pq.read_metadata(f)
+    if meta.num_rows == 0:
+        return []
+    sizes = []
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        columns = [group.column(j) for j in range(group.num_columns)]
+        text = [c.total_compressed_size for c in columns if c.path_in_schema == text_field]
+        sizes.append(max(1, sum(text) if text else sum(c.total_compressed_size for c in columns)))
+    return sizes
+
+
+def whole_file_segment(uri: str, text_field: str = "text") -> Segment | None:
+    """All of one file as a single segment (every row group of a parquet file); None when empty."""
+    if file_kind(uri) == "parquet":
+        sizes = row_group_sizes(uri, text_field)
+        return Segment(uri, 0, len(sizes), True, UNIT_ROW_GROUPS, sum(sizes)) if sizes else None
+    size = store.size(uri)
+    return Segment(uri, 0, size, True) if size else None
+
+
 def eval_indices(n_chunks: int, eval_fraction: float) -> set[int]:
     """About `eval_fraction` of chunk indices, evenly spread; at least one when there are two chunks."""
     if eval_fraction <= 0 or n_chunks < 2:
@@ -107,18 +192,48 @@ def eval_indices(n_chunks: int, eval_fraction: float) -> set[int]:
     return {int((i + 0.5) * n_chunks / n_eval) for i in range(n_eval)}
 
 
-def partition(files: list[str], chunk_bytes: int, eval_fraction: float) -> list[ChunkSpec]:
-    """Deterministic chunks covering every byte of every non-empty file exactly once, in file order."""
+@dataclass
+class Partition:
+    chunks: list[ChunkSpec]
+    # Files that held nothing (empty_files) or whose parquet footer is unreadable (unreadable_files).
+    stats: RecordStats
+
+
+def partition_dataset(
+    files: list[str], chunk_bytes: int, eval_fraction: float, text_field: str = "text"
+) -> Partition:
+    """Deterministic chunks covering every byte (or row group) of every non-empty file exactly once.
+
+    Empty files, and parquet files whose footer cannot be read, are left out and counted.
+    """
+    from diloco.data.records import RecordStats
+
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    stats = RecordStats()
     groups: list[list[Segment]] = []
     current: list[Segment] = []
     current_bytes = 0
     for uri in files:
         size = store.size(uri)
         if size == 0:
+            stats.empty_files += 1
             continue
-        for seg in file_segments(uri, size, chunk_bytes):
+        if file_kind(uri) == "parquet":
+            import pyarrow as pa
+
+            try:
+                segments = parquet_segments(uri, chunk_bytes, text_field)
+            except pa.ArrowInvalid as e:  # not parquet, or a damaged footer: nothing to read
+                log.warning("skipping %s: not a readable parquet file: %s", uri, e)
+                stats.unreadable_files += 1
+                continue
+            if not segments:
+                stats.empty_files += 1
+                continue
+        else:
+            segments = file_segments(uri, size, chunk_bytes)
+        for seg in segments:
             if current and current_bytes + seg.nbytes > chunk_bytes:
                 groups.append(current)
                 current, current_bytes = [], 0
@@ -127,7 +242,15 @@ def partition(files: list[str], chunk_bytes: int, eval_fraction: float) -> list[
     if current:
         groups.append(current)
     held_out = eval_indices(len(groups), eval_fraction)
-    return [
+    chunks = [
         ChunkSpec(index=i, segments=tuple(g), split="eval" if i in held_out else "train")
         for i, g in enumerate(groups)
     ]
+    return Partition(chunks, stats)
+
+
+def partition(
+    files: list[str], chunk_bytes: int, eval_fraction: float, text_field: str = "text"
+) -> list[ChunkSpec]:
+    """The chunks of partition_dataset, without its counts of skipped files."""
+    return partition_dataset(files, chunk_bytes, eval_fraction, text_field).chunks

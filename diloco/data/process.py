@@ -8,7 +8,7 @@ import numpy as np
 
 from diloco.data.chunks import ChunkSpec
 from diloco.data.packing import pack_rows
-from diloco.data.records import RecordStats, iter_documents
+from diloco.data.records import DEFAULT_MAX_RECORD_BYTES, RecordStats, iter_documents
 from diloco.data.shard import token_dtype
 from diloco.tokenizer import Tokenizer
 
@@ -22,17 +22,26 @@ class ProcessedChunk:
     bytes_in: int  # raw bytes read
 
 
-def process_chunk(chunk: ChunkSpec, tokenizer: Tokenizer, seq_len: int, text_field: str) -> ProcessedChunk:
+def process_chunk(
+    chunk: ChunkSpec,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    text_field: str,
+    max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
+) -> ProcessedChunk:
     stats = RecordStats()
-    documents: list[list[int]] = []
+    dtype = token_dtype(tokenizer.vocab_size)
+    documents: list[np.ndarray] = []
     for segment in chunk.segments:
-        for text, ends_document in iter_documents(segment, text_field, stats):
+        for text, ends_document in iter_documents(segment, text_field, stats, max_record_bytes):
             ids = tokenizer.encode(text)
             if ends_document:
                 ids.append(tokenizer.eot_id)
-            documents.append(ids)
+            # Held as arrays, not lists of ints: a whole compressed file can be one chunk.
+            # fromiter refuses ids that do not fit the dtype (OverflowError).
+            documents.append(np.fromiter(ids, dtype, len(ids)))
     tokens_in = sum(len(d) for d in documents)
-    rows, dropped = pack_rows(documents, seq_len, token_dtype(tokenizer.vocab_size))
+    rows, dropped = pack_rows(documents, seq_len, dtype)
     # Shuffle rows once, here, with a seed fixed by the chunk: learners then read contiguous row
     # ranges (cheap to account for exactly once) and still get well-mixed batches.
     rows = rows[np.random.default_rng(chunk.index).permutation(len(rows))]

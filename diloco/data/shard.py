@@ -7,7 +7,13 @@ Layout:
     rest       zstd frame of the rows as raw little-endian bytes, C order
 
 The header says everything needed to check the payload before trusting it: dtype, shape,
-compressed length and the sha256 of the uncompressed bytes. Nothing executable is stored.
+compressed length and a sha256. Nothing executable is stored.
+
+Format 2 (written now) checksums the zstd frame as stored, and the frame carries zstd's own
+checksum of its content, which the decoder verifies as it goes: a reader hashes a fifth of the
+bytes it used to, and a shard is refused before it is decompressed when its bytes are not the ones
+the data worker wrote. Format 1 (still read) checksummed the uncompressed bytes: with hashing as
+slow as decompressing, that held a read to half the speed of zstd alone.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ import zstandard as zstd
 from diloco import store
 
 MAGIC = b"DLCSHRD\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 _PREFIX = len(MAGIC) + 4
 _MAX_HEADER = 1 << 20  # a real header is a few hundred bytes
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -80,8 +87,8 @@ def encode_shard(
     if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocab_size):
         raise ValueError(f"token ids must be in [0, {vocab_size}), got [{rows.min()}, {rows.max()}]")
     dtype = token_dtype(vocab_size)
-    payload = np.ascontiguousarray(rows, dtype=_DTYPES[dtype]).tobytes()
-    body = zstd.ZstdCompressor(level=level, write_content_size=True).compress(payload)
+    payload = np.ascontiguousarray(rows, dtype=_DTYPES[dtype])
+    body = zstd.ZstdCompressor(level=level, write_content_size=True, write_checksum=True).compress(payload)
     header = {
         "format_version": FORMAT_VERSION,
         "tokenizer_id": tokenizer_id,
@@ -89,7 +96,7 @@ def encode_shard(
         "rows": int(rows.shape[0]),
         "dtype": dtype,
         "tokens": int(rows.size),
-        "checksum": _checksum(payload),
+        "checksum": _checksum(body),  # of the stored zstd frame (format 2)
         "compressed_bytes": len(body),
         "chunk_index": int(chunk_index),
         "meta": dict(meta or {}),
@@ -112,7 +119,7 @@ def _parse_header(data: bytes) -> tuple[dict, memoryview]:
         raise ShardCorrupt(f"shard header is not UTF-8 JSON: {e}") from e
     if not isinstance(header, dict):
         raise ShardCorrupt("shard header is not a JSON object")
-    if header.get("format_version") != FORMAT_VERSION:
+    if header.get("format_version") not in _READABLE_VERSIONS:
         raise ShardCorrupt(f"unsupported shard format_version {header.get('format_version')!r}")
     for key in ("seq_len", "rows", "tokens", "compressed_bytes", "chunk_index"):
         if not isinstance(header.get(key), int) or isinstance(header.get(key), bool) or header[key] < 0:
@@ -167,10 +174,15 @@ def decode_shard(data: bytes, expected_checksum: str | None = None) -> Shard:
     if expected_checksum is not None and header["checksum"] != expected_checksum:
         raise ShardCorrupt(f"shard checksum {header['checksum']} is not the expected {expected_checksum}")
     dtype = _DTYPES[header["dtype"]]
+    if header["format_version"] >= 2:  # the stored frame is checked first, then decoded
+        actual = _checksum(body)
+        if actual != header["checksum"]:
+            raise ShardCorrupt(f"shard payload checksum {actual} does not match header {header['checksum']}")
     raw = _decompress(body, header["tokens"] * dtype.itemsize)
-    actual = _checksum(raw)
-    if actual != header["checksum"]:
-        raise ShardCorrupt(f"shard payload checksum {actual} does not match header {header['checksum']}")
+    if header["format_version"] == 1:
+        actual = _checksum(raw)
+        if actual != header["checksum"]:
+            raise ShardCorrupt(f"shard payload checksum {actual} does not match header {header['checksum']}")
     rows = raw.view(dtype).reshape(header["rows"], header["seq_len"] + 1)
     return Shard(header=header, rows=rows.astype(dtype.newbyteorder("="), copy=False))
 

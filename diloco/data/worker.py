@@ -15,10 +15,12 @@ import uuid
 
 from diloco import store
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
-from diloco.data.chunks import ChunkSpec, Segment
+from diloco.config import RunConfig
+from diloco.data.chunks import UNIT_ROW_GROUPS, ChunkSpec, Segment
 from diloco.data.process import process_chunk
 from diloco.data.shard import write_shard
-from diloco.tokenizer import load_tokenizer
+from diloco.errors import DilocoError
+from diloco.tokenizer import Tokenizer, load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.data")
@@ -64,7 +66,13 @@ class DataWorker:
         reply = self.client.join(self.connect_timeout_s)
         config = self.client.config
         assert config is not None
-        tokenizer = load_tokenizer(config.data.tokenizer)
+        try:
+            tokenizer = load_checked_tokenizer(config.data.tokenizer, reply.tokenizer_hash)
+        except DilocoError as e:
+            log.error("%s", e)
+            self.client.leave(f"refused: {e}")
+            self.client.close()
+            raise
         heartbeats = threading.Thread(
             target=self._heartbeat_forever, args=(reply.heartbeat_s,), name="heartbeat", daemon=True
         )
@@ -78,7 +86,7 @@ class DataWorker:
                 if lease.retry_after_s > 0:
                     self.stop.wait(lease.retry_after_s)
                     continue
-                self._process(lease, tokenizer, config.model.seq_len, config.data.text_field)
+                self._process(lease, tokenizer, config)
         finally:
             self.stop.set()
             self.client.leave("finished" if self.current_chunk is None else "stopping")
@@ -86,16 +94,23 @@ class DataWorker:
             heartbeats.join(5.0)  # not inside gRPC at interpreter exit
         return 0
 
-    def _process(self, lease: pb.LeaseChunkReply, tokenizer, seq_len: int, text_field: str) -> None:
+    def _process(self, lease: pb.LeaseChunkReply, tokenizer: Tokenizer, config: RunConfig) -> None:
         self.current_chunk = lease.chunk_id
         started = time.monotonic()
         chunk = ChunkSpec(
             index=lease.chunk_id - 1,
-            segments=tuple(Segment(s.uri, s.start, s.end, s.file_end) for s in lease.segments),
+            segments=tuple(
+                Segment(s.uri, s.start, s.end, s.file_end, UNIT_ROW_GROUPS, s.nbytes)
+                if s.unit == UNIT_ROW_GROUPS
+                else Segment(s.uri, s.start, s.end, s.file_end)
+                for s in lease.segments
+            ),
             split=lease.split,
         )
         try:
-            processed = process_chunk(chunk, tokenizer, seq_len, text_field)
+            processed = process_chunk(
+                chunk, tokenizer, config.model.seq_len, config.data.text_field, config.data.max_record_bytes
+            )
             info = write_shard(
                 lease.shard_uri,
                 processed.rows,

@@ -40,7 +40,7 @@ class JoinRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., host: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_id", "config_json", "coordinator_epoch", "needs_init", "num_fragments", "run_state", "heartbeat_s")
+    __slots__ = ("worker_id", "config_json", "coordinator_epoch", "needs_init", "num_fragments", "run_state", "heartbeat_s", "tokenizer_hash")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class JoinReply(_message.Message):
     NUM_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     config_json: str
     coordinator_epoch: int
@@ -55,7 +56,8 @@ class JoinReply(_message.Message):
     num_fragments: int
     run_state: RunState
     heartbeat_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+    tokenizer_hash: str
+    def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds")
@@ -112,16 +114,20 @@ class LeaseChunkRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("uri", "start", "end", "file_end")
+    __slots__ = ("uri", "start", "end", "file_end", "unit", "nbytes")
     URI_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     FILE_END_FIELD_NUMBER: _ClassVar[int]
+    UNIT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     uri: str
     start: int
     end: int
     file_end: bool
-    def __init__(self, uri: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., file_end: _Optional[bool] = ...) -> None: ...
+    unit: str
+    nbytes: int
+    def __init__(self, uri: _Optional[str] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., file_end: _Optional[bool] = ..., unit: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class LeaseChunkReply(_message.Message):
     __slots__ = ("chunk_id", "segments", "split", "shard_uri", "lease_ttl_s", "retry_after_s", "done", "run_state")
