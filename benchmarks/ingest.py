@@ -36,6 +36,7 @@ from diloco.v1 import coordinator_pb2 as pb  # noqa: E402
 from diloco.wire.tensors import stream_tensors  # noqa: E402
 
 RAW_METHOD = "/bench.Raw/Ingest"
+PUSH_METHOD = "/diloco.v1.Coordinator/PushDelta"
 
 
 def raw_server(cfg: RunConfig) -> tuple[grpc.Server, int]:
@@ -121,11 +122,23 @@ def main(argv: list[str] | None = None) -> None:
         channel.close()
         raw.stop(0)
 
+        # The client side is the raw arm's: the same pieces, serialized once. Only the header
+        # is new per push (its own push_id and version), so the difference is the coordinator's.
+        pieces = raw_messages[1:]
+        pushes = [
+            c.channel.stream_unary(
+                PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushReply.FromString
+            )  # fmt: skip
+            for c in clients
+        ]
+
         def push_one(i: int) -> int:
-            client = clients[i]
-            header = pb.TensorHeader(fragment=0, version=running.service.fragments[0].version, inner_steps=1,
-                                     tokens=129, push_id=uuid.uuid4().hex, worker_id=client.worker_id)  # fmt: skip
-            reply = client.stub.PushDelta(stream_tensors(header, delta, piece), timeout=120)
+            header = pb.TensorStreamMessage()
+            header.header.CopyFrom(template[0].header)
+            header.header.version = running.service.fragments[0].version
+            header.header.push_id = uuid.uuid4().hex
+            header.header.worker_id = clients[i].worker_id
+            reply = pushes[i](iter([header.SerializeToString(), *pieces]), timeout=120)
             assert reply.accepted, reply.reason
             return push_bytes
 

@@ -13,9 +13,11 @@ S3_BLOCK_SIZE parts: a larger object is a multipart upload, a smaller one a sing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import IO
 
 import fsspec
@@ -138,6 +140,32 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
             f.closed = True
         raise
     f.close()
+
+
+@contextlib.contextmanager
+def atomic_local_path(uri: str) -> Iterator[str]:
+    """A temporary path beside a local file: whatever is written there replaces `uri` whole
+    (fsync, rename) when the block ends, or is deleted on an error. For writers that want a path
+    (safetensors' save_file) rather than bytes in memory."""
+    if not is_local(uri):
+        raise ValueError(f"not a local path: {uri}")
+    _, path = filesystem(uri)
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def exists(uri: str) -> bool:

@@ -264,3 +264,18 @@ def test_wire_counts_frame_every_message_and_split_by_role():
     assert set(roles) == {"data", "compute", "observer"}
     received, _ = wire.totals()
     assert received == roles["data"]["received"] + roles["compute"]["received"]  # monitoring left out
+
+
+@given(
+    tensor=st.integers(0, 2**31),
+    offset=st.integers(0, 2**40),
+    nbytes=st.sampled_from([0, 1, 127, 128, 16383, 16384, 1 << 20]),
+)
+@settings(max_examples=60, deadline=None)
+def test_piece_sizes_are_computed_exactly(tensor: int, offset: int, nbytes: int):
+    from diloco.coordinator.wirecount import message_size
+
+    msg = pb.TensorStreamMessage(piece=pb.TensorPiece(tensor=tensor, offset=offset, data=b"x" * nbytes))
+    assert message_size(msg) == msg.ByteSize()
+    header = pb.TensorStreamMessage(header=pb.TensorHeader(fragment=1, push_id="abc"))
+    assert message_size(header) == header.ByteSize()

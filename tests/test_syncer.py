@@ -546,3 +546,22 @@ def test_fraction_one_is_the_plain_step():
         a = outer_step(p0, m0, g, lr=0.7, mu=0.9, nesterov=nesterov)
         b = outer_step(p0, m0, g, lr=0.7, mu=0.9, nesterov=nesterov, fraction=1.0)
         assert torch.equal(a[0]["w"], b[0]["w"]) and torch.equal(a[1]["w"], b[1]["w"])
+
+
+@pytest.mark.parametrize("mode", ["mean", "token", "rda"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_consuming_merge_and_step_give_the_same_numbers(mode: str, nesterov: bool):
+    gen = torch.Generator().manual_seed(3)
+    deltas = [{"w": torch.randn(50, generator=gen)} for _ in range(3)]
+    params, momentum = {"w": torch.randn(50, generator=gen)}, {"w": torch.randn(50, generator=gen)}
+    weights = merge_weights([100, 200, 50], [10, 10, 5], "token")
+    pure = merge_deltas(deltas, weights, mode)
+    kept = {"w": deltas[1]["w"].clone()}
+    consumed = merge_deltas([{"w": d["w"].clone()} for d in deltas], weights, mode, consume=True)
+    torch.testing.assert_close(consumed["w"], pure["w"])
+    assert torch.equal(deltas[1]["w"], kept["w"])  # without `consume` nothing is touched
+    expected = outer_step(params, momentum, pure, 0.7, 0.9, nesterov, fraction=0.5)
+    grad = {"w": pure["w"].clone()}
+    got = outer_step(params, momentum, grad, 0.7, 0.9, nesterov, fraction=0.5, consume=True)
+    for a, b in zip(expected, got, strict=True):
+        torch.testing.assert_close(a["w"], b["w"])

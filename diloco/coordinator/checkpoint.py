@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
 
 from diloco import store
 
@@ -27,9 +28,13 @@ def save_fragment(
 ) -> str:
     tensors = {name: t.contiguous() for name, t in params.items()}
     tensors.update({MOMENTUM + name: m.contiguous() for name, m in momentum.items()})
-    data = st_save(tensors, metadata={"fragment": str(fragment), "version": str(version)})
+    metadata = {"fragment": str(fragment), "version": str(version)}
     uri = fragment_uri(root, fragment, version)
-    store.write_bytes_atomic(uri, data)
+    if store.is_local(uri):  # straight to the file: no second copy of the fragment in memory
+        with store.atomic_local_path(uri) as tmp:
+            st_save_file(tensors, tmp, metadata=metadata)
+    else:
+        store.write_bytes_atomic(uri, st_save(tensors, metadata=metadata))
     return uri
 
 

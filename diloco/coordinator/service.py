@@ -135,11 +135,13 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick_forever, name="syncer-tick", daemon=True)
         self._publisher = threading.Thread(target=self._publish_forever, name="publisher", daemon=True)
+        self._merger = threading.Thread(target=self._merge_forever, name="merger", daemon=True)
 
     # -- life cycle -----------------------------------------------------------------------------
 
     def start(self) -> None:
         self._ticker.start()
+        self._merger.start()
         self._publisher.start()
 
     def stop(self, publish_timeout_s: float = 60.0) -> None:
@@ -147,16 +149,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
-        if self._ticker.is_alive():
-            self._ticker.join(timeout=5)
+        for thread in (self._ticker, self._merger):
+            if thread.is_alive():
+                thread.join(timeout=5)
         if self._publisher.is_alive():
             self._publisher.join(timeout=publish_timeout_s)
 
     def wait_published(self, timeout_s: float = 30.0) -> bool:
-        """Until every merge made so far is published (for tools and tests)."""
+        """Until every push received so far is merged and published (for tools and tests)."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while any(f.unpublished for f in self.fragments):
+            while any(f.pending or f.unpublished for f in self.fragments):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -594,7 +597,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
         with self.cond:
             reply = self._accept_push(header, tensors, empty)
-            self._close_ready_rounds()
+            self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
         self.wire.add_out("push", reply)
         return reply
 
@@ -685,6 +688,18 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     # -- the syncer -----------------------------------------------------------------------------
 
+    def _merge_forever(self) -> None:
+        """Close rounds as pushes arrive. One thread merges, so pushes that arrive while a merge
+        runs wait in the next round and merge together: under load, one outer step takes many
+        deltas instead of each push paying for its own."""
+        with self.cond:
+            while not self._stop.is_set():
+                try:
+                    self._close_ready_rounds()
+                except Exception:  # a bad merge must not stop the syncer; the tick retries too
+                    log.exception("merge failed")
+                self.cond.wait(0.25)
+
     def _close_ready_rounds(self) -> None:
         """Merge every fragment whose round the pure decision says is ready (lock held)."""
         if not self.fragments:
@@ -711,8 +726,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         contributors = {q.arrival.worker_id for q in pending}
         scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
         # Every merge mode is linear in the weights, so the coverage scale rides on them.
+        # The pushes' tensors are dropped after this merge: the arithmetic may reuse them.
         outer_grad = syncer.merge_deltas(
-            [q.tensors for q in pending], [w * scale for w in weights], self.policy.merge
+            [q.tensors for q in pending], [w * scale for w in weights], self.policy.merge, consume=True
         )
         params, momentum = syncer.outer_step(
             frag.params,
@@ -722,6 +738,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.policy.outer_momentum,
             self.policy.nesterov,
             fraction=scale,
+            consume=True,
         )
         version = frag.version + 1
         tokens = sum(q.arrival.tokens for q in pending)

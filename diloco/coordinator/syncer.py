@@ -152,13 +152,16 @@ def coverage_scale(contributors: int, live_learners: int) -> float:
 
 
 def merge_deltas(
-    deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], mode: str
+    deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], mode: str, consume: bool = False
 ) -> dict[str, torch.Tensor]:
     """The outer gradient: a weighted combination of the deltas, per tensor, in fp32.
 
     `rda` (radial-directional averaging) merges each tensor's norm and direction separately: the
     weighted mean of the norms times the direction of the weighted mean of the unit vectors, so
     near-orthogonal deltas do not shrink the step the way a plain mean does.
+
+    With `consume`, the first delta's fp32 tensors may be overwritten with the result (a caller
+    that drops the deltas after merging saves a fragment-sized allocation and pass).
     """
     if not deltas:
         raise ValueError("no deltas to merge")
@@ -174,7 +177,9 @@ def merge_deltas(
             dnorm = direction.norm()
             out[name] = direction * (mean_norm / dnorm) if dnorm > 0 else torch.zeros_like(parts[0])
         else:
-            total = parts[0] * weights[0]
+            first = parts[0]
+            owned = consume and first.data_ptr() == deltas[0][name].data_ptr()
+            total = first.mul_(weights[0]) if owned else first * weights[0]
             for w, p in zip(weights[1:], parts[1:], strict=True):
                 total.add_(p, alpha=w)
             out[name] = total
@@ -189,6 +194,7 @@ def outer_step(
     mu: float,
     nesterov: bool,
     fraction: float = 1.0,
+    consume: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SGD with (Nesterov) momentum on the outer gradient, as torch.optim.SGD does it.
 
@@ -197,6 +203,7 @@ def outer_step(
     A round that holds only a `fraction` f of the learners (its g already scaled by f) is a
     fraction of an outer step: the momentum decays by μ^f and pushes by f·μ·m, so k rounds of 1/k
     each move about as far as one full round — not k times the momentum. f = 1 is the plain step.
+    With `consume`, outer_grad's fp32 tensors may be overwritten (no allocation for the update).
     """
     decay = mu**fraction
     new_params: dict[str, torch.Tensor] = {}
@@ -205,7 +212,11 @@ def outer_step(
         g = outer_grad[name].to(torch.float32)
         m = torch.add(g, momentum[name], alpha=decay)
         # Fused forms of g + f·μ·m (Nesterov) and f·m + (1 − f)·g: one pass each, no temporaries.
-        update = torch.add(g, m, alpha=fraction * mu) if nesterov else torch.lerp(g, m, fraction)
+        owned = consume and g.data_ptr() == outer_grad[name].data_ptr()
+        if nesterov:
+            update = g.add_(m, alpha=fraction * mu) if owned else torch.add(g, m, alpha=fraction * mu)
+        else:
+            update = g.lerp_(m, fraction) if owned else torch.lerp(g, m, fraction)
         new_params[name] = torch.add(theta.to(torch.float32), update, alpha=-lr).to(theta.dtype)
         new_momentum[name] = m
     return new_params, new_momentum

@@ -45,6 +45,27 @@ def framed_bytes(message_bytes: int) -> int:
     return payload + frames * HTTP2_FRAME_HEADER_BYTES
 
 
+def _varint_len(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _field_len(payload: int) -> int:
+    """A length-delimited field (1-byte tag) holding `payload` bytes."""
+    return 1 + _varint_len(payload) + payload
+
+
+def message_size(msg: Message) -> int:
+    """msg.ByteSize(), without serializing a tensor piece to learn it (upb's ByteSize encodes
+    the message: a copy of every megabyte received, just to count it)."""
+    piece = getattr(msg, "piece", None)
+    if piece is None or msg.WhichOneof("kind") != "piece":
+        return msg.ByteSize()
+    inner = _field_len(len(piece.data)) if piece.data else 0
+    inner += (1 + _varint_len(piece.tensor)) if piece.tensor else 0
+    inner += (1 + _varint_len(piece.offset)) if piece.offset else 0
+    return _field_len(inner)
+
+
 class WireCounter:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -68,14 +89,14 @@ class WireCounter:
             self._role_out[r] += CALL_OVERHEAD_BYTES - CALL_OVERHEAD_BYTES // 2
 
     def add_in(self, kind: str, msg: Message, role: str | None = None) -> None:
-        n = framed_bytes(msg.ByteSize())
+        n = framed_bytes(message_size(msg))
         r = self._role(kind, role)
         with self._lock:
             self.received[kind] += n
             self._role_in[r] += n
 
     def add_out(self, kind: str, msg: Message, role: str | None = None) -> None:
-        n = framed_bytes(msg.ByteSize())
+        n = framed_bytes(message_size(msg))
         r = self._role(kind, role)
         with self._lock:
             self.sent[kind] += n

@@ -100,13 +100,15 @@ class TensorAssembler:
         total = sum(self._sizes)
         if total > max_bytes:
             raise WireError(f"stream of {total} bytes is over the limit of {max_bytes}")
-        self._buffers = [bytearray(n) for n in self._sizes]
+        # Uninitialised: every byte is written by a piece before `tensors()` hands it out.
+        self._buffers = [torch.empty(n, dtype=torch.uint8) for n in self._sizes]
+        self._views = [memoryview(b.numpy()) for b in self._buffers]
         self._filled = [0] * len(self._sizes)
 
     def add(self, piece: pb.TensorPiece) -> None:
         if piece.tensor >= len(self._buffers):
             raise WireError(f"piece for tensor #{piece.tensor}, header has {len(self._buffers)}")
-        buf = self._buffers[piece.tensor]
+        buf = self._views[piece.tensor]
         end = piece.offset + len(piece.data)
         if end > len(buf) or piece.offset != self._filled[piece.tensor]:
             raise WireError(
@@ -128,10 +130,8 @@ class TensorAssembler:
             ]
             raise WireError(f"stream ended before all bytes arrived (incomplete: {', '.join(missing[:3])})")
         out: dict[str, torch.Tensor] = {}
-        for spec, buf in zip(self.header.tensors, self._buffers, strict=True):
-            dtype = DTYPES[spec.dtype]
-            flat = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-            out[spec.name] = flat.view(dtype).reshape(tuple(spec.shape))
+        for spec, flat in zip(self.header.tensors, self._buffers, strict=True):
+            out[spec.name] = flat.view(DTYPES[spec.dtype]).reshape(tuple(spec.shape))
         return out
 
 
