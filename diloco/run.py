@@ -298,6 +298,12 @@ class LocalRun:
         }
         trained = max(1, summary["tokens_trained"])
         summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
+        # Each learner's one-time join (the initial parameters offered, its first full pull)
+        # amortizes over a long run; what goes on per token after it is the steady-state cost.
+        by_rpc = summary["wire_bytes_by_rpc"]
+        joining = sum(by_rpc.get(k, {}).get("received", 0) + by_rpc.get(k, {}).get("sent", 0)
+                      for k in ("init", "pull_join"))  # fmt: skip
+        summary["steady_wire_bytes_per_token"] = (summary["wire_bytes"] - joining) / trained
         params = sum(math.prod(s) for s in _param_shapes(cfg, vocab))
         summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
             params, self.options.learners, cfg.train.batch_size, cfg.model.seq_len
@@ -415,6 +421,10 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
         else ""
     )
     table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
+    steady = summary.get("steady_wire_bytes_per_token") or 0.0
+    if steady:
+        more = f" (DDP: {ddp / steady:,.0f}× more)" if ddp else ""
+        table.add_row("  after each learner's join", f"{steady:.1f}{more}")
     table.add_row("learner utilization", f"{summary['utilization']:.1%}")
     table.add_row(
         "data",

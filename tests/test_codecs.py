@@ -220,11 +220,12 @@ def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corp
             assert learner.push(header, blobs).accepted
         assert running.service.wait_published()
         wire = running.service.wire
+        joined = wire.sent["pull_join"]
+        ((full_header, full),) = learner.pull([0], [-1])  # holding nothing: a join's pull
+        full_bytes = wire.sent["pull_join"] - joined
         sent = wire.sent["pull"]
-        ((full_header, full),) = learner.pull([0], [-1])
-        full_bytes = wire.sent["pull"] - sent
         steps = learner.pull([0], [0])
-        step_bytes = wire.sent["pull"] - sent - full_bytes
+        step_bytes = wire.sent["pull"] - sent
         assert full_header.version == 3 and not full_header.delta
         # One step per published version: the publisher may have published merges in a group.
         versions = [h.version for h, _ in steps]

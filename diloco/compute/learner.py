@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
@@ -141,8 +142,7 @@ class Learner:
         if reply.needs_init:
             init = self.client.init_parameters({n: p.detach().cpu() for n, p in self.params.items()})
             log.info("init parameters: %s", init.reason)
-        everything = list(range(len(self.frags)))
-        for header, tensors in self.client.pull(everything, None, wait_s=cfg.sync.pull_wait_s):
+        for header, tensors in self._pull_everything(cfg):
             self._apply(Merged.full(header.fragment, header.version, tensors))
         log.info(
             "learner %s on %s: %d params in %d fragment(s), H=%d, tau=%d, versions %s",
@@ -155,6 +155,20 @@ class Learner:
             [f.version for f in self.frags],
         )
         return cfg
+
+    def _pull_everything(self, cfg: RunConfig) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+        """Every fragment in full. Another learner may still be streaming the initial parameters
+        (a big model takes a while): wait for them, as long as we would wait for the coordinator."""
+        deadline = time.monotonic() + max(self.overrides.connect_timeout_s, cfg.sync.pull_wait_s)
+        everything = list(range(len(self.frags)))
+        while True:
+            try:
+                return self.client.pull(everything, None, wait_s=cfg.sync.pull_wait_s)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
+                    raise
+                log.info("no parameters yet (%s); waiting for the learner that initializes them", e.details())
+                self.stop.wait(1.0)
 
     def _check_tokenizer(self, cfg: RunConfig, expected_hash: str) -> None:
         """Refuse to train (clear error, non-zero exit) on a tokenizer other than the run's: the

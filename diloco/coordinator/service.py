@@ -16,6 +16,7 @@ syncer.py and leases.py; this module only applies them under one lock.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -121,6 +122,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.cond = threading.Condition(threading.RLock())
         self.wire = WireCounter()
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
+        self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"
@@ -440,9 +442,36 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def InitParameters(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.InitParametersReply:
+        messages = self.wire.count_in("init", request_iterator)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad init stream: it must start with a header")
+        with self.cond:
+            # Learners that join together all offer their parameters; one is taken. The others
+            # are answered at the header, before their megabytes are sent, and pull instead.
+            busy = "already initialized" if self.fragments else self._initializing
+            if not busy:
+                self._initializing = f"being initialized by {first.header.worker_id or '?'}"
+        if busy:
+            reply = pb.InitParametersReply(accepted=False, reason=f"{busy}; pull the parameters")
+            self.wire.add_out("init", reply)
+            return reply
+        try:
+            return self._init_parameters(first, messages, context)
+        finally:
+            with self.cond:
+                self._initializing = None
+                self.cond.notify_all()
+
+    def _init_parameters(
+        self,
+        first: pb.TensorStreamMessage,
+        messages: Iterator[pb.TensorStreamMessage],
+        context: grpc.ServicerContext,
+    ) -> pb.InitParametersReply:
         try:
             header, tensors = receive_one(
-                self.wire.count_in("init", request_iterator), self.config.coordinator.max_push_bytes
+                itertools.chain([first], messages), self.config.coordinator.max_push_bytes
             )
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad init stream: {e}")
@@ -519,7 +548,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Tensors are replaced, never changed in place, so this snapshot stays consistent.
             groups = [g for p in newer() for g in self._pull_groups(p, have.get(p, -1))]
         piece = self.config.coordinator.stream_chunk_bytes
-        yield from self.wire.count_out("pull", stream_many(groups, piece))
+        # A learner that holds nothing yet pays a one-time join cost: counted apart, so the
+        # steady-state bytes per token can be told from it.
+        kind = "pull" if all(have.get(p, -1) >= 0 for p in wanted) else "pull_join"
+        yield from self.wire.count_out(kind, stream_many(groups, piece))
 
     def PushDelta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext

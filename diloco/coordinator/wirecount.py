@@ -32,6 +32,7 @@ ROLE_OF_KIND = {
     "report_shard": "compute",
     "init": "compute",
     "pull": "compute",
+    "pull_join": "compute",
     "push": "compute",
     "finish": "observer",
     "status": "observer",
