@@ -27,11 +27,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._local import coordinator_with_shards, initial_parameters  # noqa: E402
 from diloco.client import CoordinatorClient  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
-from diloco.coordinator.server import grpc_options, start_coordinator  # noqa: E402
-from diloco.data.worker import DataWorker  # noqa: E402
-from diloco.model.gpt import build_model  # noqa: E402
+from diloco.coordinator.server import grpc_options  # noqa: E402
 from diloco.v1 import coordinator_pb2 as pb  # noqa: E402
 from diloco.wire.tensors import stream_tensors  # noqa: E402
 
@@ -87,23 +86,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
-        corpus = Path(tmp) / "corpus.txt"
-        corpus.write_text("def f(x):\n    return x + 1\n" * 4000)
-        cfg = RunConfig().with_overrides({
-            "data.dataset": str(corpus), "model.n_layer": args.n_layer, "model.n_embd": args.n_embd,
-            "model.n_head": 6, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        running = coordinator_with_shards(Path(tmp), {
+            "model.n_layer": args.n_layer, "model.n_embd": args.n_embd, "model.n_head": 6,
+            "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
             "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
         })  # fmt: skip
-        running = start_coordinator(cfg, str(Path(tmp) / "coord"))
+        cfg = running.service.config
         address = f"127.0.0.1:{running.port}"
-        DataWorker(address).run()
         clients = [CoordinatorClient(address, pb.ROLE_COMPUTE) for _ in range(args.learners)]
-        model_cfg = RunConfig.from_json(clients[0].join().config_json).model
-        for c in clients[1:]:
+        for c in clients:
             c.join()
-        params = {
-            n: t.detach() for n, t in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
-        }
+        params = initial_parameters(clients[0])
         clients[0].init_parameters(params)
         delta = {n: torch.randn_like(t) * 1e-4 for n, t in params.items()}
         piece = cfg.coordinator.stream_chunk_bytes

@@ -27,11 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._local import coordinator_with_shards, initial_parameters  # noqa: E402
 from diloco.client import CoordinatorClient  # noqa: E402
-from diloco.config import RunConfig  # noqa: E402
-from diloco.coordinator.server import start_coordinator  # noqa: E402
-from diloco.data.worker import DataWorker  # noqa: E402
-from diloco.model.gpt import build_model  # noqa: E402
 from diloco.v1 import coordinator_pb2 as pb  # noqa: E402
 from diloco.wire import codecs  # noqa: E402
 
@@ -91,21 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "wire_check.json")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="diloco_wire_") as tmp:
-        corpus = Path(tmp) / "corpus.txt"
-        corpus.write_text("def f(x):\n    return x + 1\n" * 4000)
-        cfg = RunConfig().with_overrides({
-            "data.dataset": str(corpus), "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 2,
-            "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.codec": "int8",
-            "sync.pull_codec": "int8", "sync.max_staleness": 1_000_000,
+        running = coordinator_with_shards(Path(tmp), {
+            "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 2, "sync.fragments": 1,
+            "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.codec": "int8", "sync.pull_codec": "int8",
+            "sync.max_staleness": 1_000_000,
         })  # fmt: skip
-        running = start_coordinator(cfg, str(Path(tmp) / "coord"))
-        DataWorker(f"127.0.0.1:{running.port}").run()
         proxy = CountingProxy(running.port)
         client = CoordinatorClient(f"127.0.0.1:{proxy.port}", pb.ROLE_COMPUTE)
-        model_cfg = RunConfig.from_json(client.join().config_json).model
-        params = {
-            n: t.detach() for n, t in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
-        }
+        client.join()
+        params = initial_parameters(client)
         client.init_parameters(params)
         version = 0
         for i in range(args.pushes):

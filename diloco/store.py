@@ -114,16 +114,9 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     atomically, so the object is written once, under its final name.
     """
     fs, path = filesystem(uri)
-    parent = path.rsplit("/", 1)[0] if "/" in path else ""
     if is_local(uri):
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as f:
+        with atomic_local_path(uri) as tmp, open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
         return
     # Block-sized writes, so s3fs uploads parts of S3_BLOCK_SIZE as they fill (a multipart upload
     # when there is more than one block; one PUT otherwise). On an error the upload is aborted:

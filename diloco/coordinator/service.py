@@ -289,7 +289,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.ledger.leave(request.worker_id)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
         with self.cond:
-            self._close_ready_rounds()
+            self.cond.notify_all()  # one learner fewer: the merger may close a round now
         reply = pb.LeaveReply()
         self.wire.add_out("leave", reply, role)
         return reply
@@ -518,7 +518,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def PullParameters(
         self, request: pb.PullRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.TensorStreamMessage]:
-        self.wire.unary_in("pull", request)
+        # A learner that holds nothing yet pays a one-time join cost: counted apart, so the
+        # steady-state bytes per token can be told from it.
+        held = list(request.have_versions)
+        kind = "pull" if held and all(v >= 0 for v in held) else "pull_join"
+        self.wire.unary_in(kind, request)
         if list(request.have_versions) and len(request.have_versions) != len(request.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_versions must match fragments")
         deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_PULL_WAIT_S)
@@ -548,9 +552,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             # Tensors are replaced, never changed in place, so this snapshot stays consistent.
             groups = [g for p in newer() for g in self._pull_groups(p, have.get(p, -1))]
         piece = self.config.coordinator.stream_chunk_bytes
-        # A learner that holds nothing yet pays a one-time join cost: counted apart, so the
-        # steady-state bytes per token can be told from it.
-        kind = "pull" if all(have.get(p, -1) >= 0 for p in wanted) else "pull_join"
         yield from self.wire.count_out(kind, stream_many(groups, piece))
 
     def PushDelta(
@@ -728,9 +729,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             while not self._stop.is_set():
                 try:
                     self._close_ready_rounds()
-                except Exception:  # a bad merge must not stop the syncer; the tick retries too
+                except Exception:  # a bad merge must not stop the syncer; it is tried again
                     log.exception("merge failed")
-                self.cond.wait(0.25)
+                self.cond.wait(0.25)  # pushes, leaves and finishing wake it; grace windows run out
 
     def _close_ready_rounds(self) -> None:
         """Merge every fragment whose round the pure decision says is ready (lock held)."""
@@ -901,7 +902,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         return [(pb.TensorHeader(fragment=p, version=frag.published_version, codec="fp32"), frag.broadcast)]
 
     def _tick_forever(self) -> None:
-        """Time-driven events: lease expiry, dead learners, grace windows, the token budget."""
+        """Time-driven events: lease expiry, the token budget, the end of the run. (Grace windows
+        and learners found dead close rounds in the merger, which wakes at least every 0.25 s.)"""
         while not self._stop.wait(0.25):
             try:
                 self.tick()
@@ -912,8 +914,6 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.ledger.reclaim_expired(
             self.config.coordinator.lease_ttl_s, self.config.coordinator.max_chunk_attempts
         )
-        with self.cond:
-            self._close_ready_rounds()
         budget = self.config.train.max_tokens
         # The budget counts tokens merged into the model (the ledger's exact, durable count): work
         # a kill or a restart throws away is not training, and a heartbeat counter restarts with
@@ -936,9 +936,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
         self.wire.unary_in("finish", request)
-        self._set_run_state("finishing", request.reason or "asked to finish")
-        with self.cond:
-            self._close_ready_rounds()
+        self._set_run_state("finishing", request.reason or "asked to finish")  # wakes the merger
         reply = pb.FinishReply(run_state=self._state_pb())
         self.wire.add_out("finish", reply)
         return reply
