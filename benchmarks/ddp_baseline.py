@@ -114,7 +114,7 @@ def _counting_allreduce_hook(
     return default_hooks.allreduce_hook(None, bucket)
 
 
-def _rank_main(
+def _train_rank(
     rank: int,
     world: int,
     port: int,
@@ -231,6 +231,16 @@ def _rank_main(
     tmp = result_path + ".tmp"
     Path(tmp).write_text(json.dumps(result))
     os.replace(tmp, result_path)
+
+
+def _rank_main(rank: int, *args: Any) -> None:
+    _train_rank(rank, *args)
+    # Past destroy_process_group, gloo's threads can still abort the interpreter's own exit
+    # ("terminate called without an active exception", SIGABRT). The work is done and written:
+    # leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
