@@ -177,6 +177,9 @@ def run(
     chaos_interval: Annotated[
         float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
     ] = 0.0,
+    chaos_roles: Annotated[
+        str, typer.Option(help="comma-separated roles chaos may kill: coordinator,data,learner (default: all)")
+    ] = "",
     config: ConfigOpt = None,
     set_: SetOpt = None,
     no_progress: Annotated[bool, typer.Option("--no-progress", help="no live progress display")] = False,
@@ -186,6 +189,9 @@ def run(
 
     if learners < 1 or data_workers < 1:
         raise DilocoError("--learners and --data-workers must be at least 1")
+    roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
+    if unknown := set(roles) - {"coordinator", "data", "learner"}:
+        raise DilocoError(f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))}")
     cfg = build_config(
         default_run_config(),
         config,
@@ -216,6 +222,7 @@ def run(
             name=name,
             slow_learner=slow_learner,
             chaos_interval=chaos_interval,
+            chaos_roles=roles,
             show_progress=not no_progress,
         )
     )

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 class ChaosPlan:
     interval_s: float  # mean time between kills (exponentially distributed)
     seed: int = 0
+    # The roles that may be killed (empty: all); one role at a time isolates its failure mode.
+    roles: tuple[str, ...] = ()
     rng: random.Random = field(init=False)
     _bag: list[str] = field(default_factory=list, init=False)
 
@@ -28,7 +30,7 @@ class ChaosPlan:
 
     def pick_role(self, roles_alive: Sequence[str]) -> str | None:
         """The role to hit next, from a shuffled bag refilled with the roles that have live processes."""
-        alive = sorted(set(roles_alive))
+        alive = sorted(r for r in set(roles_alive) if not self.roles or r in self.roles)
         self._bag = [r for r in self._bag if r in alive]
         if not self._bag:
             self._bag = alive[:]

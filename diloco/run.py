@@ -72,6 +72,8 @@ class LocalRunOptions:
     show_progress: bool = True
     # Mean seconds between SIGKILLs of random processes, coordinator included (0: no chaos).
     chaos_interval: float = 0.0
+    # The roles chaos may kill (empty: coordinator, data and learner alike).
+    chaos_roles: tuple[str, ...] = ()
 
 
 @dataclass
@@ -181,7 +183,7 @@ class LocalRun:
         detail: dict[str, Any] = {}
         finish_sent = False
         chaos = (
-            ChaosPlan(self.options.chaos_interval, self.config.train.seed)
+            ChaosPlan(self.options.chaos_interval, self.config.train.seed, self.options.chaos_roles)
             if self.options.chaos_interval
             else None
         )

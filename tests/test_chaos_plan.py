@@ -37,3 +37,10 @@ def test_delays_average_the_interval_and_have_a_floor() -> None:
     delays = [plan.next_delay() for _ in range(4000)]
     assert min(delays) >= 0.5
     assert 3.7 < statistics.mean(delays) < 4.4
+
+
+def test_roles_filter_limits_the_victims() -> None:
+    plan = ChaosPlan(interval_s=5.0, seed=4, roles=("learner",))
+    picks = {plan.pick_role(["coordinator", "data", "learner"]) for _ in range(12)}
+    assert picks == {"learner"}
+    assert plan.pick_role(["coordinator", "data"]) is None
