@@ -178,7 +178,8 @@ def run(
         float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
     ] = 0.0,
     chaos_roles: Annotated[
-        str, typer.Option(help="comma-separated roles chaos may kill: coordinator,data,learner (default: all)")
+        str,
+        typer.Option(help="comma-separated roles chaos may kill: coordinator,data,learner (default: all)"),
     ] = "",
     config: ConfigOpt = None,
     set_: SetOpt = None,
