@@ -28,6 +28,9 @@ class ModelConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    # Start from these parameters instead of a random init: a safetensors file (path or URI) of the
+    # model's state, e.g. a finished run's model.safetensors. DiLoCo's large H wants a warm start.
+    init_from: str = ""
 
 
 @dataclass
@@ -49,6 +52,11 @@ class DataConfig:
     eval_fraction: float = 0.05
     # Learner-side queue of prefetched batches, in batches.
     prefetch_batches: int = 64
+    # Hand chunks and shards out in a random order (seeded by train.seed), not the dataset's.
+    shuffle: bool = True
+    # Shards a learner draws batches from at once, at random: its H steps see several parts of
+    # the corpus, not one file's worth. Each open shard is held decoded in memory.
+    mix_shards: int = 4
     # Learner-side copy of shards read from the store (LRU, checksum-verified): "" caches in the
     # per-user cache dir, and only shards on a remote store (a local one gains nothing from a
     # copy); a directory caches every shard there; "off" never caches.
@@ -233,6 +241,8 @@ class RunConfig:
             raise ConfigError("data.max_record_bytes must be >= 1")
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ConfigError("data.eval_fraction must be in [0, 1)")
+        if self.data.mix_shards < 1:
+            raise ConfigError("data.mix_shards must be >= 1")
         if self.data.cache_bytes < 0:
             raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
         if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:

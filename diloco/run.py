@@ -38,12 +38,14 @@ from diloco.data.shard import read_shard
 from diloco.errors import DilocoError
 from diloco.evaluate import eval_loss, sample_text, unigram_entropy
 from diloco.model.gpt import build_model
+from diloco.model.weights import save_weights
 from diloco.procs import ProcessGroup
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
 SAMPLE_PROMPT = "def "
 EVAL_MAX_BATCHES = 64
+MODEL_FILE = "model.safetensors"
 
 
 def default_run_config() -> RunConfig:
@@ -344,6 +346,9 @@ class LocalRun:
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     p.copy_(params[name])
+            # The trained model in one file: what a later run can start from (model.init_from).
+            save_weights(str(self.workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
+            summary["model"] = str(self.workdir / MODEL_FILE)
             summary["eval_loss"] = eval_loss(
                 model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES
             )

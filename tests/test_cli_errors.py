@@ -58,3 +58,13 @@ def test_port_in_use(tiny_corpus: Path, tmp_path: Path) -> None:
             timeout=50,
         )
     assert_clear_error(result, str(port))
+
+
+@pytest.mark.timeout(60)
+def test_missing_init_weights(tiny_corpus: Path, tmp_path: Path) -> None:
+    result = run_cli(
+        ["coordinator", "--workdir", str(tmp_path), "--dataset", str(tiny_corpus),
+         "--set", f"model.init_from={tmp_path / 'nope.safetensors'}"],
+        timeout=50,
+    )  # fmt: skip
+    assert_clear_error(result, "model.init_from", "nope.safetensors")

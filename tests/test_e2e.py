@@ -32,7 +32,7 @@ def assert_one_shard_per_chunk(workdir: Path) -> None:
     assert not list((workdir / "shards").glob("*.tmp-*")), "temporary shard files were left behind"
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "run"
     result = run_cli(
@@ -85,6 +85,20 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     assert summary["sample"].startswith("def ")
     assert summary["chunks"] == summary["shards"] > 1
     assert_one_shard_per_chunk(workdir)
+
+    # The trained model is left in one file, and a new run can start from it (a warm start).
+    assert summary["model"] == str(workdir / "model.safetensors")
+    warm = tmp_path / "warm"
+    result = run_cli(
+        ["run", "--dataset", str(small_corpus), "--tokens", "20000", "--learners", "1",
+         "--data-workers", "1", "--workdir", str(warm), "--no-progress", "--set", "data.chunk_bytes=131072",
+         "--set", f"model.init_from={summary['model']}"],
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    warm_summary = json.loads((warm / "summary.json").read_text())
+    # Its very first step is already near where the first run ended, not at ln(257).
+    assert warm_summary["first_loss"] < summary["eval_loss"] + 0.5, (warm_summary, summary["eval_loss"])
 
 
 @pytest.mark.timeout(240)

@@ -498,3 +498,49 @@ def test_silent_worker_marked_lost(ledger, clock):
     assert not ledger.known_worker("d1")
     ledger.join("d1", "data", "h")  # a rejoin makes it active again
     assert ledger.known_worker("d1")
+
+
+def test_a_shuffle_seed_hands_chunks_and_shards_out_in_its_order(tmp_path, clock) -> None:
+    def lease_all(path: str, seed: int | None) -> tuple[list[int], list[int]]:
+        led = Ledger(path, clock=clock)
+        led.initialize([spec(i, "train") for i in range(12)], shuffle_seed=seed, dataset="test")
+        chunks = []
+        while isinstance(lease := led.lease_chunk("d1", TTL), ChunkLease):
+            chunks.append(lease.chunk_id)
+        # Completed in reverse, so shard ids run the other way: leases follow the chunks' order.
+        shard_of = {c: complete(led, "d1", c).shard_id for c in reversed(chunks)}
+        shards = []
+        while isinstance(lease := led.lease_shard("L1", TTL), ShardLease):
+            shards.append(lease.shard_id)
+        led.close()
+        return chunks, [shard_of[c] for c in chunks] == shards
+
+    plain, _ = lease_all(str(tmp_path / "plain.sqlite"), None)
+    assert plain == list(range(1, 13))  # no seed: the dataset's order
+    first, follows = lease_all(str(tmp_path / "a.sqlite"), 5)
+    again, _ = lease_all(str(tmp_path / "b.sqlite"), 5)
+    other, _ = lease_all(str(tmp_path / "c.sqlite"), 6)
+    assert sorted(first) == plain and first != plain
+    assert first == again and first != other
+    assert follows  # shards are leased in their chunks' order
+
+
+def test_the_shuffled_order_survives_a_restart(tmp_path, clock) -> None:
+    path = str(tmp_path / "ledger.sqlite")
+    led = Ledger(path, clock=clock)
+    led.initialize([spec(i, "train") for i in range(8)], shuffle_seed=3, dataset="test")
+    first = led.lease_chunk("d1", TTL)
+    led.close()
+    led = Ledger(path, clock=clock)  # the coordinator restarted: initialize is a no-op now
+    led.initialize([spec(i, "train") for i in range(8)], shuffle_seed=99, dataset="test")
+    rest = []
+    while isinstance(lease := led.lease_chunk("d1", TTL), ChunkLease):
+        rest.append(lease.chunk_id)
+    led.close()
+    fresh = Ledger(str(tmp_path / "fresh.sqlite"), clock=clock)
+    fresh.initialize([spec(i, "train") for i in range(8)], shuffle_seed=3, dataset="test")
+    expected = []
+    while isinstance(lease := fresh.lease_chunk("d1", TTL), ChunkLease):
+        expected.append(lease.chunk_id)
+    fresh.close()
+    assert [first.chunk_id, *rest] == expected

@@ -291,3 +291,23 @@ def test_prefetcher_reports_a_corrupt_shard_and_goes_on(tmp_path: Path) -> None:
         prefetcher.join(5)
     assert coordinator.reported == [1]
     assert {b.shard_id for b in batches} == {2} and prefetcher.held_shards() == [2]
+
+
+def test_prefetcher_mixes_batches_of_several_shards_and_delivers_each_row_once(tmp_path: Path) -> None:
+    shards = [remote_shard(20 + seed, n=64) for seed in range(5)]
+    coordinator = FakeCoordinator(shards)
+    stop = threading.Event()
+    prefetcher = ShardPrefetcher(coordinator, batch_size=8, max_batches=4, stop=stop, mix=3)
+    prefetcher.start()
+    try:
+        batches = drain(prefetcher)
+    finally:
+        stop.set()
+        prefetcher.join(5)
+    # The first batches already come from several shards: H steps see more than one stretch of data.
+    assert len({b.shard_id for b in batches[:8]}) >= 2
+    for shard_id, (_, _, rows) in enumerate(shards, start=1):
+        got = sorted((b for b in batches if b.shard_id == shard_id), key=lambda b: b.row_start)
+        assert [b.row_start for b in got] == list(range(0, 64, 8))
+        assert np.array_equal(np.concatenate([b.x for b in got]), rows[:, :-1].astype(np.int64))
+        assert [b.last_of_shard for b in got] == [False] * 7 + [True]

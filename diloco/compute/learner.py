@@ -32,6 +32,7 @@ from diloco.data.cache import open_cache
 from diloco.errors import DilocoError
 from diloco.fragments import assign_fragments
 from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
+from diloco.model.weights import check_matches, load_weights
 from diloco.tokenizer import load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
@@ -94,11 +95,15 @@ class Unpushed:
 
     spans: list[tuple[int, int, int]] = field(default_factory=list)
     released: list[int] = field(default_factory=list)
+    _last: dict[int, int] = field(default_factory=dict)  # shard id -> index of its latest span
 
     def add(self, batch: Batch) -> None:
-        if self.spans and self.spans[-1][0] == batch.shard_id and self.spans[-1][2] == batch.row_start:
-            self.spans[-1] = (batch.shard_id, self.spans[-1][1], batch.row_end)
+        # Batches of several shards interleave: extend the shard's own latest span when the rows follow on.
+        k = self._last.get(batch.shard_id)
+        if k is not None and self.spans[k][2] == batch.row_start:
+            self.spans[k] = (batch.shard_id, self.spans[k][1], batch.row_end)
         else:
+            self._last[batch.shard_id] = len(self.spans)
             self.spans.append((batch.shard_id, batch.row_start, batch.row_end))
         if batch.last_of_shard:
             self.released.append(batch.shard_id)
@@ -140,7 +145,7 @@ class Learner:
         plan = assign_fragments([(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments)
         self.frags = [FragmentState(names) for names in plan]
         if reply.needs_init:
-            init = self.client.init_parameters({n: p.detach().cpu() for n, p in self.params.items()})
+            init = self.client.init_parameters(self._initial_parameters(cfg))
             log.info("init parameters: %s", init.reason)
         for header, tensors in self._pull_everything(cfg):
             self._apply(Merged.full(header.fragment, header.version, tensors))
@@ -155,6 +160,22 @@ class Learner:
             [f.version for f in self.frags],
         )
         return cfg
+
+    def _initial_parameters(self, cfg: RunConfig) -> dict[str, torch.Tensor]:
+        """The run's starting point: this learner's random init, or the weights of model.init_from."""
+        mine = {n: p.detach().cpu() for n, p in self.params.items()}
+        if not cfg.model.init_from:
+            return mine
+        try:
+            loaded = load_weights(cfg.model.init_from)
+            check_matches(mine, loaded, cfg.model.init_from)
+        except DilocoError as e:
+            log.error("%s", e)
+            self.client.leave(f"refused: {e}")
+            self.client.close()
+            raise
+        log.info("initial parameters from %s", cfg.model.init_from)
+        return {n: loaded[n].to(mine[n].dtype) for n in mine}
 
     def _pull_everything(self, cfg: RunConfig) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
         """Every fragment in full. Another learner may still be streaming the initial parameters
@@ -442,6 +463,7 @@ class Learner:
             cfg.data.prefetch_batches,
             self.stop,
             cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes),
+            mix=cfg.data.mix_shards,
         )
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version

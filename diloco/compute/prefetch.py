@@ -5,12 +5,15 @@ learner computes:
 
     fetch thread:  lease a shard -> read it (through the local shard cache, from the store on a
                    miss) -> verify its checksum, decompress -> hand it over (one shard ahead)
-    batch thread:  cut the current shard's leased row ranges into batches -> the bounded queue
+    batch thread:  keep up to `mix` shards open; cut the next batch of a randomly chosen one of
+                   them -> the bounded queue
 
-so the next shard is downloaded and decoded while batches of the current one are trained on,
-even when a shard holds many more batches than the queue (a single stage would lease the next
-shard only once the last batch of the current one was queued). At most one decoded shard waits
-beside the one being cut, so a learner holds at most two shard leases ahead of its queue. Each
+so the next shard is downloaded and decoded while batches of the open ones are trained on, even
+when a shard holds many more batches than the queue (a single stage would lease the next shard
+only once the last batch of the current one was queued). Drawing from several shards at once
+matters for the model: a shard is one stretch of the corpus (a few neighbouring files), and H
+steps on one stretch make a delta that knows only that stretch. At most one decoded shard waits
+beside the open ones, so a learner holds at most mix + 1 shard leases ahead of its queue. Each
 batch carries the shard row range it came from, so the learner can say exactly which rows a delta
 trained on.
 """
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -61,17 +66,20 @@ class ShardPrefetcher:
         max_batches: int,
         stop: threading.Event,
         cache: ShardCache | None = None,
+        mix: int = 1,
     ):
         self.client = client
         self.batch_size = batch_size
+        self.mix = max(1, mix)
+        self._rng = random.Random()
         self.stop = stop
         self.cache = cache
         self.queue: queue.Queue[Batch | object] = queue.Queue(maxsize=max(1, max_batches))
         self.starved = threading.Event()  # the last lease said "wait": no data ready anywhere
-        # Decoded shards between the stages; the slot is taken before a lease and freed when the
-        # batch stage picks the shard up, so only one waits there.
+        # Decoded shards between the stages; a slot is taken before a lease and freed when the
+        # batch stage has cut the shard's last batch, so at most mix + 1 are leased at once.
         self._ready: queue.Queue[tuple[pb.LeaseShardReply, int, object] | object] = queue.Queue()
-        self._slot = threading.Semaphore(1)
+        self._slot = threading.Semaphore(self.mix + 1)
         self._held: set[int] = set()
         # shard id -> the number of the lease its queued batches must carry to be trained on. A
         # lost lease is removed, so its queued rows are skipped, and a later lease of the same
@@ -180,23 +188,37 @@ class ShardPrefetcher:
     # -- stage 2: rows to batches ---------------------------------------------------------------
 
     def _batch_loop(self) -> None:
+        open_shards: list[Iterator[Batch]] = []
+        done = False
         try:
             while not self.stop.is_set():
-                try:
-                    item = self._ready.get(timeout=0.2)
-                except queue.Empty:
+                # Take in decoded shards while there is room; wait for one only when none is open.
+                while not done and len(open_shards) < self.mix:
+                    try:
+                        item = self._ready.get(timeout=0.2) if not open_shards else self._ready.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is DONE:
+                        done = True
+                    else:
+                        open_shards.append(self._batches(*item))  # type: ignore[misc]
+                if not open_shards:
+                    if done:
+                        self._put(self.queue, DONE)
+                        return
                     continue
-                self._slot.release()  # the fetch stage may lease and read the next shard now
-                if item is DONE:
-                    self._put(self.queue, DONE)
+                shard = self._rng.randrange(len(open_shards))
+                batch = next(open_shards[shard], None)
+                if batch is None:  # cut to the end (or its lease was lost): room for the next one
+                    open_shards.pop(shard)
+                    self._slot.release()
+                elif not self._put(self.queue, batch):
                     return
-                lease, number, rows = item  # type: ignore[misc]
-                self._enqueue(lease, number, rows)
         except Exception:
             log.exception("prefetch batch thread failed")
             self._put(self.queue, DONE)
 
-    def _enqueue(self, lease: pb.LeaseShardReply, number: int, rows) -> None:
+    def _batches(self, lease: pb.LeaseShardReply, number: int, rows) -> Iterator[Batch]:
         ranges = [(s.row_start, s.row_end) for s in lease.todo]
         for r, (a, b) in enumerate(ranges):
             for i in range(a, b, self.batch_size):
@@ -206,6 +228,4 @@ class ShardPrefetcher:
                 # int64 one batch at a time: a whole shard widened at once would take 4x its memory.
                 block = torch.from_numpy(rows[i:j].astype("int64"))
                 last = r == len(ranges) - 1 and j == b
-                batch = Batch(block[:, :-1], block[:, 1:], lease.shard_id, i, j, last, number)
-                if not self._put(self.queue, batch):
-                    return
+                yield Batch(block[:, :-1], block[:, 1:], lease.shard_id, i, j, last, number)

@@ -12,6 +12,7 @@ records the round, so a dropped push or a dead learner leaves its rows untrained
 from __future__ import annotations
 
 import json
+import random
 import sqlite3
 import threading
 import time
@@ -27,7 +28,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS chunks (
   id INTEGER PRIMARY KEY, spec TEXT NOT NULL, split TEXT NOT NULL, nbytes INTEGER NOT NULL,
   state TEXT NOT NULL DEFAULT 'pending',          -- pending | leased | done | quarantined
-  holder TEXT, lease_expires REAL, attempts INTEGER NOT NULL DEFAULT 0, error TEXT
+  holder TEXT, lease_expires REAL, attempts INTEGER NOT NULL DEFAULT 0, error TEXT,
+  lease_order INTEGER NOT NULL DEFAULT 0          -- chunks (and their shards) are handed out in this order
 );
 CREATE TABLE IF NOT EXISTS shards (
   id INTEGER PRIMARY KEY AUTOINCREMENT, chunk_id INTEGER NOT NULL UNIQUE REFERENCES chunks(id),
@@ -142,16 +144,29 @@ class Ledger:
         return self.get_meta("dataset") is not None
 
     def initialize(
-        self, chunks: Iterable[ChunkSpec], counters: dict[str, float] | None = None, **meta: str
+        self,
+        chunks: Iterable[ChunkSpec],
+        counters: dict[str, float] | None = None,
+        shuffle_seed: int | None = None,
+        **meta: str,
     ) -> None:
-        """Record the dataset's chunks once (and starting counters); a restart keeps what is there."""
+        """Record the dataset's chunks once (and starting counters); a restart keeps what is there.
+
+        With a shuffle seed, chunks and their shards are handed out in a seeded random order, not
+        in the dataset's (sorted) order: otherwise training walks the corpus file by file, and
+        whatever the run happens to end on (say, a directory of lookup tables) shapes the model.
+        """
+        chunks = list(chunks)
+        order = list(range(len(chunks)))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(order)
         with self._tx() as db:
             if db.execute("SELECT 1 FROM meta WHERE key = 'dataset'").fetchone():
                 return
-            for c in chunks:
+            for c, position in zip(chunks, order, strict=True):
                 db.execute(
-                    "INSERT INTO chunks(id, spec, split, nbytes) VALUES (?, ?, ?, ?)",
-                    (c.index + 1, c.to_json(), c.split, c.nbytes),
+                    "INSERT INTO chunks(id, spec, split, nbytes, lease_order) VALUES (?, ?, ?, ?, ?)",
+                    (c.index + 1, c.to_json(), c.split, c.nbytes, position),
                 )
             for name, value in (counters or {}).items():
                 _bump(db, name, value)
@@ -281,7 +296,7 @@ class Ledger:
         self.reclaim_expired(ttl_s, max_attempts)
         with self._tx() as db:
             row = db.execute(
-                "SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY id LIMIT 1"
+                "SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY lease_order, id LIMIT 1"
             ).fetchone()
             if row is None:
                 leased = db.execute("SELECT COUNT(*) FROM chunks WHERE state = 'leased'").fetchone()[0]
@@ -399,7 +414,8 @@ class Ledger:
         self.reclaim_expired(ttl_s)
         with self._tx() as db:
             for row in db.execute(
-                "SELECT id, uri, checksum, rows FROM shards WHERE split = 'train' AND state = 'ready' ORDER BY id"
+                "SELECT s.id, s.uri, s.checksum, s.rows FROM shards s JOIN chunks c ON c.id = s.chunk_id "
+                "WHERE s.split = 'train' AND s.state = 'ready' ORDER BY c.lease_order, s.id"
             ).fetchall():
                 todo = self._todo(db, row["id"], row["rows"])
                 if not todo:

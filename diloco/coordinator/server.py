@@ -69,6 +69,8 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
         stored = RunConfig.from_json(ledger.get_meta("config") or "{}")
         log.info("resuming run %s from %s", stored.name, state_dir)
         return ledger, stored
+    if config.model.init_from and not store.exists(config.model.init_from):
+        raise DilocoError(f"model.init_from: not found: {config.model.init_from}")
     tokenizer = run_tokenizer(config)
     if config.model.vocab_size == 0:
         config = config.with_overrides({"model.vocab_size": tokenizer.vocab_size})
@@ -94,6 +96,7 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
     ledger.initialize(
         chunks,
         counters=skipped,
+        shuffle_seed=config.train.seed if config.data.shuffle else None,
         dataset=config.data.dataset,
         config=config.to_json(),
         tokenizer_id=tokenizer.id,
