@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import run_ddp  # noqa: E402
+from diloco.config import parse_assignments  # noqa: E402
 from diloco.run import EVAL_MAX_BATCHES, default_run_config  # noqa: E402
 
 # The diloco arms: `diloco run` flags. Later comparisons (codecs, ...) add arms here.
@@ -109,12 +110,25 @@ def main(argv: list[str] | None = None) -> None:
         "--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of: ddp, {', '.join(DILOCO_ARMS)}"
     )
     p.add_argument("--no-slow", action="store_true", help="fault-free arms only")
+    p.add_argument("--init-from", default="", help="start every diloco arm from this model.safetensors")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every arm, e.g. train.batch_size=4 (repeatable)")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
     args = p.parse_args(argv)
 
     threads = max(1, (os.cpu_count() or 1) // args.workers)
-    cfg = default_run_config().with_overrides(
-        {"data.dataset": args.dataset, "train.inner_steps": args.inner_steps, "train.threads": threads}
+    cfg = (
+        default_run_config()
+        .with_overrides(
+            {
+                "data.dataset": args.dataset,
+                "train.inner_steps": args.inner_steps,
+                "train.threads": threads,
+                "model.init_from": args.init_from,
+            }  # fmt: skip
+        )
+        .with_overrides(parse_assignments(args.overrides))
+        .validate()
     )
     slow_variants = [1.0] if args.no_slow else [1.0, args.slow_factor]
     results: dict[str, Any] = {}

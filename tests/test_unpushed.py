@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compute.learner import Unpushed
+from diloco.compute.learner import Unpushed, rows_to_carry
 from diloco.compute.prefetch import Batch
 
 
@@ -32,3 +32,35 @@ def test_a_gap_starts_a_new_span() -> None:
     for b in (batch(3, 0, 8), batch(3, 40, 48), batch(3, 48, 56)):
         u.add(b)
     assert u.spans == [(3, 0, 8), (3, 40, 56)]
+
+
+def rows(*spans: tuple[int, int, int]) -> Unpushed:
+    u = Unpushed()
+    for shard, a, b in spans:
+        u.add(batch(shard, a, b))
+    return u
+
+
+def test_rows_ride_on_the_push_that_completes_every_fragment() -> None:
+    # P = 2: rows trained before fragment 0's push ride on fragment 1's next push, not on this one.
+    carried, awaiting = rows_to_carry([], rows((1, 0, 8)), pushed=0, fragments=2)
+    assert carried.spans == [] and [g.waiting for g in awaiting] == [{1}]
+    carried, awaiting = rows_to_carry(awaiting, rows((1, 8, 16)), pushed=1, fragments=2)
+    assert carried.spans == [(1, 0, 8)] and [g.waiting for g in awaiting] == [{0}]
+    carried, awaiting = rows_to_carry(awaiting, Unpushed(), pushed=0, fragments=2)
+    assert carried.spans == [(1, 8, 16)] and awaiting == []
+
+
+def test_one_fragment_carries_its_rows_at_once() -> None:
+    carried, awaiting = rows_to_carry([], rows((4, 0, 8), (4, 8, 16)), pushed=0, fragments=1)
+    assert carried.spans == [(4, 0, 16)] and awaiting == []
+
+
+def test_a_released_shard_rides_with_its_last_rows() -> None:
+    last = Unpushed()
+    last.add(batch(2, 56, 64, last=True))
+    carried, awaiting = rows_to_carry([], last, pushed=1, fragments=3)
+    carried, awaiting = rows_to_carry(awaiting, Unpushed(), pushed=2, fragments=3)
+    assert carried.released == [] and awaiting
+    carried, awaiting = rows_to_carry(awaiting, Unpushed(), pushed=0, fragments=3)
+    assert carried.spans == [(2, 56, 64)] and carried.released == [2] and awaiting == []

@@ -108,6 +108,47 @@ class Unpushed:
         if batch.last_of_shard:
             self.released.append(batch.shard_id)
 
+    def extend(self, other: Unpushed) -> None:
+        for span in other.spans:
+            self._last[span[0]] = len(self.spans)
+            self.spans.append(span)
+        self.released.extend(other.released)
+
+
+@dataclass
+class AwaitingCover:
+    """Rows trained before a push, waiting for every other fragment's push to carry them too.
+
+    Each inner step changes every fragment, so a row's effect reaches the global model only once
+    each fragment has been pushed after it. Its span rides on the push that completes that set:
+    a learner that dies in between leaves the rows unmerged (back to the pool), instead of
+    counting them as trained while most of the model never saw them.
+    """
+
+    rows: Unpushed
+    waiting: set[int]
+
+
+def rows_to_carry(
+    awaiting: list[AwaitingCover], fresh: Unpushed, pushed: int, fragments: int
+) -> tuple[Unpushed, list[AwaitingCover]]:
+    """Fragment `pushed` is pushed now: the rows its push carries, and the groups still waiting.
+
+    `fresh` holds the rows trained since the previous push; from now on they wait for every
+    fragment's push, this one included. Groups complete in the order they were made.
+    """
+    groups = (
+        [*awaiting, AwaitingCover(fresh, set(range(fragments)))]
+        if fresh.spans or fresh.released
+        else awaiting
+    )
+    carried = Unpushed()
+    for group in groups:
+        group.waiting.discard(pushed)
+        if not group.waiting:
+            carried.extend(group.rows)
+    return carried, [g for g in groups if g.waiting]
+
 
 class Learner:
     def __init__(
@@ -124,6 +165,7 @@ class Learner:
         self.finishing = threading.Event()
         self.progress = Progress()
         self.unpushed = Unpushed()
+        self.awaiting: list[AwaitingCover] = []
         self.frags: list[FragmentState] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
 
@@ -275,16 +317,20 @@ class Learner:
             header.codec = self.cfg.sync.codec
             if header.codec != "fp32":
                 tensors = self._encode(tensors)
-            header.spans.extend(
-                pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in self.unpushed.spans
-            )
-            header.released_shards.extend(self.unpushed.released)
-            for shard_id in self.unpushed.released:
+            carried = self._covered_by(p)
+            header.spans.extend(pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in carried.spans)
+            header.released_shards.extend(carried.released)
+            for shard_id in carried.released:
                 self.prefetcher.release(shard_id)
-            self.unpushed = Unpushed()
             f.in_flight = True
             f.apply_at = self.progress.inner_steps + self.cfg.sync.overlap_steps
         self.channel.submit(header, tensors)
+
+    def _covered_by(self, p: int) -> Unpushed:
+        """The rows whose effect is in every fragment once fragment p is pushed now."""
+        carried, self.awaiting = rows_to_carry(self.awaiting, self.unpushed, p, len(self.frags))
+        self.unpushed = Unpushed()
+        return carried
 
     def _return_unpushed(self) -> None:
         """Give back rows whose effect no delta carries any more.
@@ -293,6 +339,9 @@ class Learner:
         no trace in any future delta when no fragment has steps left to push. They are not
         counted as trained-and-merged: the shards are released and those rows go back to the pool.
         """
+        for group in self.awaiting:  # no push will complete them now
+            self.unpushed.extend(group.rows)
+        self.awaiting = []
         if not self.unpushed.spans:
             return
         header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
