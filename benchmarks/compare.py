@@ -31,6 +31,7 @@ from diloco.run import EVAL_MAX_BATCHES, default_run_config  # noqa: E402
 # The diloco arms: `diloco run` flags. Later comparisons (codecs, ...) add arms here.
 DILOCO_ARMS: dict[str, list[str]] = {
     "sync-diloco": ["--sync"],
+    "sync-int4": ["--sync", "--codec", "int4", "--pull-codec", "int4"],
     "decoupled": ["--quorum", "1", "--fragments", "2"],
     # Codecs both ways (pushes and pulls), for wire bytes and loss at equal tokens vs fp32.
     "decoupled-bf16": ["--quorum", "1", "--fragments", "2", "--codec", "bf16", "--pull-codec", "bf16"],
