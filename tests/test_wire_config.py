@@ -12,6 +12,7 @@ from diloco.fragments import assign_fragments, is_embedding
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire.tensors import (
     DTYPES,
+    TensorAssembler,
     WireError,
     receive_groups,
     receive_one,
@@ -486,3 +487,26 @@ def test_fragment_errors():
         assign_fragments([("a", 1), ("a", 2)], 2)
     with pytest.raises(ValueError, match="cannot split"):
         assign_fragments([("wte", 5), ("a", 1)], 3)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_assembler_refuses_non_finite_values_piece_by_piece(bad):
+    x = torch.arange(40, dtype=torch.float32)
+    x[29] = bad
+    # Pieces of 7 bytes: values straddle piece boundaries, and each is still checked once whole.
+    msgs = messages({"ok": torch.ones(3), "x": x}, piece=7)
+    asm = TensorAssembler(msgs[0].header, BIG, finite=True)
+    with pytest.raises(WireError, match="non-finite values in x"):
+        for m in msgs[1:]:
+            asm.add(m.piece)
+    # Without the check (a pull, say) the same bytes assemble as they are.
+    assert receive_one(messages({"x": x}, piece=7), max_bytes=BIG)[1]["x"][29].item() != 0
+
+
+def test_assembler_finite_check_passes_finite_floats_and_ignores_integers():
+    tensors = {"w": torch.randn(33), "ids": torch.tensor([2**31 - 1, -5], dtype=torch.int32)}
+    msgs = messages(tensors, piece=5)
+    asm = TensorAssembler(msgs[0].header, BIG, finite=True)
+    for m in msgs[1:]:
+        asm.add(m.piece)
+    assert all(torch.equal(asm.tensors()[n], t) for n, t in tensors.items())

@@ -80,12 +80,22 @@ def stream_many(
 
 
 class TensorAssembler:
-    """Rebuilds the tensors of one header from its pieces, validating as it goes."""
+    """Rebuilds the tensors of one header from its pieces, validating as it goes.
+
+    With `finite`, floating-point values are checked for NaN and ±inf piece by piece, right after
+    each piece is copied in (while it is still in cache), instead of in one more pass over the whole
+    tensor once it is assembled.
+    """
 
     def __init__(
-        self, header: pb.TensorHeader, max_bytes: int, expected: Mapping[str, pb.TensorSpec] | None = None
+        self,
+        header: pb.TensorHeader,
+        max_bytes: int,
+        expected: Mapping[str, pb.TensorSpec] | None = None,
+        finite: bool = False,
     ):
         self.header = header
+        self.finite = finite
         names = [s.name for s in header.tensors]
         if len(set(names)) != len(names):
             raise WireError("duplicate tensor names in header")
@@ -104,6 +114,7 @@ class TensorAssembler:
         self._buffers = [torch.empty(n, dtype=torch.uint8) for n in self._sizes]
         self._views = [memoryview(b.numpy()) for b in self._buffers]
         self._filled = [0] * len(self._sizes)
+        self._checked = [0] * len(self._sizes)  # bytes of each tensor found finite so far
 
     def add(self, piece: pb.TensorPiece) -> None:
         if piece.tensor >= len(self._buffers):
@@ -116,6 +127,22 @@ class TensorAssembler:
             )
         buf[piece.offset : end] = piece.data
         self._filled[piece.tensor] = end
+        if self.finite:
+            self._check_finite(piece.tensor)
+
+    def _check_finite(self, index: int) -> None:
+        dtype = DTYPES[self.header.tensors[index].dtype]
+        if not dtype.is_floating_point:
+            return
+        size = torch.empty((), dtype=dtype).element_size()
+        start, end = self._checked[index], self._filled[index] // size * size  # whole values only
+        if end <= start:
+            return
+        # A sum is NaN or ±inf when any value is (or when finite values overflow, which no sane
+        # delta does): one cheap reduction over the piece just copied.
+        if not torch.isfinite(self._buffers[index][start:end].view(dtype).sum()):
+            raise WireError(f"non-finite values in {self.header.tensors[index].name}")
+        self._checked[index] = end
 
     @property
     def complete(self) -> bool:
