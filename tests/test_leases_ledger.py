@@ -544,3 +544,13 @@ def test_the_shuffled_order_survives_a_restart(tmp_path, clock) -> None:
         expected.append(lease.chunk_id)
     fresh.close()
     assert [first.chunk_id, *rest] == expected
+
+
+def test_a_restarted_worker_keeps_its_earlier_lives_tokens(ledger) -> None:
+    ledger.join("L1", "compute", "h")
+    ledger.heartbeat("L1", {"tokens_trained": 500})
+    ledger.heartbeat("L1", {"tokens_trained": 900})
+    ledger.join("L1", "compute", "h")  # killed and restarted under the same id: counts from 0
+    ledger.heartbeat("L1", {"tokens_trained": 100})
+    ledger.heartbeat("L1", {"tokens_trained": 300})
+    assert ledger.counter("tokens_trained_by_earlier_lives") == 900

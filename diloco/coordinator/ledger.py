@@ -209,6 +209,12 @@ class Ledger:
     def heartbeat(self, worker_id: str, stats: dict[str, Any]) -> None:
         now = self.clock()
         with self._tx() as db:
+            row = db.execute("SELECT stats FROM workers WHERE id = ?", (worker_id,)).fetchone()
+            before = int(json.loads(row["stats"]).get("tokens_trained", 0)) if row else 0
+            if int(stats.get("tokens_trained", 0)) < before:
+                # A restarted process under the same id counts from zero again: keep what its
+                # previous life reported, so killed learners' work still shows as trained.
+                _bump(db, "tokens_trained_by_earlier_lives", before)
             db.execute(
                 "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?",
                 (now, json.dumps(stats), worker_id),

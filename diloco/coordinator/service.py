@@ -920,7 +920,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     self._set_run_state("finished", "every learner has left")
 
     def _tokens_reported(self) -> int:
-        total = 0
+        """Tokens the learners say they trained: each one's latest count, plus the last counts of
+        earlier lives of restarted learners (work a kill threw away was still trained)."""
+        total = int(self.ledger.counter("tokens_trained_by_earlier_lives"))
         for w in self.ledger.workers():
             if w["role"] == "compute":
                 total += int(json.loads(w["stats"]).get("tokens_trained", 0))
