@@ -2,17 +2,20 @@
 
     python benchmarks/ingest.py --learners 4 --seconds 20 --out benchmarks/results/ingest.json
 
-Both sides run in this process tree on 127.0.0.1, one after the other: M client threads stream the
-very same serialized push messages (a GPT fragment's delta, fp32, in 1 MiB pieces) to (a) a bare
-gRPC client-streaming handler that only reads them, and (b) the real coordinator, which validates,
-assembles, records the push in its ledger, merges (quorum 1) and checkpoints. Printed: MB/s of push
-bytes each way and the ratio (target: ingest + merge >= 50% of raw streaming).
+Both sides run on 127.0.0.1, one after the other: a separate process (the learners are other
+processes, as in a real job; in this one they would share the server's interpreter lock) runs M
+threads that stream the very same serialized push messages (a GPT fragment's delta, fp32, in
+1 MiB pieces) to (a) a bare gRPC client-streaming handler that only reads them, and (b) the real
+coordinator, which validates, assembles, records the push in its ledger, merges (quorum 1) and
+checkpoints. Printed: MB/s of push bytes each way and the ratio (target: ingest + merge >= 50% of
+raw streaming).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import sys
 import tempfile
 import threading
@@ -76,6 +79,65 @@ def drive(send_one, learners: int, seconds: float) -> tuple[int, float]:
     return total[0], time.monotonic() - started
 
 
+def push_messages(shapes: dict[str, tuple[int, ...]], piece: int) -> list[bytes]:
+    """A fragment's delta as serialized stream messages: the header first, then the pieces."""
+    gen = torch.Generator().manual_seed(0)
+    delta = {n: torch.randn(shape, generator=gen) * 1e-4 for n, shape in shapes.items()}
+    header = pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=129)
+    return [m.SerializeToString() for m in stream_tensors(header, delta, piece)]
+
+
+def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, seconds, out) -> None:
+    cfg = RunConfig.from_json(cfg_json)
+    messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
+    push_bytes = sum(len(m) for m in messages)
+    channel = grpc.insecure_channel(address, options=grpc_options(cfg))
+    if not worker_ids:  # the raw server: the very same bytes, nothing to say about them
+        call = channel.stream_unary(method)
+        sent, elapsed = drive(lambda i: (call(iter(messages)), push_bytes)[1], learners, seconds)
+    else:
+        template = pb.TensorStreamMessage.FromString(messages[0])
+        call = channel.stream_unary(method, response_deserializer=pb.PushReply.FromString)
+
+        def push_one(i: int) -> int:
+            header = pb.TensorStreamMessage()
+            header.header.CopyFrom(template.header)
+            header.header.push_id = uuid.uuid4().hex
+            header.header.worker_id = worker_ids[i]
+            reply = call(iter([header.SerializeToString(), *messages[1:]]), timeout=120)
+            assert reply.accepted, reply.reason
+            return push_bytes
+
+        sent, elapsed = drive(push_one, learners, seconds)
+    channel.close()
+    out.put((sent, elapsed, push_bytes))
+
+
+def drive_elsewhere(
+    address: str,
+    method: str,
+    worker_ids: list[str],
+    shapes: dict[str, tuple[int, ...]],
+    cfg: RunConfig,
+    learners: int,
+    seconds: float,
+) -> tuple[int, float, int]:
+    """M pushing threads in a process of their own; returns (bytes sent, seconds, bytes per push)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(
+        target=_drive_child,
+        args=(address, method, worker_ids, shapes, cfg.to_json(), learners, seconds, out),
+    )
+    child.start()
+    try:
+        return out.get(timeout=seconds + 300)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--learners", type=int, default=4)
@@ -98,44 +160,17 @@ def main(argv: list[str] | None = None) -> None:
             c.join()
         params = initial_parameters(clients[0])
         clients[0].init_parameters(params)
-        delta = {n: torch.randn_like(t) * 1e-4 for n, t in params.items()}
-        piece = cfg.coordinator.stream_chunk_bytes
-        template = list(
-            stream_tensors(pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=129), delta, piece)
-        )
-        raw_messages = [m.SerializeToString() for m in template]
-        push_bytes = sum(len(m) for m in raw_messages)
-
+        shapes = {n: tuple(t.shape) for n, t in params.items()}
         raw, raw_port = raw_server(cfg)
-        channel = grpc.insecure_channel(f"127.0.0.1:{raw_port}", options=grpc_options(cfg))
-        call = channel.stream_unary(RAW_METHOD)
-        raw_bytes, raw_s = drive(
-            lambda i: (call(iter(raw_messages)), push_bytes)[1], args.learners, args.seconds
+        raw_bytes, raw_s, push_bytes = drive_elsewhere(
+            f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners, args.seconds
         )
-        channel.close()
         raw.stop(0)
-
-        # The client side is the raw arm's: the same pieces, serialized once. Only the header
-        # is new per push (its own push_id and version), so the difference is the coordinator's.
-        pieces = raw_messages[1:]
-        pushes = [
-            c.channel.stream_unary(
-                PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushReply.FromString
-            )  # fmt: skip
-            for c in clients
-        ]
-
-        def push_one(i: int) -> int:
-            header = pb.TensorStreamMessage()
-            header.header.CopyFrom(template[0].header)
-            header.header.version = running.service.fragments[0].version
-            header.header.push_id = uuid.uuid4().hex
-            header.header.worker_id = clients[i].worker_id
-            reply = pushes[i](iter([header.SerializeToString(), *pieces]), timeout=120)
-            assert reply.accepted, reply.reason
-            return push_bytes
-
-        ingest_bytes, ingest_s = drive(push_one, args.learners, args.seconds)
+        # The same pieces; only the header is new per push (its own push_id), so the difference
+        # is the coordinator's.
+        ingest_bytes, ingest_s, _ = drive_elsewhere(
+            address, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners, args.seconds
+        )
         versions = [f.version for f in running.service.fragments]
         for c in clients:
             c.close()

@@ -16,6 +16,7 @@ import grpc
 from diloco import store
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.memory import keep_freed_memory
 from diloco.coordinator.service import CoordinatorService
 from diloco.corpus import resolve_dataset
 from diloco.data.chunks import partition_dataset
@@ -141,6 +142,7 @@ def start_coordinator(
     config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0
 ) -> RunningCoordinator:
     config.validate()
+    keep_freed_memory()
     ledger, config = open_ledger(config, workdir)
     try:
         fingerprint = tokenizer_hash(config, ledger)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from diloco.v1 import coordinator_pb2 as pb
@@ -140,7 +141,11 @@ class TensorAssembler:
             return
         # A sum is NaN or ±inf when any value is (or when finite values overflow, which no sane
         # delta does): one cheap reduction over the piece just copied.
-        if not torch.isfinite(self._buffers[index][start:end].view(dtype).sum()):
+        values = self._buffers[index][start:end].view(dtype)
+        # numpy's reduction runs on this thread alone: torch's would start an OpenMP team from
+        # every gRPC handler thread at once and oversubscribe the cores (measured 10x slower).
+        total = values.float().numpy().sum() if dtype == torch.bfloat16 else values.numpy().sum()
+        if not np.isfinite(total):
             raise WireError(f"non-finite values in {self.header.tensors[index].name}")
         self._checked[index] = end
 
