@@ -129,6 +129,18 @@ class AwaitingCover:
     waiting: set[int]
 
 
+def resolve_overwritten(awaiting: list[AwaitingCover], fragment: int) -> tuple[Unpushed, list[AwaitingCover]]:
+    """Fragment `fragment` was just overwritten with a merged value: what it held of the waiting
+    rows is as far as it will ever get (as with any row trained in the τ overlap), so it waits no
+    longer. Returns the rows that now wait for nothing (they ride on the next push) and the rest."""
+    done = Unpushed()
+    for group in awaiting:
+        group.waiting.discard(fragment)
+        if not group.waiting:
+            done.extend(group.rows)
+    return done, [g for g in awaiting if g.waiting]
+
+
 def rows_to_carry(
     awaiting: list[AwaitingCover], fresh: Unpushed, pushed: int, fragments: int
 ) -> tuple[Unpushed, list[AwaitingCover]]:
@@ -166,6 +178,7 @@ class Learner:
         self.progress = Progress()
         self.unpushed = Unpushed()
         self.awaiting: list[AwaitingCover] = []
+        self.resolved = Unpushed()  # rows that wait for nothing more: they ride on the next push
         self.frags: list[FragmentState] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
 
@@ -267,6 +280,8 @@ class Learner:
         f.steps = f.tokens = 0
         f.loss_sum = 0.0
         f.in_flight = False
+        done, self.awaiting = resolve_overwritten(self.awaiting, merged.fragment)
+        self.resolved.extend(done)
 
     def _merged_value(self, f: FragmentState, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
         """The fragment's new value and version: sent in full, or the held base plus each encoded
@@ -330,6 +345,8 @@ class Learner:
         """The rows whose effect is in every fragment once fragment p is pushed now."""
         carried, self.awaiting = rows_to_carry(self.awaiting, self.unpushed, p, len(self.frags))
         self.unpushed = Unpushed()
+        self.resolved.extend(carried)
+        carried, self.resolved = self.resolved, Unpushed()
         return carried
 
     def _return_unpushed(self) -> None:
@@ -342,6 +359,8 @@ class Learner:
         for group in self.awaiting:  # no push will complete them now
             self.unpushed.extend(group.rows)
         self.awaiting = []
+        self.unpushed.extend(self.resolved)
+        self.resolved = Unpushed()
         if not self.unpushed.spans:
             return
         header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
@@ -483,6 +502,11 @@ class Learner:
         Unpushed work holds shard leases (its rows are in no push yet): handing it in is what lets
         those rows be merged and the shards finish, so a starved learner never sits on them.
         """
+        # No steps are taken while starved, so τ never runs out: take merged fragments now.
+        for p, f in enumerate(self.frags):
+            merged = self.channel.take(p) if f.in_flight else None
+            if merged is not None:
+                self._apply(merged)
         if self._hand_in():
             if self.cfg.sync.synchronous:
                 self._wait_for_merges()
