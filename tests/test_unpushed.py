@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compute.learner import Unpushed, resolve_overwritten, rows_to_carry
+from diloco.compute.learner import Unpushed, release_fragment, rows_to_carry
 from diloco.compute.prefetch import Batch
 
 
@@ -70,9 +70,9 @@ def test_an_overwritten_fragment_stops_waiting_and_the_rows_ride_on_the_next_pus
     # Fragment 1 pushed with rows waiting for fragment 0, which is then overwritten by its merge
     # before it is pushed again (a learner with no more data): the rows wait for nothing more.
     _, awaiting = rows_to_carry([], rows((5, 0, 8)), pushed=1, fragments=2)
-    done, awaiting = resolve_overwritten(awaiting, 0)
+    done, awaiting = release_fragment(awaiting, 0)
     assert done.spans == [(5, 0, 8)] and awaiting == []
     # Overwriting a fragment nobody waits for changes nothing.
     _, awaiting = rows_to_carry([], rows((6, 0, 8)), pushed=0, fragments=2)
-    done, awaiting = resolve_overwritten(awaiting, 0)
+    done, awaiting = release_fragment(awaiting, 0)
     assert done.spans == [] and [g.waiting for g in awaiting] == [{1}]

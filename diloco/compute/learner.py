@@ -129,10 +129,10 @@ class AwaitingCover:
     waiting: set[int]
 
 
-def resolve_overwritten(awaiting: list[AwaitingCover], fragment: int) -> tuple[Unpushed, list[AwaitingCover]]:
-    """Fragment `fragment` was just overwritten with a merged value: what it held of the waiting
-    rows is as far as it will ever get (as with any row trained in the τ overlap), so it waits no
-    longer. Returns the rows that now wait for nothing (they ride on the next push) and the rest."""
+def release_fragment(awaiting: list[AwaitingCover], fragment: int) -> tuple[Unpushed, list[AwaitingCover]]:
+    """The groups stop waiting for `fragment` (it was just pushed, or just overwritten by its merge:
+    what it held of the rows is then as far as they get, as for any row in the τ overlap).
+    Returns the rows that now wait for nothing and the groups still waiting."""
     done = Unpushed()
     for group in awaiting:
         group.waiting.discard(fragment)
@@ -154,12 +154,7 @@ def rows_to_carry(
         if fresh.spans or fresh.released
         else awaiting
     )
-    carried = Unpushed()
-    for group in groups:
-        group.waiting.discard(pushed)
-        if not group.waiting:
-            carried.extend(group.rows)
-    return carried, [g for g in groups if g.waiting]
+    return release_fragment(groups, pushed)
 
 
 class Learner:
@@ -280,7 +275,8 @@ class Learner:
         f.steps = f.tokens = 0
         f.loss_sum = 0.0
         f.in_flight = False
-        done, self.awaiting = resolve_overwritten(self.awaiting, merged.fragment)
+        # Overwritten: this fragment no longer holds any waiting rows up; they ride on the next push.
+        done, self.awaiting = release_fragment(self.awaiting, merged.fragment)
         self.resolved.extend(done)
 
     def _merged_value(self, f: FragmentState, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
