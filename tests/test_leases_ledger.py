@@ -500,13 +500,19 @@ def test_silent_worker_marked_lost(ledger, clock):
     assert ledger.known_worker("d1")
 
 
+def chunk_leases(led: Ledger) -> list[int]:
+    """Lease every pending chunk; their ids in the order handed out."""
+    out = []
+    while isinstance(lease := led.lease_chunk("d1", TTL), ChunkLease):
+        out.append(lease.chunk_id)
+    return out
+
+
 def test_a_shuffle_seed_hands_chunks_and_shards_out_in_its_order(tmp_path, clock) -> None:
     def lease_all(path: str, seed: int | None) -> tuple[list[int], list[int]]:
         led = Ledger(path, clock=clock)
         led.initialize([spec(i, "train") for i in range(12)], shuffle_seed=seed, dataset="test")
-        chunks = []
-        while isinstance(lease := led.lease_chunk("d1", TTL), ChunkLease):
-            chunks.append(lease.chunk_id)
+        chunks = chunk_leases(led)
         # Completed in reverse, so shard ids run the other way: leases follow the chunks' order.
         shard_of = {c: complete(led, "d1", c).shard_id for c in reversed(chunks)}
         shards = []
@@ -533,15 +539,11 @@ def test_the_shuffled_order_survives_a_restart(tmp_path, clock) -> None:
     led.close()
     led = Ledger(path, clock=clock)  # the coordinator restarted: initialize is a no-op now
     led.initialize([spec(i, "train") for i in range(8)], shuffle_seed=99, dataset="test")
-    rest = []
-    while isinstance(lease := led.lease_chunk("d1", TTL), ChunkLease):
-        rest.append(lease.chunk_id)
+    rest = chunk_leases(led)
     led.close()
     fresh = Ledger(str(tmp_path / "fresh.sqlite"), clock=clock)
     fresh.initialize([spec(i, "train") for i in range(8)], shuffle_seed=3, dataset="test")
-    expected = []
-    while isinstance(lease := fresh.lease_chunk("d1", TTL), ChunkLease):
-        expected.append(lease.chunk_id)
+    expected = chunk_leases(fresh)
     fresh.close()
     assert [first.chunk_id, *rest] == expected
 

@@ -212,6 +212,18 @@ class FakeCoordinator:
             )
 
 
+def run_to_done(coordinator: FakeCoordinator, **options) -> tuple[ShardPrefetcher, list[Batch]]:
+    """A prefetcher over the fake coordinator, drained to DONE and stopped."""
+    stop = threading.Event()
+    prefetcher = ShardPrefetcher(coordinator, batch_size=8, stop=stop, **options)
+    prefetcher.start()
+    try:
+        return prefetcher, drain(prefetcher)
+    finally:
+        stop.set()
+        prefetcher.join(5)
+
+
 def drain(prefetcher: ShardPrefetcher) -> list[Batch]:
     out: list[Batch] = []
     while True:
@@ -281,14 +293,7 @@ def test_prefetcher_reports_a_corrupt_shard_and_goes_on(tmp_path: Path) -> None:
     store.write_bytes_atomic(bad_uri, bytes(data))
     good = remote_shard(13, n=16)
     coordinator = FakeCoordinator([(bad_uri, bad_checksum, rows_for(12)), good])
-    stop = threading.Event()
-    prefetcher = ShardPrefetcher(coordinator, batch_size=8, max_batches=4, stop=stop)
-    prefetcher.start()
-    try:
-        batches = drain(prefetcher)
-    finally:
-        stop.set()
-        prefetcher.join(5)
+    prefetcher, batches = run_to_done(coordinator, max_batches=4)
     assert coordinator.reported == [1]
     assert {b.shard_id for b in batches} == {2} and prefetcher.held_shards() == [2]
 
@@ -296,14 +301,7 @@ def test_prefetcher_reports_a_corrupt_shard_and_goes_on(tmp_path: Path) -> None:
 def test_prefetcher_mixes_batches_of_several_shards_and_delivers_each_row_once(tmp_path: Path) -> None:
     shards = [remote_shard(20 + seed, n=64) for seed in range(5)]
     coordinator = FakeCoordinator(shards)
-    stop = threading.Event()
-    prefetcher = ShardPrefetcher(coordinator, batch_size=8, max_batches=4, stop=stop, mix=3)
-    prefetcher.start()
-    try:
-        batches = drain(prefetcher)
-    finally:
-        stop.set()
-        prefetcher.join(5)
+    _, batches = run_to_done(coordinator, max_batches=4, mix=3)
     # The first batches already come from several shards: H steps see more than one stretch of data.
     assert len({b.shard_id for b in batches[:8]}) >= 2
     for shard_id, (_, _, rows) in enumerate(shards, start=1):

@@ -220,9 +220,7 @@ class Learner:
             loaded = load_weights(cfg.model.init_from)
             check_matches(mine, loaded, cfg.model.init_from)
         except DilocoError as e:
-            log.error("%s", e)
-            self.client.leave(f"refused: {e}")
-            self.client.close()
+            self._refuse(e)
             raise
         log.info("initial parameters from %s", cfg.model.init_from)
         return {n: loaded[n].to(mine[n].dtype) for n in mine}
@@ -251,10 +249,14 @@ class Learner:
                     f"model.vocab_size {cfg.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
                 )
         except DilocoError as e:
-            log.error("%s", e)
-            self.client.leave(f"refused: {e}")
-            self.client.close()
+            self._refuse(e)
             raise
+
+    def _refuse(self, error: DilocoError) -> None:
+        """Leave with a clear reason (the caller re-raises: a clear error, a non-zero exit)."""
+        log.error("%s", error)
+        self.client.leave(f"refused: {error}")
+        self.client.close()
 
     # -- fragments ------------------------------------------------------------------------------
 

@@ -135,7 +135,7 @@ class TensorAssembler:
         dtype = DTYPES[self.header.tensors[index].dtype]
         if not dtype.is_floating_point:
             return
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         start, end = self._checked[index], self._filled[index] // size * size  # whole values only
         if end <= start:
             return
