@@ -7,8 +7,9 @@ processes, as in a real job; in this one they would share the server's interpret
 threads that stream the very same serialized push messages (a GPT fragment's delta, fp32, in
 1 MiB pieces) to (a) a bare gRPC client-streaming handler that only reads them, and (b) the real
 coordinator, which validates, assembles, records the push in its ledger, merges (quorum 1) and
-checkpoints. Printed: MB/s of push bytes each way and the ratio (target: ingest + merge >= 50% of
-raw streaming).
+checkpoints. The two take turns (--rounds), so a change in the machine's load falls on both.
+Printed: MB/s of push bytes each way, the ratio (target: ingest + merge >= 50% of raw streaming)
+over all turns and turn by turn, and the server's CPU time per MB pushed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import resource
 import sys
 import tempfile
 import threading
@@ -138,14 +140,22 @@ def drive_elsewhere(
             child.kill()
 
 
+def server_cpu_s() -> float:
+    """CPU seconds (user + system) of this process: the server side of both arms runs here."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--learners", type=int, default=4)
-    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--seconds", type=float, default=20.0, help="per arm, over all rounds")
+    p.add_argument("--rounds", type=int, default=4, help="raw and ingest take turns this many times")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=384)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
     args = p.parse_args(argv)
+    turn_s = args.seconds / args.rounds
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
         running = coordinator_with_shards(Path(tmp), {
@@ -162,35 +172,65 @@ def main(argv: list[str] | None = None) -> None:
         clients[0].init_parameters(params)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         raw, raw_port = raw_server(cfg)
-        raw_bytes, raw_s, push_bytes = drive_elsewhere(
-            f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners, args.seconds
-        )
+        # The arms take turns, so a change in the machine's load falls on both alike. The same
+        # pieces go to both; only the header is new per push (its own push_id).
+        turns: list[dict[str, float]] = []
+        for _ in range(args.rounds):
+            cpu0 = server_cpu_s()
+            raw_bytes, raw_s, push_bytes = drive_elsewhere(
+                f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners, turn_s
+            )
+            cpu1 = server_cpu_s()
+            ingest_bytes, ingest_s, _ = drive_elsewhere(
+                address, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners, turn_s
+            )
+            # Accepted pushes still waiting for their merge or checkpoint count against ingest.
+            drain_started = time.monotonic()
+            assert running.service.wait_published(120), "merges did not catch up"
+            ingest_s += time.monotonic() - drain_started
+            cpu2 = server_cpu_s()
+            turns.append({
+                "raw_bytes": raw_bytes, "raw_s": raw_s, "raw_cpu_s": cpu1 - cpu0,
+                "ingest_bytes": ingest_bytes, "ingest_s": ingest_s, "ingest_cpu_s": cpu2 - cpu1,
+            })  # fmt: skip
         raw.stop(0)
-        # The same pieces; only the header is new per push (its own push_id), so the difference
-        # is the coordinator's.
-        ingest_bytes, ingest_s, _ = drive_elsewhere(
-            address, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners, args.seconds
-        )
         versions = [f.version for f in running.service.fragments]
         for c in clients:
             c.close()
         running.stop()
 
+    def total(key: str) -> float:
+        return sum(t[key] for t in turns)
+
+    ratios = sorted((t["ingest_bytes"] / t["ingest_s"]) / (t["raw_bytes"] / t["raw_s"]) for t in turns)
     result = {
         "learners": args.learners,
+        "rounds": args.rounds,
         "params": sum(t.numel() for t in params.values()),
         "push_mb": push_bytes / 1e6,
-        "raw_mb_per_s": raw_bytes / raw_s / 1e6,
-        "ingest_mb_per_s": ingest_bytes / ingest_s / 1e6,
+        "raw_mb_per_s": total("raw_bytes") / total("raw_s") / 1e6,
+        "ingest_mb_per_s": total("ingest_bytes") / total("ingest_s") / 1e6,
         "merges": sum(versions),
+        "round_ratios": ratios,
+        # Server CPU per MB pushed: what each byte costs the coordinator, load on the machine aside.
+        "raw_cpu_ms_per_mb": total("raw_cpu_s") * 1e3 / (total("raw_bytes") / 1e6),
+        "ingest_cpu_ms_per_mb": total("ingest_cpu_s") * 1e3 / (total("ingest_bytes") / 1e6),
     }
     result["ratio"] = result["ingest_mb_per_s"] / result["raw_mb_per_s"]
     print(
-        f"push of {result['push_mb']:.1f} MB ({result['params']:,} params), {args.learners} concurrent learners"
+        f"push of {result['push_mb']:.1f} MB ({result['params']:,} params), {args.learners} concurrent learners, "
+        f"{args.rounds} turns of {turn_s:.1f} s per arm"
     )
     print(f"raw gRPC client-streaming : {result['raw_mb_per_s']:8.1f} MB/s")
     print(f"coordinator ingest + merge: {result['ingest_mb_per_s']:8.1f} MB/s  ({result['merges']} merges)")
-    print(f"ratio                     : {result['ratio']:.0%}")
+    print(
+        f"ratio                     : {result['ratio']:.0%}  "
+        f"(turn by turn: {', '.join(f'{r:.0%}' for r in ratios)})"
+    )
+    print(
+        f"server CPU per MB pushed  : raw {result['raw_cpu_ms_per_mb']:.2f} ms, "
+        f"ingest + merge {result['ingest_cpu_ms_per_mb']:.2f} ms"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -84,3 +84,13 @@ def resolve_dataset(dataset: str) -> list[str]:
         codecs = "/".join(_COMPRESSION)
         raise store.StoreError(f"no {kinds} files in {dataset} (text and JSONL may also be {codecs})")
     return files
+
+
+def dataset_key(dataset: str) -> str:
+    """A dataset's identity, to tell whether two spellings name the same data: the stdlib name,
+    a local path made absolute (symlinks resolved), or a remote URI, without a trailing slash."""
+    if dataset == STDLIB:
+        return dataset
+    if store.is_local(dataset):
+        return os.path.realpath(os.path.expanduser(dataset.removeprefix("file://")))
+    return dataset.rstrip("/")

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,8 +13,10 @@ from diloco.fragments import assign_fragments, is_embedding
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire.tensors import (
     DTYPES,
+    PieceMessage,
     TensorAssembler,
     WireError,
+    parse_stream_message,
     receive_groups,
     receive_one,
     spec_of,
@@ -496,7 +499,7 @@ def test_assembler_refuses_non_finite_values_piece_by_piece(bad):
     # Pieces of 7 bytes: values straddle piece boundaries, and each is still checked once whole.
     msgs = messages({"ok": torch.ones(3), "x": x}, piece=7)
     asm = TensorAssembler(msgs[0].header, BIG, finite=True)
-    with pytest.raises(WireError, match="non-finite values in x"):
+    with pytest.raises(WireError, match="non-finite .* in x"):
         for m in msgs[1:]:
             asm.add(m.piece)
     # Without the check (a pull, say) the same bytes assemble as they are.
@@ -504,9 +507,51 @@ def test_assembler_refuses_non_finite_values_piece_by_piece(bad):
 
 
 def test_assembler_finite_check_passes_finite_floats_and_ignores_integers():
-    tensors = {"w": torch.randn(33), "ids": torch.tensor([2**31 - 1, -5], dtype=torch.int32)}
+    tensors = {
+        "w": torch.randn(33),
+        "ids": torch.tensor([2**31 - 1, -5], dtype=torch.int32),
+        # Large but finite half-precision values: their squares would not fit the type itself.
+        "h": torch.tensor([300.0, -60000.0], dtype=torch.float16),
+        "b": torch.tensor([1e30, -3e38], dtype=torch.bfloat16),
+    }
     msgs = messages(tensors, piece=5)
     asm = TensorAssembler(msgs[0].header, BIG, finite=True)
     for m in msgs[1:]:
         asm.add(m.piece)
     assert all(torch.equal(asm.tensors()[n], t) for n, t in tensors.items())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tensor=st.integers(0, 2**32 - 1),
+    offset=st.integers(0, 2**64 - 1),
+    data=st.binary(max_size=300),
+)
+def test_pieces_parse_in_place_exactly_as_protobuf_parses_them(tensor, offset, data):
+    raw = pb.TensorStreamMessage(
+        piece=pb.TensorPiece(tensor=tensor, offset=offset, data=data)
+    ).SerializeToString()
+    msg = parse_stream_message(raw)
+    assert isinstance(msg, PieceMessage), "a plain piece takes the in-place path"
+    assert msg.WhichOneof("kind") == "piece"
+    assert (msg.piece.tensor, msg.piece.offset, bytes(msg.piece.data)) == (tensor, offset, data)
+
+
+def test_messages_off_the_fast_path_are_parsed_by_protobuf():
+    header = pb.TensorStreamMessage(header=pb.TensorHeader(fragment=3, push_id="p"))
+    assert parse_stream_message(header.SerializeToString()) == header
+    piece = pb.TensorStreamMessage(piece=pb.TensorPiece(tensor=1, offset=8, data=b"abcd"))
+    raw = piece.SerializeToString()
+    # Fields in another order, a field repeated (the last wins) and an unknown field: all legal
+    # protobuf, and each must read as protobuf reads it.
+    inner = bytes([0x1A, 2]) + b"zz" + bytes([0x10, 8, 0x08, 1, 0x1A, 4]) + b"abcd"
+    reordered = bytes([0x12, len(inner)]) + inner
+    assert parse_stream_message(reordered).piece.data == b"abcd"
+    unknown = bytes([0x12, len(inner) + 2]) + inner + bytes([0x20, 7])  # field 4, varint
+    parsed = parse_stream_message(unknown)
+    assert not isinstance(parsed, PieceMessage)
+    assert (parsed.piece.tensor, parsed.piece.offset, parsed.piece.data) == (1, 8, b"abcd")
+    # Cut short: protobuf's own error, never a piece with half its bytes.
+    with pytest.raises(DecodeError):
+        parse_stream_message(raw[:-1])
+    assert parse_stream_message(raw).piece.data == b"abcd"

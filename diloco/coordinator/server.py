@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -17,12 +19,14 @@ from diloco import store
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.memory import keep_freed_memory
-from diloco.coordinator.service import CoordinatorService
-from diloco.corpus import resolve_dataset
+from diloco.coordinator.service import STREAMED_REQUEST_KINDS, CoordinatorService
+from diloco.coordinator.wirecount import CountRequestStreams
+from diloco.corpus import dataset_key, resolve_dataset
 from diloco.data.chunks import partition_dataset
 from diloco.errors import DilocoError
 from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
+from diloco.wire.tensors import parse_stream_message
 
 log = logging.getLogger("diloco.coordinator")
 
@@ -37,7 +41,41 @@ def grpc_options(config: RunConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # gRPC shares a port with any other gRPC server by default: a second coordinator would
+        # start on a running one's port and the two would split its clients.
+        ("grpc.so_reuseport", 0),
     ]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a taken port before anything is written (ledger, partition), in one clear line.
+
+    Binds plain sockets the way gRPC's listener will (SO_REUSEADDR, so a restart may rebind over
+    TIME_WAIT connections; no SO_REUSEPORT, so a live listener conflicts) and lets them go at once.
+    Like gRPC, a name with several addresses (localhost: ::1 and 127.0.0.1) needs one bindable.
+    """
+    if port == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise DilocoError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+    errors = [_bind_error(family, address) for family, _, _, _, address in addresses]
+    in_use = [e for e in errors if e is not None and e.errno == errno.EADDRINUSE]
+    if in_use or all(errors):
+        raise DilocoError(f"cannot listen on {host}:{port}: {(in_use or errors)[0].strerror}")
+
+
+def _bind_error(family: int, address: tuple) -> OSError | None:
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as e:
+            return e
+    return None
 
 
 @dataclass
@@ -57,18 +95,57 @@ def store_root(config: RunConfig, workdir: str) -> str:
     return config.data.store or str(Path(workdir).resolve())
 
 
+def dataset_files(config: RunConfig) -> list[str]:
+    """The dataset's readable files; a missing or unreadable dataset is a clear error."""
+    try:
+        return resolve_dataset(config.data.dataset)
+    except (OSError, ValueError) as e:
+        raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
+
+
+def ledger_path(workdir: str) -> Path:
+    return Path(workdir) / "state" / "ledger.sqlite"
+
+
+def recorded_dataset(workdir: str) -> str | None:
+    """The dataset a workdir's run was partitioned from; None when no run was started there."""
+    path = ledger_path(workdir)
+    if not path.exists():
+        return None
+    ledger = Ledger(str(path))
+    try:
+        return ledger.get_meta("dataset")
+    finally:
+        ledger.close()
+
+
+def check_same_dataset(recorded: str | None, config: RunConfig, workdir: str) -> None:
+    """A workdir holds one run: resuming it on other data would silently train on the old data."""
+    given = config.data.dataset
+    if recorded is not None and dataset_key(recorded) != dataset_key(given):
+        raise DilocoError(
+            f"workdir {workdir} holds a run on dataset {recorded!r}, not {given!r}: use a new --workdir "
+            f"for another dataset (or --dataset {recorded} to resume that run)"
+        )
+
+
 def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
     """The ledger under <workdir>/state; on first start, partition the dataset into it.
 
     On a restart the configuration recorded at first start wins: a run does not change its model
-    or data under a checkpoint.
+    or data under a checkpoint. Another dataset than the recorded one is refused.
     """
-    state_dir = Path(workdir) / "state"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(str(state_dir / "ledger.sqlite"))
+    path = ledger_path(workdir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(str(path))
     if ledger.initialized:
+        try:
+            check_same_dataset(ledger.get_meta("dataset"), config, workdir)
+        except DilocoError:
+            ledger.close()
+            raise
         stored = RunConfig.from_json(ledger.get_meta("config") or "{}")
-        log.info("resuming run %s from %s", stored.name, state_dir)
+        log.info("resuming run %s from %s", stored.name, path.parent)
         return ledger, stored
     if config.model.init_from and not store.exists(config.model.init_from):
         raise DilocoError(f"model.init_from: not found: {config.model.init_from}")
@@ -79,10 +156,7 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
         raise DilocoError(
             f"model.vocab_size {config.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
         )
-    try:
-        files = resolve_dataset(config.data.dataset)
-    except (OSError, ValueError) as e:
-        raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
+    files = dataset_files(config)
     try:
         parts = partition_dataset(
             files, config.data.chunk_bytes, config.data.eval_fraction, config.data.text_field
@@ -142,6 +216,7 @@ def start_coordinator(
     config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0
 ) -> RunningCoordinator:
     config.validate()
+    check_port_free(host, port)
     keep_freed_memory()
     ledger, config = open_ledger(config, workdir)
     try:
@@ -158,6 +233,7 @@ def start_coordinator(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
         options=grpc_options(config),
+        interceptors=[CountRequestStreams(service.wire, STREAMED_REQUEST_KINDS, parse_stream_message)],
     )
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
     try:

@@ -50,6 +50,9 @@ RUN_STATES = {
     "finishing": pb.RUN_STATE_FINISHING,
     "finished": pb.RUN_STATE_FINISHED,
 }
+_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# Client streams whose messages are counted as gRPC reads them (wirecount.CountRequestStreams).
+STREAMED_REQUEST_KINDS = {f"/{_SERVICE}/PushDelta": "push", f"/{_SERVICE}/InitParameters": "init"}
 MAX_PULL_WAIT_S = 30.0
 PUSH_SLOT_WAIT_S = 10.0
 
@@ -442,7 +445,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def InitParameters(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.InitParametersReply:
-        messages = self.wire.count_in("init", request_iterator)
+        self.wire.call("init")  # its messages are counted as gRPC reads them (CountRequestStreams)
+        messages = iter(request_iterator)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad init stream: it must start with a header")
@@ -570,7 +574,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     def _push_delta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.PushReply:
-        messages = self.wire.count_in("push", request_iterator)
+        self.wire.call("push")  # its messages are counted as gRPC reads them (CountRequestStreams)
+        messages = iter(request_iterator)
         first = next(messages, None)
         if first is None or first.WhichOneof("kind") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push stream must start with a header")
@@ -864,10 +869,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             return
         blobs, new = {}, {}
         for name, theta in params.items():
-            target = theta.float() - frag.broadcast[name].float()  # includes what was dropped before
-            blob = codecs.encode(target, codec, self.config.sync.codec_level)
-            blobs[name] = blob
-            new[name] = frag.broadcast[name].float() + codecs.decode(blob, codec, tuple(theta.shape))
+            blobs[name], new[name] = codecs.encode_step(
+                theta, frag.broadcast[name], codec, self.config.sync.codec_level
+            )
         frag.broadcast = new
         frag.chain[version] = (frag.published_version, blobs)
         for old in sorted(frag.chain)[: -self.config.sync.pull_chain]:

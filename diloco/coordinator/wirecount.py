@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
+import grpc
 from google.protobuf.message import Message
 
 M = TypeVar("M", bound=Message)
@@ -61,7 +62,8 @@ def message_size(msg: Message) -> int:
     piece = getattr(msg, "piece", None)
     if piece is None or msg.WhichOneof("kind") != "piece":
         return msg.ByteSize()
-    inner = _field_len(len(piece.data)) if piece.data else 0
+    data_len = len(piece.data)  # upb copies a bytes field on every access: read it once
+    inner = _field_len(data_len) if data_len else 0
     inner += (1 + _varint_len(piece.tensor)) if piece.tensor else 0
     inner += (1 + _varint_len(piece.offset)) if piece.offset else 0
     return _field_len(inner)
@@ -90,7 +92,11 @@ class WireCounter:
             self._role_out[r] += CALL_OVERHEAD_BYTES - CALL_OVERHEAD_BYTES // 2
 
     def add_in(self, kind: str, msg: Message, role: str | None = None) -> None:
-        n = framed_bytes(message_size(msg))
+        self.add_in_bytes(kind, message_size(msg), role)
+
+    def add_in_bytes(self, kind: str, message_bytes: int, role: str | None = None) -> None:
+        """One received message of `message_bytes` serialized bytes."""
+        n = framed_bytes(message_bytes)
         r = self._role(kind, role)
         with self._lock:
             self.received[kind] += n
@@ -107,13 +113,6 @@ class WireCounter:
         """A unary call's request: the call itself and its message."""
         self.call(kind, role)
         self.add_in(kind, msg, role)
-
-    def count_in(self, kind: str, messages: Iterable[M]) -> Iterator[M]:
-        """A client stream: the call, then each message as it is read."""
-        self.call(kind)
-        for msg in messages:
-            self.add_in(kind, msg)
-            yield msg
 
     def count_out(self, kind: str, messages: Iterable[M]) -> Iterator[M]:
         for msg in messages:
@@ -145,3 +144,36 @@ class WireCounter:
         with self._lock:
             roles = sorted(set(self._role_in) | set(self._role_out))
             return {r: {"received": self._role_in.get(r, 0), "sent": self._role_out.get(r, 0)} for r in roles}
+
+
+class CountRequestStreams(grpc.ServerInterceptor):
+    """Counts each message of the named client-streaming RPCs where gRPC deserializes it.
+
+    Its serialized length is right there for free; measuring a parsed piece instead reads its
+    `data`, which upb copies on every access (a megabyte per piece on the push path). The
+    handlers count only the call itself (WireCounter.call). With `parse`, that parses the
+    messages instead of the handler's own deserializer (wire.tensors.parse_stream_message reads
+    pieces in place).
+    """
+
+    def __init__(
+        self, wire: WireCounter, kinds: Mapping[str, str], parse: Callable[[bytes], Any] | None = None
+    ) -> None:
+        self._wire = wire
+        self._kinds = dict(kinds)  # "/package.Service/Method" -> kind
+        self._parse = parse
+
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        kind = self._kinds.get(handler_call_details.method)
+        if handler is None or kind is None or not handler.request_streaming:
+            return handler
+        parse, wire = self._parse or handler.request_deserializer, self._wire
+
+        def counted(raw: bytes) -> Any:
+            wire.add_in_bytes(kind, len(raw))
+            return parse(raw)
+
+        return handler._replace(request_deserializer=counted)

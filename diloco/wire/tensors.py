@@ -80,6 +80,77 @@ def stream_many(
         yield from stream_tensors(header, tensors, piece_bytes)
 
 
+class PieceMessage:
+    """A TensorStreamMessage holding a piece, read in place from its serialized bytes.
+
+    `data` is a view of the received buffer: upb would copy a piece's megabyte once to parse it
+    and again on every access of `data`. Stream readers ask a message two things,
+    `WhichOneof("kind")` and `.piece`; this answers both.
+    """
+
+    __slots__ = ("tensor", "offset", "data")
+
+    def __init__(self, tensor: int, offset: int, data: memoryview) -> None:
+        self.tensor, self.offset, self.data = tensor, offset, data
+
+    def WhichOneof(self, group: str) -> str:  # noqa: N802 (the protobuf method's name)
+        return "piece"
+
+    @property
+    def piece(self) -> PieceMessage:
+        return self
+
+
+_PIECE_TAG = (2 << 3) | 2  # TensorStreamMessage.piece: field 2, length-delimited
+_TENSOR_TAG, _OFFSET_TAG, _DATA_TAG = (1 << 3) | 0, (2 << 3) | 0, (3 << 3) | 2  # TensorPiece's
+
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint too long")
+
+
+def parse_stream_message(raw: bytes) -> pb.TensorStreamMessage | PieceMessage:
+    """`TensorStreamMessage.FromString`, except that a piece in the layout every protobuf
+    serializer writes (one `piece` field holding tensor, offset, data) comes back as a
+    PieceMessage over `raw`, without a copy. Anything else is left to protobuf itself."""
+    buf = memoryview(raw)
+    try:
+        if not buf or buf[0] != _PIECE_TAG:
+            raise IndexError
+        length, pos = _varint(buf, 1)
+        if pos + length != len(buf):
+            raise IndexError
+        tensor = offset = 0
+        data = buf[0:0]
+        while pos < len(buf):
+            tag = buf[pos]
+            if tag == _TENSOR_TAG:
+                tensor, pos = _varint(buf, pos + 1)
+            elif tag == _OFFSET_TAG:
+                offset, pos = _varint(buf, pos + 1)
+            elif tag == _DATA_TAG:
+                size, pos = _varint(buf, pos + 1)
+                if pos + size > len(buf):
+                    raise IndexError
+                data, pos = buf[pos : pos + size], pos + size
+            else:  # a field this fast path does not know: protobuf decides
+                raise IndexError
+        if tensor >= 1 << 32:
+            raise IndexError
+        return PieceMessage(tensor, offset, data)
+    except IndexError:
+        return pb.TensorStreamMessage.FromString(raw)
+
+
 class TensorAssembler:
     """Rebuilds the tensors of one header from its pieces, validating as it goes.
 
@@ -117,16 +188,17 @@ class TensorAssembler:
         self._filled = [0] * len(self._sizes)
         self._checked = [0] * len(self._sizes)  # bytes of each tensor found finite so far
 
-    def add(self, piece: pb.TensorPiece) -> None:
+    def add(self, piece: pb.TensorPiece | PieceMessage) -> None:
         if piece.tensor >= len(self._buffers):
             raise WireError(f"piece for tensor #{piece.tensor}, header has {len(self._buffers)}")
         buf = self._views[piece.tensor]
-        end = piece.offset + len(piece.data)
+        data = piece.data  # upb copies a bytes field on every access: once per piece
+        end = piece.offset + len(data)
         if end > len(buf) or piece.offset != self._filled[piece.tensor]:
             raise WireError(
                 f"piece at offset {piece.offset} out of order or past the end of {self.header.tensors[piece.tensor].name}"
             )
-        buf[piece.offset : end] = piece.data
+        buf[piece.offset : end] = data
         self._filled[piece.tensor] = end
         if self.finite:
             self._check_finite(piece.tensor)
@@ -139,14 +211,20 @@ class TensorAssembler:
         start, end = self._checked[index], self._filled[index] // size * size  # whole values only
         if end <= start:
             return
-        # A sum is NaN or ±inf when any value is (or when finite values overflow, which no sane
-        # delta does): one cheap reduction over the piece just copied.
         values = self._buffers[index][start:end].view(dtype)
-        # numpy's reduction runs on this thread alone: torch's would start an OpenMP team from
-        # every gRPC handler thread at once and oversubscribe the cores (measured 10x slower).
-        total = values.float().numpy().sum() if dtype == torch.bfloat16 else values.numpy().sum()
-        if not np.isfinite(total):
-            raise WireError(f"non-finite values in {self.header.tensors[index].name}")
+        # numpy on this thread alone: torch's reduction would start an OpenMP team from every
+        # gRPC handler thread at once and oversubscribe the cores (measured 10x slower).
+        with np.errstate(over="ignore", invalid="ignore"):
+            if dtype in (torch.bfloat16, torch.float16):
+                # Half precision (rare on the wire): a sum in float32, which holds any of them.
+                reduced = values.float().numpy().sum()
+            else:
+                # x·x is NaN or inf when any value is (or when |x| > ~1e19, which no sane delta
+                # is): one BLAS dot over the piece just copied, 3x faster than numpy's sum.
+                array = values.numpy()
+                reduced = np.dot(array, array)
+        if not np.isfinite(reduced):
+            raise WireError(f"non-finite (or absurdly large) values in {self.header.tensors[index].name}")
         self._checked[index] = end
 
     @property
