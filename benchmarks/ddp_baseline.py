@@ -14,8 +14,10 @@ gradient across N processes (gloo, on loopback). What it measures:
   equal bytes sent; add them if you want traffic counted at both ends. Gloo may choose another
   algorithm on the real socket; the ring is the bandwidth-optimal reference every all-reduce is
   compared with. DDP's one-time broadcast of rank 0's parameters at start is not counted (every
-  rank builds the same model from the seed, and a diloco learner's first pull is not counted
-  either), nor are the few bytes of the per-step stop flag.
+  rank builds the same model from the seed), nor are the few bytes of the per-step stop flag.
+  A diloco run's wire_bytes, which compare.py sets beside these, do count the joins: each
+  learner's first full pull and the initial parameters the first learner offers (RPC kinds
+  pull_join and init); its summary's steady_wire_bytes_per_token is the figure without them.
 
 Usage:
     python benchmarks/ddp_baseline.py --workers 2 --tokens 200000 --minutes 5 --dataset stdlib \

@@ -30,7 +30,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 ConfigOpt = Annotated[
     Path | None,
-    typer.Option("--config", help="run.toml with [model], [data], [train], [sync], [coordinator]"),
+    # Rich reads "[model]" as markup and drops it: the brackets are escaped.
+    typer.Option("--config", help=r"run.toml with \[model], \[data], \[train], \[sync], \[coordinator]"),
 ]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")
@@ -94,7 +95,7 @@ def coordinator(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="port to listen on (0: any free port)")] = 0,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on (0: any free port)")] = 0,
 ) -> None:
     """Serve membership, leases, the syncer and status over gRPC."""
     from diloco.coordinator.server import serve

@@ -129,6 +129,13 @@ class CoordinatorClient:
 
         return self._retry(once, method)
 
+    def call_once(self, method: str, request: Any, timeout_s: float = 5.0) -> Any:
+        """A unary RPC tried once, with a short timeout: the last words of a worker that is
+        stopping, which must not hold its exit up for the outage tolerance when nobody answers."""
+        if hasattr(request, "worker_id"):
+            request.worker_id = self.worker_id
+        return getattr(self.stub, method)(request, timeout=timeout_s)
+
     # -- tensors --------------------------------------------------------------------------------
 
     def _piece_bytes(self) -> int:

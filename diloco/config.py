@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,16 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration that cannot be used: unknown key, wrong type, impossible value."""
+
+
+# The devices a learner can be told to use (whether this machine has them is the learner's check);
+# "" is "auto", as it always was.
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)?")
+
+
+def is_device_spec(spec: str) -> bool:
+    return _DEVICE.fullmatch(spec.strip().lower()) is not None
 
 
 @dataclass
@@ -235,6 +246,8 @@ class RunConfig:
         for key in ("codec", "pull_codec"):
             if getattr(s, key) not in ("fp32", "bf16", "int8", "int4"):
                 raise ConfigError(f"sync.{key} must be fp32, bf16, int8 or int4, not {getattr(s, key)!r}")
+        if not is_device_spec(t.device):
+            raise ConfigError(f"train.device must be {DEVICE_FORMS}, not {t.device!r}")
         if s.merge not in ("mean", "token", "rda"):
             raise ConfigError(f"sync.merge must be mean, token or rda, not {s.merge!r}")
         if self.data.max_record_bytes < 1:

@@ -87,18 +87,33 @@ class ProcessGroup:
         return not any(c.alive for c in children)
 
     def stop(self, children: list[Child] | None = None, grace_s: float = 10.0) -> None:
-        """SIGTERM, wait up to grace_s, then SIGKILL; every child is reaped."""
+        """SIGTERM, wait up to grace_s, then SIGKILL; every child is reaped.
+
+        A child that had to be killed, or exited non-zero on SIGTERM, did not stop cleanly (its
+        leases, last heartbeat or leave may be missing): each gets a warning line. Ended by the
+        signal itself is clean: the child had not set its handlers up yet, so it held nothing.
+        """
         targets = [c for c in (self.children if children is None else children) if c.alive]
         for c in targets:
             self.signal(c, signal.SIGTERM)
+        killed = set()
         if not self.wait(targets, grace_s):
+            killed = {c.name for c in targets if c.alive}
             for c in targets:
                 self.signal(c, signal.SIGKILL)
         for c in targets:
             try:
-                c.proc.wait(timeout=10)
+                code = c.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 print(f"warning: {c.name} (pid {c.proc.pid}) did not exit", file=sys.stderr)
+                continue
+            if c.name in killed:
+                print(
+                    f"warning: {c.name} did not stop within {grace_s:.0f}s of SIGTERM; killed it",
+                    file=sys.stderr,
+                )
+            elif code not in (0, -signal.SIGTERM):
+                print(f"warning: {c.name} exited {code} on SIGTERM (log: {c.log_path})", file=sys.stderr)
 
     def tail(self, child: Child, lines: int = 20) -> str:
         try:

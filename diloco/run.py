@@ -33,19 +33,21 @@ from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.audit import audit
 from diloco.coordinator.checkpoint import load_model_params
-from diloco.coordinator.server import store_root
+from diloco.coordinator.server import check_same_dataset, dataset_files, recorded_dataset, store_root
 from diloco.data.shard import read_shard
 from diloco.errors import DilocoError
 from diloco.evaluate import eval_loss, sample_text, unigram_entropy
 from diloco.model.gpt import build_model
 from diloco.model.weights import save_weights
-from diloco.procs import ProcessGroup
+from diloco.procs import Child, ProcessGroup
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
 SAMPLE_PROMPT = "def "
 EVAL_MAX_BATCHES = 64
 MODEL_FILE = "model.safetensors"
+# How long a child may take to stop on SIGTERM before it is killed.
+STOP_GRACE_S = 15.0
 
 
 def default_run_config() -> RunConfig:
@@ -124,9 +126,15 @@ class LocalRun:
                 coordinator.args = [*args, "--port", str(info["port"])]
                 return info["address"]
             if not coordinator.alive:
-                raise DilocoError(f"coordinator exited early:\n{self.group.tail(coordinator)}")
+                raise DilocoError(f"coordinator exited early: {self._reason(coordinator)}")
             time.sleep(0.1)
         raise DilocoError("coordinator did not start within 120 s")
+
+    def _reason(self, child: Child) -> str:
+        """Why a child stopped: its own `error:` line when it refused, else the end of its log."""
+        tail = self.group.tail(child)
+        refusals = [line.removeprefix("error: ") for line in tail.splitlines() if line.startswith("error: ")]
+        return refusals[-1] if refusals else f"\n{tail}"
 
     def _start_workers(self, address: str) -> None:
         o = self.options
@@ -141,9 +149,25 @@ class LocalRun:
                 args += ["--slow-factor", str(o.slow_learner)]
             self.group.spawn(f"learner-{i}", "learner", args)
 
+    def _stop_children(self) -> None:
+        """Workers first, while the coordinator still answers: each returns its leases, sends its
+        last heartbeat and leaves, then exits 0. Then the coordinator."""
+        workers = [c for c in self.group.children if c.role != "coordinator"]
+        try:
+            self.group.stop(workers, grace_s=STOP_GRACE_S)
+        finally:  # a second Ctrl-C cuts the workers' grace short, not the coordinator's stop
+            self.group.stop(grace_s=STOP_GRACE_S)
+
     # -- the job --------------------------------------------------------------------------------
 
+    def _check_inputs(self) -> None:
+        """Refuse bad input here, in one line, before a child starts or the workdir is made: the
+        coordinator would refuse it too, but only after the job's set-up."""
+        check_same_dataset(recorded_dataset(str(self.workdir)), self.config, str(self.workdir))
+        dataset_files(self.config)
+
     def run(self) -> dict[str, Any]:
+        self._check_inputs()
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
         self.console.print(
@@ -152,6 +176,7 @@ class LocalRun:
         )
         try:
             address = self._start_coordinator()
+            self._warn_if_no_eval_split()
             self._start_workers(address)
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
             detail = self._watch(observer, started)
@@ -160,7 +185,7 @@ class LocalRun:
             detail = self._status(observer) or detail
             observer.close()
         finally:
-            self.group.stop(grace_s=15)
+            self._stop_children()
         summary = self._summarize(detail, train_seconds, time.monotonic() - started)
         report = audit(self.workdir)
         summary.update(
@@ -171,6 +196,17 @@ class LocalRun:
         )
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _warn_if_no_eval_split(self) -> None:
+        chunks, held_out = split_sizes(self.workdir)
+        if chunks and not held_out:
+            self.console.print(
+                f"[yellow]warning:[/] no held-out split: the dataset made {chunks} chunk(s) and none is "
+                f"held out (data.eval_fraction = {self.config.data.eval_fraction}), so eval_loss stays "
+                "null; give more data or a smaller data.chunk_bytes",
+                highlight=False,
+                soft_wrap=True,
+            )
 
     def _status(self, observer: CoordinatorClient) -> dict[str, Any] | None:
         try:
@@ -407,6 +443,15 @@ def longest_merge_gap(workdir: Path) -> float:
     return round(max((b - a for a, b in zip(closed, closed[1:], strict=False)), default=0.0), 2)
 
 
+def split_sizes(workdir: Path) -> tuple[int, int]:
+    """The run's chunks, and how many of them are held out for evaluation."""
+    with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
+        total, held_out = db.execute(
+            "SELECT COUNT(*), COUNT(*) FILTER (WHERE split = 'eval') FROM chunks"
+        ).fetchone()
+    return total, held_out
+
+
 def _mean(values: list[float]) -> float:
     return round(sum(values) / len(values), 4) if values else 0.0
 
@@ -414,7 +459,7 @@ def _mean(values: list[float]) -> float:
 def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
     table = Table(title="result", show_header=False)
     ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
-    table.add_row("eval loss", f"{ev:.4f} nats/token" if ev is not None else "-")
+    table.add_row("eval loss", f"{ev:.4f} nats/token" if ev is not None else "- (no held-out data)")
     table.add_row("unigram baseline", f"{base:.4f} nats/token" if base is not None else "-")
     first = summary.get("first_loss")
     table.add_row("first-step loss", f"{first:.4f}" if first else "-")

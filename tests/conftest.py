@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -91,16 +92,30 @@ def run_cli(
         "MASTER_ADDR": "127.0.0.1",
         **(env or {}),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "cli", *args],
-        capture_output=True,
+    cmd = [sys.executable, "-m", "cli", *args]
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
         cwd=cwd or REPO,
         env=env,
         stdin=subprocess.DEVNULL,
         **kwargs,
-    )
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # As Ctrl-C would: `diloco run` then stops the children it started in sessions of their
+            # own, which killing it alone would leave running.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def start_coordinator(group: ProcessGroup, workdir: Path, args: list[str]) -> str:

@@ -1,10 +1,15 @@
-"""The README is the configuration reference: it must name every key the config accepts."""
+"""The README is the configuration reference: it must name every key the config accepts. The
+command line's help must show what it says."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
 from diloco.config import RunConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -32,3 +37,12 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert "```bash" in head
     commands = [line for line in head if line.startswith("bash ")]
     assert [c.split()[1] for c in commands] == ["scripts/run.sh", "scripts/test.sh"]
+
+
+@pytest.mark.parametrize("command", ["coordinator", "run"])
+def test_config_help_shows_the_section_names(command: str) -> None:
+    # Rich would read "[model]" as markup and print nothing in its place.
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for section in ("[model]", "[data]", "[train]", "[sync]", "[coordinator]"):
+        assert section in result.output, result.output

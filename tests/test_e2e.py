@@ -7,6 +7,7 @@ once when the learners run the data out.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from diloco.procs import ProcessGroup
-from tests.conftest import ledger_rows, run_cli, start_coordinator
+from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -174,43 +175,112 @@ def processes_mentioning(text: str) -> list[int]:
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_child(tiny_corpus: Path, tmp_path: Path) -> None:
+    """Ctrl-C mid-training: every worker stops cleanly (last heartbeat, leave, exit 0) within
+    seconds, while the coordinator still answers; then the coordinator; nothing survives."""
     import signal
     import subprocess
     import sys
 
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cli",
-            "run",
-            "--dataset",
-            str(tiny_corpus),
-            "--workdir",
-            str(workdir),
-            "--minutes",
-            "5",
-            "--no-progress",
-        ],
+        [sys.executable, "-m", "cli", "run", "--dataset", str(tiny_corpus), "--workdir", str(workdir),
+         "--minutes", "5", "--no-progress", "--set", "train.threads=1",
+         # Slow steps: the learners are still training when Ctrl-C comes.
+         "--set", "train.step_delay_s=0.05"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
+    )  # fmt: skip
+    logs = workdir / "logs"
     try:
-        deadline = time.monotonic() + 60
-        info = workdir / "coordinator.json"
-        while not info.exists() or len(processes_mentioning(json.loads(info.read_text())["address"])) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, "the job did not start"
-            time.sleep(0.2)
-        address = json.loads(info.read_text())["address"]
+
+        def training() -> bool:  # (or the job ended: no point waiting)
+            started = [f"learner learner-{i} on " in read_log(logs / f"learner-{i}.log") for i in range(2)]
+            return proc.poll() is not None or all(started)
+
+        wait_for(training, 60, "both learners training")
+        assert proc.poll() is None, "the job ended before Ctrl-C"
+        address = json.loads((workdir / "coordinator.json").read_text())["address"]
         proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
         _, err = proc.communicate(timeout=60)
+        stopped_in = time.monotonic() - interrupted
         assert proc.returncode == 130, err[-2000:]
         assert "Traceback" not in err
+        # ProcessGroup.stop warns of any child it had to kill or that exited non-zero on SIGTERM.
+        assert "warning:" not in err, err[-2000:]
+        assert stopped_in < 10, f"the job took {stopped_in:.1f}s to stop"
+        coordinator_log = read_log(logs / "coordinator.log")
+        for i in range(2):
+            assert "learner done (stopped)" in read_log(logs / f"learner-{i}.log"), (
+                f"learner-{i} was cut short"
+            )
+            assert f"leave worker=learner-{i} " in coordinator_log, f"learner-{i} did not leave"
         assert processes_mentioning(address) == [], "workers outlived the job"
         assert processes_mentioning(f"--workdir {workdir}") == [], "the coordinator outlived the job"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        kill_children_of_run(workdir)
+
+
+def kill_children_of_run(workdir: Path) -> None:
+    """A failed test leaves nothing running: the job's children have sessions of their own, so
+    killing the job does not stop them."""
+    import os
+    import signal
+
+    info = workdir / "coordinator.json"
+    marks = [f"--workdir {workdir}"] + ([json.loads(info.read_text())["address"]] if info.exists() else [])
+    for pid in {pid for mark in marks for pid in processes_mentioning(mark)}:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def read_log(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_stops_at_once_when_its_coordinator_is_gone(tiny_corpus: Path, tmp_path: Path) -> None:
+    """SIGTERM after the coordinator died: the last heartbeat and leave are tried once, not retried
+    for the whole outage tolerance, and the learner exits 0."""
+    import signal
+
+    workdir = tmp_path / "coord"
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        address = start_coordinator(
+            group, workdir,
+            ["--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.step_delay_s=0.05"],
+        )  # fmt: skip
+        group.spawn("data-0", "data", ["data", "--coordinator", address])
+        learner = group.spawn("learner-0", "learner", ["compute", "--coordinator", address, "--threads", "1"])
+        wait_for(lambda: "learner learner-" in read_log(learner.log_path), 60, "the learner training")
+        coordinator = group.by_role("coordinator")[0]
+        group.signal(coordinator, signal.SIGKILL)
+        coordinator.proc.wait(timeout=10)
+        group.signal(learner, signal.SIGTERM)
+        assert group.wait([learner], 20), "the learner kept retrying its last calls: " + group.tail(learner)
+        assert learner.proc.returncode == 0, group.tail(learner)
+        assert "learner done (stopped)" in read_log(learner.log_path)
+    finally:
+        group.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_run_without_held_out_data_says_so(tiny_corpus: Path, tmp_path: Path) -> None:
+    """One file, one chunk: nothing can be held out, and the run says so instead of a silent `-`."""
+    dataset = tmp_path / "one.txt"
+    dataset.write_text(next(tiny_corpus.iterdir()).read_text())
+    workdir = tmp_path / "run"
+    result = run_cli(
+        ["run", "--dataset", str(dataset), "--workdir", str(workdir), "--learners", "1", "--data-workers", "1",
+         "--minutes", "1", "--no-progress", "--inner-steps", "10", "--overlap", "2", "--set", "train.threads=1"],
+        timeout=150,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if "no held-out split" in line]
+    assert len(warnings) == 1 and "eval_loss" in warnings[0], result.stderr[-3000:]
+    assert json.loads((workdir / "summary.json").read_text())["eval_loss"] is None

@@ -10,7 +10,8 @@ import torch
 from torch.nn import functional as F
 
 from diloco.compute.device import pick_device, set_threads
-from diloco.config import ModelConfig, TrainConfig
+from diloco.config import ConfigError, ModelConfig, RunConfig, TrainConfig
+from diloco.errors import DilocoError
 from diloco.evaluate import eval_loss, sample_text, unigram_entropy
 from diloco.model import build_model, lr_at, make_inner_optimizer
 
@@ -187,14 +188,25 @@ def test_sample_text_is_seeded_and_starts_with_prompt() -> None:
 def test_pick_device() -> None:
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    # A DilocoError, so the CLI prints one line instead of a traceback.
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA is not available"):
+        with pytest.raises(DilocoError, match="CUDA is not available"):
             pick_device("cuda")
-    with pytest.raises(ValueError, match="unknown device"):
+    with pytest.raises(DilocoError, match="unknown device"):
         pick_device("tpu-ish")
+    with pytest.raises(DilocoError, match="unknown device"):
+        pick_device("meta")  # a torch device, but not one a learner trains on
     before = torch.get_num_threads()
     set_threads(0)
     assert torch.get_num_threads() == before
     set_threads(1)
     assert torch.get_num_threads() == 1
     set_threads(before)
+
+
+def test_config_refuses_a_device_of_no_known_form() -> None:
+    for good in ("auto", "", "cpu", "cuda", "cuda:3", " CUDA:0 "):
+        RunConfig().with_overrides({"train.device": good}).validate()
+    for bad in ("bogus", "cuda:", "cuda:x", "gpu", "meta"):
+        with pytest.raises(ConfigError, match="train.device"):
+            RunConfig().with_overrides({"train.device": bad}).validate()

@@ -4,26 +4,28 @@ from __future__ import annotations
 
 import torch
 
+from diloco.config import DEVICE_FORMS, is_device_spec
+from diloco.errors import DilocoError
+
 
 def pick_device(spec: str) -> torch.device:
-    """ "auto" -> cuda when available, else cpu; anything else is torch.device(spec), checked.
+    """ "auto" -> cuda when available, else cpu; "cpu", "cuda" or "cuda:N" checked against this machine.
 
-    A cuda device that is not there is refused here, with the reason, rather than at the first
-    tensor moved onto it deep inside the training loop.
+    A device that is not there is refused here, with the reason (a DilocoError: one clear line),
+    rather than at the first tensor moved onto it deep inside the training loop.
     """
     spec = spec.strip().lower()
     if spec in ("", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {spec!r} (use auto, cpu, cuda or cuda:N)") from e
+    if not is_device_spec(spec):
+        raise DilocoError(f"unknown device {spec!r} (use {DEVICE_FORMS})")
+    device = torch.device(spec)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {spec!r} requested but CUDA is not available on this machine")
+            raise DilocoError(f"device {spec!r} requested but CUDA is not available on this machine")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device {spec!r} requested but this machine has {count} CUDA device(s)")
+            raise DilocoError(f"device {spec!r} requested but this machine has {count} CUDA device(s)")
     return device
 
 

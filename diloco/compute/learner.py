@@ -40,6 +40,7 @@ from diloco.wire import codecs
 log = logging.getLogger("diloco.learner")
 
 FINAL_MERGE_WAIT_S = 60.0
+FINAL_CALL_TIMEOUT_S = 5.0
 EMPTY_PUSH_PERIOD_S = 2.0
 
 
@@ -186,7 +187,7 @@ class Learner:
         assert cfg is not None
         self._check_tokenizer(cfg, reply.tokenizer_hash)
         self.cfg = cfg
-        self.device = pick_device(self.overrides.device or cfg.train.device)
+        self.device = self._pick_device(cfg)
         set_threads(self.overrides.threads if self.overrides.threads is not None else cfg.train.threads)
         torch.manual_seed(cfg.train.seed)
         self.model = build_model(cfg.model, cfg.model.vocab_size, cfg.train.seed).to(self.device)
@@ -248,6 +249,14 @@ class Learner:
                 raise DilocoError(
                     f"model.vocab_size {cfg.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
                 )
+        except DilocoError as e:
+            self._refuse(e)
+            raise
+
+    def _pick_device(self, cfg: RunConfig) -> torch.device:
+        """This machine's device for the run; one it does not have is refused like any bad set-up."""
+        try:
+            return pick_device(self.overrides.device or cfg.train.device)
         except DilocoError as e:
             self._refuse(e)
             raise
@@ -419,22 +428,21 @@ class Learner:
 
     # -- background -----------------------------------------------------------------------------
 
-    def _heartbeat(self) -> None:
+    def _heartbeat_request(self) -> pb.HeartbeatRequest:
         p = self.progress
-        reply = self.client.call(
-            "Heartbeat",
-            pb.HeartbeatRequest(
-                shard_leases=self.prefetcher.held_shards(),
-                inner_steps=p.inner_steps,
-                tokens_trained=p.tokens_trained,
-                last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
-                busy_seconds=p.busy_s,
-                wall_seconds=p.wall_s(),
-                data_stall_seconds=p.stall_s,
-                sync_wait_seconds=p.sync_wait_s,
-            ),
-            timeout_s=10.0,
+        return pb.HeartbeatRequest(
+            shard_leases=self.prefetcher.held_shards(),
+            inner_steps=p.inner_steps,
+            tokens_trained=p.tokens_trained,
+            last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
+            busy_seconds=p.busy_s,
+            wall_seconds=p.wall_s(),
+            data_stall_seconds=p.stall_s,
+            sync_wait_seconds=p.sync_wait_s,
         )
+
+    def _heartbeat(self) -> None:
+        reply = self.client.call("Heartbeat", self._heartbeat_request(), timeout_s=10.0)
         if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
             self.finishing.set()
         if reply.coordinator_epoch != self.epoch:
@@ -579,8 +587,10 @@ class Learner:
                 self._flush()
         finally:
             self.stop.set()
+            # The final counters, for status and utilization: tried once, like leave(), so a
+            # coordinator that is gone does not hold the exit up.
             with contextlib.suppress(Exception):
-                self._heartbeat()  # the final counters, for status and utilization
+                self.client.call_once("Heartbeat", self._heartbeat_request(), timeout_s=FINAL_CALL_TIMEOUT_S)
             self.client.leave(reason)
             self.client.close()
             # A thread still inside gRPC or torch when the interpreter exits can abort the

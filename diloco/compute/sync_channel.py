@@ -146,7 +146,8 @@ class SyncChannel:
         p = job.header.fragment
         attempt = 0
         reply: pb.PushReply | None = None
-        while reply is None and not self.stop.is_set():
+        # A closed client (the learner is stopping) ends the retries: its calls can only fail.
+        while reply is None and not self.stop.is_set() and not self.client.closed:
             try:
                 reply = self.client.push(job.header, job.tensors)
                 self._reachable(True)
@@ -161,6 +162,8 @@ class SyncChannel:
                     break
                 log.warning("push of fragment %d failed (%s); retrying", p, e.code().name)
             except Exception:  # the thread must survive anything; the learner depends on it
+                if self.client.closed:
+                    break
                 log.exception("push of fragment %d failed; retrying", p)
             if reply is None:
                 self.stop.wait(backoff_delay(attempt))
@@ -197,6 +200,8 @@ class SyncChannel:
                 self._reachable(True)
                 attempt = 0
             except Exception as e:  # the thread must survive anything; the learner depends on it
+                if self.client.closed:
+                    return
                 self._reachable(not isinstance(e, grpc.RpcError))
                 log.warning(
                     "pull failed (%s); retrying", e.code().name if isinstance(e, grpc.RpcError) else e
