@@ -1,0 +1,192 @@
+"""The docker compose demo (docker-compose.yml) holds together without a Docker engine.
+
+Every diloco command in it parses as a real `diloco` invocation (an unknown or missing option fails),
+the workers point at the coordinator's service name and port, the S3 endpoint and keys agree with
+the object store's, the start order is right, and the corpus seed script works against a real S3
+server. `docker-compose config -q` checks the file's schema where that binary is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+import typer
+import yaml
+
+from cli.main import app
+from diloco.corpus import resolve_dataset, stdlib_files
+from diloco.testing.seaweed import SeaweedS3
+
+try:  # typer >= 0.2x ships its own copy of click
+    from typer._click.exceptions import UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+SEED_SCRIPT = ROOT / "docker" / "seed_corpus.py"
+
+
+def load() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def parse_diloco(args: list[str]) -> typer.Context:
+    """Parse argv as `diloco ARGS` the way the CLI would, without running anything: the command's
+    context, its options in `.params`. Raises UsageError (unknown command or option, a missing
+    value or required option, a value of the wrong type)."""
+    group = typer.main.get_command(app)
+    name, *rest = (str(a) for a in args)
+    command = group.get_command(group.context_class(group), name)
+    if command is None:
+        raise UsageError(f"no such command: {name}")
+    return command.make_context(name, rest, resilient_parsing=False)
+
+
+def diloco_services(spec: dict) -> dict[str, dict]:
+    """The services that run the diloco image with its own entry point (`diloco`)."""
+    images = {s["image"] for s in spec["services"].values() if "build" in s}
+    return {
+        name: s for name, s in spec["services"].items() if s.get("image") in images and "entrypoint" not in s
+    }
+
+
+def test_every_diloco_command_parses() -> None:
+    spec = load()
+    services = diloco_services(spec)
+    assert {"coordinator", "data", "compute"} <= set(services)
+    for name, service in services.items():
+        try:
+            parse_diloco(service["command"])
+        except UsageError as e:
+            pytest.fail(f"service {name}: `diloco {' '.join(map(str, service['command']))}`: {e}")
+        test = service.get("healthcheck", {}).get("test")
+        if test:
+            assert test[:2] == ["CMD", "diloco"], f"service {name}: healthcheck {test}"
+            try:
+                parse_diloco(test[2:])
+            except UsageError as e:
+                pytest.fail(f"service {name}: healthcheck `{' '.join(test[1:])}`: {e}")
+
+
+def test_parse_diloco_refuses_what_the_cli_refuses() -> None:
+    """The check above can fail: an unknown option, a missing required one, an unknown command."""
+    with pytest.raises(UsageError):
+        parse_diloco(["data", "--coordinator", "c:1", "--no-such-option", "x"])
+    with pytest.raises(UsageError):
+        parse_diloco(["coordinator", "--port", "7070"])  # --workdir is required
+    with pytest.raises(UsageError):
+        parse_diloco(["learn", "--coordinator", "c:1"])
+    assert parse_diloco(["compute", "--coordinator", "c:1"]).params["coordinator"] == "c:1"
+
+
+def test_workers_and_healthcheck_reach_the_coordinator() -> None:
+    spec = load()
+    services = spec["services"]
+    coord = parse_diloco(services["coordinator"]["command"]).params
+    assert coord["host"] == "0.0.0.0", "the coordinator must listen beyond its own container"
+    port = coord["port"]
+    assert port > 0
+    for name in ("data", "compute"):
+        worker = parse_diloco(services[name]["command"]).params
+        assert worker["coordinator"] == f"coordinator:{port}", name
+        assert services[name]["depends_on"]["coordinator"]["condition"] == "service_healthy"
+        assert services[name]["deploy"]["replicas"] == 2
+        assert services[name]["restart"] == "on-failure", f"{name} exits 0 when done: no restart then"
+    health = parse_diloco(services["coordinator"]["healthcheck"]["test"][2:]).params
+    assert health["coordinator"] == f"127.0.0.1:{port}"
+    published = services["coordinator"].get("ports", [])
+    assert all(str(p).split(":")[-1] == str(port) for p in published), published
+    # The ledger lives on a volume, under the workdir.
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["coordinator"]["volumes"]}
+    assert any(str(coord["workdir"]).startswith(target + "/") for target in mounts), mounts
+    assert set(mounts.values()) <= set(spec["volumes"])
+
+
+def test_s3_endpoint_keys_and_bucket_agree() -> None:
+    spec = load()
+    services = spec["services"]
+    s3 = services["s3"]
+    weed = [str(a) for a in s3["command"]]
+    flags = dict(a.lstrip("-").split("=", 1) for a in weed if a.startswith("-") and "=" in a)
+    assert "server" in weed and "-s3" in weed
+    for name, service in [*diloco_services(spec).items(), ("seed", services["seed"])]:
+        env = service["environment"]
+        endpoint = urlparse(env["AWS_ENDPOINT_URL"])
+        assert (endpoint.hostname, str(endpoint.port)) == ("s3", flags["s3.port"]), name
+        assert env["AWS_DEFAULT_REGION"], name
+        # The access key is one the object store knows (its -s3.config file, mounted from the repo).
+        config_mount = next(v for v in s3["volumes"] if v.split(":")[1] == flags["s3.config"])
+        identities = json.loads((ROOT / config_mount.split(":")[0]).read_text())["identities"]
+        keys = {(c["accessKey"], c["secretKey"]) for i in identities for c in i["credentials"]}
+        assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) in keys, name
+    healthcheck = " ".join(s3["healthcheck"]["test"])
+    assert f":{flags['s3.port']}/" in healthcheck
+    # The seed writes the corpus where the coordinator reads it, in the bucket the store uses.
+    coord = parse_diloco(services["coordinator"]["command"]).params
+    seeded = services["seed"]["command"][-1].rstrip("/")
+    assert coord["dataset"].rstrip("/") == seeded
+    assert urlparse(coord["store"]).netloc == urlparse(seeded).netloc
+
+
+def test_start_order_and_the_image() -> None:
+    spec = load()
+    services = spec["services"]
+    assert services["seed"]["depends_on"]["s3"]["condition"] == "service_healthy"
+    assert services["coordinator"]["depends_on"]["seed"]["condition"] == "service_completed_successfully"
+    built = [s for s in services.values() if "build" in s]
+    assert len(built) == 1, "one service builds the image; the others use it"
+    assert (ROOT / built[0]["build"]["context"] / built[0]["build"]["dockerfile"]).resolve() == DOCKERFILE
+    for name in ("seed", "coordinator", "data", "compute"):
+        assert services[name]["image"] == built[0]["image"], name
+    # The seed runs the script the Dockerfile copies into the image.
+    dockerfile = DOCKERFILE.read_text()
+    script_in_image = services["seed"]["entrypoint"][-1]
+    assert f"COPY docker/{SEED_SCRIPT.name} ./{Path(script_in_image).name}" in dockerfile
+    assert "WORKDIR " + str(Path(script_in_image).parent) in dockerfile
+    assert 'ENTRYPOINT ["diloco"]' in dockerfile
+
+
+def test_docker_compose_config_validates() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
+    result = subprocess.run(
+        [binary, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_seed_script_uploads_the_stdlib_corpus_once(
+    s3_server: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the `seed` service runs, against a real S3 server: the coordinator then finds the corpus."""
+    target = s3_server.create_bucket(f"compose-{uuid.uuid4().hex[:12]}") + "/corpus"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **s3_server.env}
+
+    def seed() -> str:
+        done = subprocess.run(
+            [sys.executable, str(SEED_SCRIPT), target],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=170,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    n = len(stdlib_files())
+    assert f"{n} of {n} files uploaded" in seed()
+    assert f"0 of {n} files uploaded" in seed()  # a second `up` uploads nothing
+    for key, value in s3_server.env.items():
+        monkeypatch.setenv(key, value)
+    assert len(resolve_dataset(target + "/")) == n
