@@ -85,6 +85,23 @@ def test_int4_relative_error_on_a_real_pseudo_gradient_and_error_feedback():
     assert (sent - 10 * w).norm() / (10 * w).norm() < 0.02
 
 
+def test_the_way_back_keeps_quantization_error_at_one_steps_worth():
+    # The coordinator sends each merged step against what learners hold, so the held copy stays
+    # within one step's int4 error of the target for good; adding up separately encoded steps
+    # instead drifts further with every step.
+    gen = torch.Generator().manual_seed(0)
+    target, held, summed = torch.zeros(4096), torch.zeros(4096), torch.zeros(4096)
+    for _ in range(50):
+        step = torch.randn(4096, generator=gen) * 1e-2
+        target += step
+        before = held
+        blob, held = codecs.encode_step(target, held, "int4")
+        assert torch.equal(held, before + codecs.decode(blob, "int4", (4096,))), "what a receiver holds"
+        summed += codecs.decode(codecs.encode(step, "int4"), "int4", (4096,))
+        assert (held - target).norm() / step.norm() < 0.15
+    assert (summed - target).norm() / step.norm() > 0.5
+
+
 def test_int4_and_int8_are_small_on_the_wire():
     w = realistic_delta()["transformer.h.0.mlp.c_fc.weight"]
     assert len(codecs.encode(w, "int4")) < 0.56 * w.numel()

@@ -111,3 +111,14 @@ def encode_with_feedback(
     target = tensor.float() + (residual if residual is not None else 0.0)
     blob = encode(target, codec, level)
     return blob, target - decode(blob, codec, tuple(target.shape))
+
+
+def encode_step(
+    target: torch.Tensor, held: torch.Tensor, codec: str, level: int = 3
+) -> tuple[bytes, torch.Tensor]:
+    """The way back: encode target − held for a receiver that holds `held`; returns the blob and
+    what the receiver holds once it applies it. The next step starts from that, so what
+    quantization dropped is sent again and never accumulates (error feedback kept by the sender)."""
+    base = held.float()
+    blob = encode(target.float() - base, codec, level)
+    return blob, base + decode(blob, codec, tuple(target.shape))
