@@ -186,10 +186,12 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
             deltas.append({n: theta[n] - params[n].detach() for n in theta})
             tokens.append(n_tokens)
             steps.append(n_steps)
-        weights = syncer.merge_weights(tokens, steps, cfg.sync.merge)
-        grad = {
-            n: g * scales[version] for n, g in syncer.merge_deltas(deltas, weights, cfg.sync.merge).items()
-        }
+        # The coordinator folds each push into the round's sum as it arrives (two terms: the
+        # order does not change a bit) and scales once at the end.
+        acc = syncer.MergeAccumulator(cfg.sync.merge)
+        for d, t, s in zip(deltas, tokens, steps, strict=True):
+            acc.add(d, syncer.merge_weight(t, s, cfg.sync.merge))
+        grad = acc.result(scales[version])
         theta, momentum = syncer.outer_step(
             theta,
             momentum,

@@ -4,15 +4,19 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco.coordinator.syncer import (
     Arrival,
+    MergeAccumulator,
     RoundState,
     SyncPolicy,
     coverage_scale,
     decide_close,
     grace_window,
     merge_deltas,
+    merge_weight,
     merge_weights,
     outer_step,
     quorum_needed,
@@ -565,3 +569,39 @@ def test_consuming_merge_and_step_give_the_same_numbers(mode: str, nesterov: boo
     got = outer_step(params, momentum, grad, 0.7, 0.9, nesterov, fraction=0.5, consume=True)
     for a, b in zip(expected, got, strict=True):
         torch.testing.assert_close(a["w"], b["w"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mode=st.sampled_from(["mean", "token", "rda"]),
+    counts=st.lists(st.tuples(st.integers(1, 10_000), st.integers(1, 500)), min_size=1, max_size=6),
+    scale=st.floats(0.1, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_folding_deltas_one_by_one_merges_what_merging_them_all_at_once_does(mode, counts, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    deltas = [{"w": torch.randn(7, 5, generator=gen), "b": torch.randn(3, generator=gen)} for _ in counts]
+    if len(deltas) > 1:
+        deltas[1]["b"] = torch.zeros(3)  # a zero part (rda divides by norms)
+    tokens, steps = [t for t, _ in counts], [s for _, s in counts]
+    weights = merge_weights(tokens, steps, mode)
+    expected = merge_deltas(
+        [{n: t.clone() for n, t in d.items()} for d in deltas], [w * scale for w in weights], mode
+    )
+    acc = MergeAccumulator(mode)
+    for d, t, s in zip(deltas, tokens, steps, strict=True):
+        acc.add(d, merge_weight(t, s, mode), consume=True)  # the deltas' tensors may be reused
+    got = acc.result(scale)
+    for name, want in expected.items():
+        assert torch.allclose(got[name], want, rtol=1e-5, atol=1e-6), name
+
+
+def test_a_round_sum_refuses_what_cannot_be_merged():
+    acc = MergeAccumulator("token")
+    with pytest.raises(ValueError, match="no deltas"):
+        acc.result()
+    with pytest.raises(ValueError, match="positive"):
+        acc.add({"w": torch.ones(2)}, 0.0)
+    acc.add({"w": torch.ones(2)}, 1.0)
+    with pytest.raises(ValueError, match="same tensors"):
+        acc.add({"v": torch.ones(2)}, 1.0)

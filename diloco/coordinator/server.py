@@ -44,6 +44,12 @@ def grpc_options(config: RunConfig) -> list[tuple[str, int]]:
         # gRPC shares a port with any other gRPC server by default: a second coordinator would
         # start on a running one's port and the two would split its clients.
         ("grpc.so_reuseport", 0),
+        # A fixed 4 MiB flow-control window per stream instead of one grown by BDP probing: a
+        # push waiting for a slot (max_inflight_pushes) otherwise had tens of MB of its stream
+        # buffered by gRPC, so memory grew with learners (benchmarks/coordinator_memory.py);
+        # 4 MiB still carries ~80 MB/s per stream over a 50 ms link.
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", 4 << 20),
     ]
 
 

@@ -61,9 +61,20 @@ PUSH_SLOT_WAIT_S = 10.0
 class PendingPush:
     arrival: syncer.Arrival
     push_id: str
-    tensors: dict[str, torch.Tensor]
     mean_loss: float
     first_loss: float
+
+
+@dataclass
+class RoundSum:
+    """The open round's deltas, folded in by the push handlers as they are accepted, so the
+    coordinator holds one fragment per round however many learners push (plus the pushes in
+    flight, which max_inflight_pushes bounds). `folding` handlers are still adding theirs."""
+
+    acc: syncer.MergeAccumulator
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    folding: int = 0
+    lost: list[str] = field(default_factory=list)  # push ids whose fold failed
 
 
 @dataclass
@@ -75,7 +86,9 @@ class FragmentState:
     momentum: dict[str, torch.Tensor]
     version: int
     round: syncer.RoundState
+    sum: RoundSum
     pending: list[PendingPush] = field(default_factory=list)
+    sealing: bool = False  # the merger is waiting for the round's last folds: new pushes wait
     # Published: checkpointed and committed, so learners may hold it. Merges between the
     # published version and the head wait for the publisher.
     published_version: int = 0
@@ -201,9 +214,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
     ) -> FragmentState:
         round_ = syncer.RoundState(p, version, self.clock())
         return FragmentState(
-            p, names, params, momentum, version, round_, published_version=version, files=[version],
-            broadcast=params,
+            p, names, params, momentum, version, round_, self._new_sum(), published_version=version,
+            files=[version], broadcast=params,
         )  # fmt: skip
+
+    def _new_sum(self) -> RoundSum:
+        return RoundSum(syncer.MergeAccumulator(self.policy.merge))
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -627,10 +643,28 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 pass
 
         with self.cond:
-            reply = self._accept_push(header, tensors, empty)
+            reply, fold = self._accept_push(header, tensors, empty)
             self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
+        if fold is not None:
+            self._fold(header, tensors, *fold)
         self.wire.add_out("push", reply)
         return reply
+
+    def _fold(
+        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], into: RoundSum, weight: float
+    ) -> None:
+        """Add an accepted push into its round's sum, outside the service lock (pushes fold in
+        parallel with each other and with receiving); the merger waits for every fold of a round."""
+        try:
+            with into.lock:
+                into.acc.add(tensors, weight, consume=True)
+        except Exception:  # recorded as pending, not in the sum: the merge must drop it, not count it
+            log.exception("folding push %s failed; it will be dropped", header.push_id)
+            into.lost.append(header.push_id)
+        finally:
+            with self.cond:
+                into.folding -= 1
+                self.cond.notify_all()
 
     def _receive_delta(
         self,
@@ -664,8 +698,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
 
     def _accept_push(
         self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool
-    ) -> pb.PushReply:
+    ) -> tuple[pb.PushReply, tuple[RoundSum, float] | None]:
+        """Record a push in its round (lock held); returns the reply, and for a delta to merge,
+        the round's sum to fold it into with its weight."""
         frag = self.fragments[header.fragment]
+        while frag.sealing:  # the merger is closing this round: join the next one
+            self.cond.wait(0.05)
         released = list(header.released_shards)
         if empty:
             # "Nothing this round" (a learner waiting for data): counts for closing, merges nothing.
@@ -674,7 +712,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                 a for a in frag.round.arrivals if not (a.worker_id == header.worker_id and a.tokens == 0)
             ]
             frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
-            return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version)
+            return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version), None
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
         stale = syncer.staleness_refusal(self.policy, header.version, frag.version)
         # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
@@ -695,7 +733,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         )
         if refusal is not None:
             log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
-            return pb.PushReply(accepted=False, reason=refusal, version=frag.version)
+            return pb.PushReply(accepted=False, reason=refusal, version=frag.version), None
         arrival = syncer.Arrival(
             header.worker_id,
             header.tokens,
@@ -705,9 +743,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             header.step_time_s,
         )
         frag.round.arrivals.append(arrival)
-        frag.pending.append(
-            PendingPush(arrival, header.push_id, tensors, header.mean_loss, header.first_loss)
-        )
+        frag.pending.append(PendingPush(arrival, header.push_id, header.mean_loss, header.first_loss))
+        frag.sum.folding += 1
         if header.step_time_s > 0:
             self.step_time_s = (
                 header.step_time_s
@@ -716,7 +753,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             )
         if header.first_loss and self.ledger.get_meta("first_loss") is None:
             self.ledger.set_meta(first_loss=repr(header.first_loss))
-        return pb.PushReply(accepted=True, reason="queued for merge", version=frag.version)
+        weight = syncer.merge_weight(header.tokens, header.inner_steps, self.policy.merge)
+        return pb.PushReply(accepted=True, reason="queued for merge", version=frag.version), (
+            frag.sum,
+            weight,
+        )
 
     # -- the syncer -----------------------------------------------------------------------------
 
@@ -752,16 +793,24 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             frag.round = syncer.RoundState(p, frag.version, self.clock())
             return
         started = time.monotonic()
-        weights = syncer.merge_weights(
-            [q.arrival.tokens for q in pending], [q.arrival.steps for q in pending], self.policy.merge
-        )
+        # Seal the round: its last accepted pushes may still be adding into the sum.
+        frag.sealing = True
+        try:
+            while frag.sum.folding:
+                self.cond.wait(0.05)
+        finally:
+            frag.sealing = False
+        summed = frag.sum
+        if summed.lost:
+            self.ledger.drop_pushes(summed.lost, "lost while merging; train those rows again")
+            pending = [q for q in pending if q.push_id not in summed.lost]
+            if not summed.acc.count:
+                frag.pending, frag.sum = [], self._new_sum()
+                frag.round = syncer.RoundState(p, frag.version, self.clock())
+                return
         contributors = {q.arrival.worker_id for q in pending}
         scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
-        # Every merge mode is linear in the weights, so the coverage scale rides on them.
-        # The pushes' tensors are dropped after this merge: the arithmetic may reuse them.
-        outer_grad = syncer.merge_deltas(
-            [q.tensors for q in pending], [w * scale for w in weights], self.policy.merge, consume=True
-        )
+        outer_grad = summed.acc.result(scale)
         params, momentum = syncer.outer_step(
             frag.params,
             frag.momentum,
@@ -781,7 +830,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             MergeRecord(version, tuple(q.push_id for q in pending), tokens, steps, mean_loss, reason, scale)
         )
         frag.params, frag.momentum, frag.version = params, momentum, version
-        frag.pending = []
+        frag.pending, frag.sum = [], self._new_sum()
         frag.round = syncer.RoundState(p, version, self.clock())
         if mean_loss is not None:
             self.last_loss = mean_loss

@@ -123,14 +123,19 @@ def staleness_refusal(policy: SyncPolicy, base_version: int, current_version: in
     return None
 
 
-def merge_weights(tokens: Sequence[int], steps: Sequence[int], mode: str) -> list[float]:
-    """Normalised weights per delta. `token`/`rda`: tokens·(tokens/steps), as in Decoupled DiLoCo."""
+def merge_weight(tokens: int, steps: int, mode: str) -> float:
+    """One delta's weight before normalising. `token`/`rda`: tokens·(tokens/steps), as in
+    Decoupled DiLoCo; `mean`: 1."""
     if mode == "mean":
-        raw = [1.0] * len(tokens)
-    elif mode in ("token", "rda"):
-        raw = [float(t) * (float(t) / max(1, s)) for t, s in zip(tokens, steps, strict=True)]
-    else:
-        raise ValueError(f"unknown merge mode {mode!r}")
+        return 1.0
+    if mode in ("token", "rda"):
+        return float(tokens) * (float(tokens) / max(1, steps))
+    raise ValueError(f"unknown merge mode {mode!r}")
+
+
+def merge_weights(tokens: Sequence[int], steps: Sequence[int], mode: str) -> list[float]:
+    """Normalised weights per delta (merge_weight of each, summing to 1)."""
+    raw = [merge_weight(t, s, mode) for t, s in zip(tokens, steps, strict=True)]
     total = sum(raw)
     if total <= 0:
         return [1.0 / len(raw)] * len(raw)
@@ -184,6 +189,66 @@ def merge_deltas(
                 total.add_(p, alpha=w)
             out[name] = total
     return out
+
+
+class MergeAccumulator:
+    """A round's deltas folded in one by one as they arrive: it holds one fragment's worth of
+    tensors however many learners push, where keeping every delta until the round closes holds
+    one per learner.
+
+    Each merge mode is a weighted sum of per-delta terms (the delta itself; for `rda` its unit
+    vector, and its norm), so the normalising total can wait until `result`, which equals
+    merge_deltas(deltas, normalised weights × scale) up to rounding. Not thread-safe: callers
+    that fold from several threads hold a lock.
+    """
+
+    def __init__(self, mode: str) -> None:
+        if mode not in ("mean", "token", "rda"):
+            raise ValueError(f"unknown merge mode {mode!r}")
+        self.mode = mode
+        self.sums: dict[str, torch.Tensor] = {}
+        self.norms: dict[str, float] = {}  # rda: Σ w·‖delta‖ per tensor
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False) -> None:
+        """Fold one delta in with its (unnormalised) weight. With `consume`, the delta's fp32
+        tensors may become the sums (the caller drops the delta)."""
+        if weight <= 0:
+            raise ValueError(f"a delta's merge weight must be positive, got {weight}")
+        if self.count and set(delta) != set(self.sums):
+            raise ValueError("deltas of one round must hold the same tensors")
+        for name, value in delta.items():
+            part = value.to(torch.float32)
+            owned = consume and part.data_ptr() == value.data_ptr()
+            alpha = weight
+            if self.mode == "rda":
+                norm = float(part.norm())
+                self.norms[name] = self.norms.get(name, 0.0) + weight * norm
+                alpha = weight / norm if norm > 0 else weight  # a zero delta adds nothing either way
+            if name not in self.sums:
+                self.sums[name] = part.mul_(alpha) if owned else part * alpha
+            else:
+                self.sums[name].add_(part, alpha=alpha)
+        self.total_weight += weight
+        self.count += 1
+
+    def result(self, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        """The outer gradient of everything folded in, times `scale` (the round's coverage).
+        The sums become the result: the accumulator is spent."""
+        if not self.count:
+            raise ValueError("no deltas to merge")
+        out: dict[str, torch.Tensor] = {}
+        for name, total in self.sums.items():
+            if self.mode == "rda":
+                # direction Σw·u/W times mean norm Σw·n/W, over the direction's norm ‖Σw·u‖/W.
+                dnorm = float(total.norm())
+                factor = scale * self.norms[name] / (self.total_weight * dnorm) if dnorm > 0 else 0.0
+            else:
+                factor = scale / self.total_weight
+            out[name] = total.mul_(factor)
+        self.sums = {}
+        return out
 
 
 def outer_step(
