@@ -160,6 +160,8 @@ class CoordinatorConfig:
     max_chunk_attempts: int = 3
     # Pushes received at once; more wait (and are told to retry): memory stays bounded.
     max_inflight_pushes: int = 16
+    # Checkpoints are written at most this often; merges in between are published together.
+    min_publish_interval_s: float = 0.25
 
 
 @dataclass
@@ -260,6 +262,8 @@ class RunConfig:
             raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
         if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:
             raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
+        if self.coordinator.min_publish_interval_s < 0:
+            raise ConfigError("coordinator.min_publish_interval_s must be >= 0")
         return self
 
 
