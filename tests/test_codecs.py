@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -121,13 +122,15 @@ def test_blobs_that_do_not_match_are_refused():
         codecs.decode(codecs.encode(torch.full((100,), float("nan")), "bf16"), "bf16", (100,))
 
 
-@pytest.fixture
-def int8_coordinator(tiny_corpus: Path, tmp_path: Path):
+@contextlib.contextmanager
+def tiny_coordinator(corpus: Path, workdir: Path, overrides: dict[str, object]):
+    """A real coordinator on a 1-layer GPT with its shards made, and a joined learner client that
+    gave the initial parameters: (running, learner, init)."""
     cfg = RunConfig().with_overrides({
-        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
-        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.codec": "int8",
+        "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
+        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
     })  # fmt: skip
-    running = start_coordinator(cfg, str(tmp_path))
+    running = start_coordinator(cfg, str(workdir))
     address = f"127.0.0.1:{running.port}"
     assert DataWorker(address).run() == 0
     learner = CoordinatorClient(address, pb.ROLE_COMPUTE)
@@ -136,9 +139,17 @@ def int8_coordinator(tiny_corpus: Path, tmp_path: Path):
         n: p.detach().clone() for n, p in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
     }
     assert learner.init_parameters(init).accepted
-    yield running, learner, init, tmp_path
-    learner.close()
-    running.stop()
+    try:
+        yield running, learner, init
+    finally:
+        learner.close()
+        running.stop()
+
+
+@pytest.fixture
+def int8_coordinator(tiny_corpus: Path, tmp_path: Path):
+    with tiny_coordinator(tiny_corpus, tmp_path, {"sync.codec": "int8"}) as (running, learner, init):
+        yield running, learner, init, tmp_path
 
 
 def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
@@ -304,3 +315,23 @@ def test_piece_sizes_are_computed_exactly(tensor: int, offset: int, nbytes: int)
     assert message_size(msg) == msg.ByteSize()
     header = pb.TensorStreamMessage(header=pb.TensorHeader(fragment=1, push_id="abc"))
     assert message_size(header) == header.ByteSize()
+
+
+@pytest.mark.timeout(120)
+def test_a_burst_of_merges_is_checkpointed_once(tiny_corpus: Path, tmp_path: Path):
+    overrides = {"coordinator.min_publish_interval_s": 5.0}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
+        shard = learner.call("LeaseShard", pb.LeaseShardRequest()).shard_id
+        for i in range(4):  # quorum 1: four merges, the last three while the publisher waits
+            header = pb.TensorHeader(fragment=0, version=i, inner_steps=1, tokens=1290, push_id=f"burst-{i}")
+            header.spans.add(shard_id=shard, row_start=10 * i, row_end=10 * i + 10)
+            delta = {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}
+            assert learner.push(header, delta).accepted
+        assert running.service.wait_published(30)
+        files = sorted(
+            int(p.stem.rsplit("-v", 1)[1]) for p in (tmp_path / "checkpoints").glob("fragment-0-*")
+        )
+    # Every merge is committed, but the ones that came in a burst share one checkpoint: the
+    # version before the newest on disk is not 3 (it would be, one file per merge).
+    assert ledger_rows(tmp_path, "SELECT COUNT(*) FROM pushes WHERE state = 'merged'") == [(4,)]
+    assert files[-1] == 4 and 3 not in files, files

@@ -366,6 +366,12 @@ def test_bad_toml_and_missing_file_are_config_errors(tmp_path):
         RunConfig.from_toml(tmp_path / "missing.toml")
 
 
+def test_a_negative_publish_interval_is_refused():
+    assert RunConfig().with_overrides({"coordinator.min_publish_interval_s": 0}).validate()
+    with pytest.raises(ConfigError, match="min_publish_interval_s"):
+        RunConfig().with_overrides({"coordinator.min_publish_interval_s": -1}).validate()
+
+
 def test_with_overrides_coerces_strings():
     cfg = RunConfig().with_overrides(
         {
