@@ -605,3 +605,6 @@ def test_a_round_sum_refuses_what_cannot_be_merged():
     acc.add({"w": torch.ones(2)}, 1.0)
     with pytest.raises(ValueError, match="same tensors"):
         acc.add({"v": torch.ones(2)}, 1.0)
+    with pytest.raises(ValueError, match="same tensors"):
+        acc.add({"w": torch.ones(3)}, 1.0)
+    assert acc.count == 1 and torch.equal(acc.result()["w"], torch.ones(2)), "a refused delta adds nothing"

@@ -74,7 +74,7 @@ class RoundSum:
     acc: syncer.MergeAccumulator
     lock: threading.Lock = field(default_factory=threading.Lock)
     folding: int = 0
-    lost: list[str] = field(default_factory=list)  # push ids whose fold failed
+    lost: list[str] = field(default_factory=list)  # push ids whose fold failed: the round is dropped
 
 
 @dataclass
@@ -802,12 +802,14 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             frag.sealing = False
         summed = frag.sum
         if summed.lost:
-            self.ledger.drop_pushes(summed.lost, "lost while merging; train those rows again")
-            pending = [q for q in pending if q.push_id not in summed.lost]
-            if not summed.acc.count:
-                frag.pending, frag.sum = [], self._new_sum()
-                frag.round = syncer.RoundState(p, frag.version, self.clock())
-                return
+            # A fold that failed part-way leaves the sum untrusted: the whole round is dropped
+            # (its rows go back to the pool), never merged short of a push it recorded.
+            self.ledger.drop_pushes(
+                [q.push_id for q in pending], "lost while merging; train those rows again"
+            )
+            frag.pending, frag.sum = [], self._new_sum()
+            frag.round = syncer.RoundState(p, frag.version, self.clock())
+            return
         contributors = {q.arrival.worker_id for q in pending}
         scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
         outer_grad = summed.acc.result(scale)

@@ -216,7 +216,10 @@ class MergeAccumulator:
         tensors may become the sums (the caller drops the delta)."""
         if weight <= 0:
             raise ValueError(f"a delta's merge weight must be positive, got {weight}")
-        if self.count and set(delta) != set(self.sums):
+        # Checked before anything is added, so a refused delta leaves the sums as they were.
+        if self.count and (
+            set(delta) != set(self.sums) or any(delta[n].shape != t.shape for n, t in self.sums.items())
+        ):
             raise ValueError("deltas of one round must hold the same tensors")
         for name, value in delta.items():
             part = value.to(torch.float32)
