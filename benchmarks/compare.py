@@ -28,6 +28,17 @@ from benchmarks.ddp_baseline import run_ddp  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
 from diloco.run import EVAL_MAX_BATCHES, default_run_config  # noqa: E402
 
+# The "torchft" arm (torchft's own DiLoCo, a peer baseline) needs the optional torchft package.
+try:
+    from benchmarks.torchft_baseline import run_torchft  # noqa: E402
+except ImportError as e:
+    if (e.name or "").split(".")[0] != "torchft":
+        raise  # torchft is there: the baseline itself is broken, say so
+    run_torchft = None
+    TORCHFT_MISSING = str(e)
+# Arms whose every trained token is applied at once (no partial merges): DDP, torchft's DiLoCo.
+MERGE_ALL_MODES = ("ddp", "torchft-diloco")
+
 # The diloco arms: `diloco run` flags. Later comparisons (codecs, ...) add arms here.
 DILOCO_ARMS: dict[str, list[str]] = {
     "sync-diloco": ["--sync"],
@@ -66,7 +77,7 @@ def run_diloco(
 
 def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
     wall = max(1e-9, r["wall_seconds"])
-    ddp = r.get("mode") == "ddp"
+    ddp = r.get("mode") in MERGE_ALL_MODES
     return {
         "arm": name,
         "eval_loss": r["eval_loss"],
@@ -74,7 +85,8 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
         "tokens_trained": r["tokens_trained"],
         "wall_seconds": r["wall_seconds"],
         "trained_tokens_per_s": r["tokens_trained"] / wall,
-        # DDP applies every step's gradient at once: everything it trains is merged.
+        # DDP applies every step's gradient at once, torchft's DiLoCo stops only after a round's
+        # outer step: everything they train is merged.
         "merged_tokens_per_s": r["tokens_trained"] / wall if ddp else r["merged_tokens_per_s"],
         "merged_share": 1.0 if ddp else r["tokens_merged"] / max(1, r["tokens_trained"]),
         "utilization": None if ddp else r["utilization"],
@@ -108,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's slowdown in the slow arms")
     p.add_argument("--max-minutes", type=float, default=30.0, help="safety bound per arm")
     p.add_argument(
-        "--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, of: ddp, {', '.join(DILOCO_ARMS)}"
+        "--arms",
+        default=",".join(DEFAULT_ARMS),
+        help=f"comma-separated, of: ddp, torchft, {', '.join(DILOCO_ARMS)}",
     )
     p.add_argument("--no-slow", action="store_true", help="fault-free arms only")
     p.add_argument("--init-from", default="", help="start every diloco arm from this model.safetensors")
@@ -138,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
         config_path = Path(tmp) / "run.toml"
         config_path.write_text(cfg.to_toml())
         for arm in args.arms.split(","):
+            if arm == "torchft" and run_torchft is None:
+                print(f"== torchft: skipped, torchft is not importable ({TORCHFT_MISSING})", file=sys.stderr, flush=True)  # fmt: skip
+                continue
             for slow in slow_variants:
                 name = arm if slow == 1.0 else f"{arm}-slow{slow:g}x"
                 print(
@@ -147,6 +164,11 @@ def main(argv: list[str] | None = None) -> None:
                     results[name] = run_ddp(cfg, workers=args.workers, max_tokens=args.tokens,
                                             max_seconds=args.max_minutes * 60, eval_batches=EVAL_MAX_BATCHES,
                                             log_every=0, slow_factor=slow)  # fmt: skip
+                elif arm == "torchft":
+                    assert run_torchft is not None
+                    results[name] = run_torchft(cfg, workers=args.workers, max_tokens=args.tokens,
+                                                max_seconds=args.max_minutes * 60, eval_batches=EVAL_MAX_BATCHES,
+                                                log_every=0, slow_factor=slow)  # fmt: skip
                 else:
                     flags = DILOCO_ARMS[arm] + (["--slow-learner", str(slow)] if slow > 1.0 else [])
                     results[name] = run_diloco(name, flags, config_path, args.tokens, args.workers, Path(tmp),

@@ -68,6 +68,15 @@ class DataConfig:
     # Shards a learner draws batches from at once, at random: its H steps see several parts of
     # the corpus, not one file's worth. Each open shard is held decoded in memory.
     mix_shards: int = 4
+    # Deal train shards round-robin over this many learner slots (0: first come, first served):
+    # a fault-free run then trains every learner on the same rows in the same order every time,
+    # and only a failure changes who trains what. `diloco run` sets it to --learners.
+    deal: int = 0
+    # Data workers stop taking train chunks while this many train shards are made (or being made)
+    # and no learner has started them (0: no limit, make everything as fast as possible). Where
+    # data workers share the learners' cores, making the whole corpus ahead takes the learners'
+    # time; `diloco run` sets it to a few shards per learner.
+    max_ready_shards: int = 0
     # Learner-side copy of shards read from the store (LRU, checksum-verified): "" caches in the
     # per-user cache dir, and only shards on a remote store (a local one gains nothing from a
     # copy); a directory caches every shard there; "off" never caches.
@@ -116,6 +125,10 @@ class SyncConfig:
     overlap_steps: int = 10
     # α: on application θ ← α·θ_local + (1 − α)·Θ_merged (0: overwrite).
     mix_alpha: float = 0.0
+    # Keep the τ steps trained between a push and its merge: θ_p ← Θ_p + (θ_p − θ_p at the push).
+    # Off, they are overwritten (Streaming DiLoCo with α = 0): with τ = 10 at H = 50, a fifth of
+    # every fragment's inner steps. Ignored when mix_alpha > 0.
+    keep_overlap: bool = False
     merge: str = "token"  # mean | token | rda
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -258,6 +271,10 @@ class RunConfig:
             raise ConfigError("data.eval_fraction must be in [0, 1)")
         if self.data.mix_shards < 1:
             raise ConfigError("data.mix_shards must be >= 1")
+        if self.data.deal < 0:
+            raise ConfigError("data.deal must be >= 0 (0: first come, first served)")
+        if self.data.max_ready_shards < 0:
+            raise ConfigError("data.max_ready_shards must be >= 0 (0: no limit)")
         if self.data.cache_bytes < 0:
             raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
         if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:

@@ -23,10 +23,22 @@ class Child:
     args: list[str]
     proc: subprocess.Popen
     log_path: Path
+    cpu_s: float | None = None  # user + system CPU seconds, once it has exited and been reaped
 
     @property
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.proc.returncode is not None:
+            return False
+        # Reaped here rather than by Popen.poll: wait4 also says how much CPU the child used.
+        try:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            return self.proc.poll() is None
+        if pid == 0:
+            return True
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        self.cpu_s = usage.ru_utime + usage.ru_stime
+        return False
 
 
 @dataclass
@@ -34,6 +46,7 @@ class ProcessGroup:
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
+    retired: list[Child] = field(default_factory=list)  # earlier lives of respawned children
 
     def spawn(self, name: str, role: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         """Start `python -m cli <args>` with its output in <log_dir>/<name>.log."""
@@ -67,7 +80,17 @@ class ProcessGroup:
     def respawn(self, child: Child, args: list[str] | None = None) -> Child:
         """Start a process again in a child's place (same name, role and, unless given, args)."""
         self.children.remove(child)
+        child.alive  # noqa: B018 (reaped now, so its CPU time is known)
+        self.retired.append(child)
         return self.spawn(child.name, child.role, args or child.args)
+
+    def cpu_seconds_by_role(self) -> dict[str, float]:
+        """CPU seconds used by the children that have exited, every life of each, by role."""
+        totals: dict[str, float] = {}
+        for c in [*self.retired, *self.children]:
+            if c.cpu_s is not None:
+                totals[c.role] = round(totals.get(c.role, 0.0) + c.cpu_s, 2)
+        return totals
 
     def by_role(self, role: str) -> list[Child]:
         return [c for c in self.children if c.role == role]

@@ -95,6 +95,12 @@ class LocalRun:
             cfg = cfg.with_overrides({"train.threads": max(1, (os.cpu_count() or 1) // max(1, o.learners))})
         if o.tokens:
             cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
+        if cfg.data.deal == 0:  # one deal slot per learner: a fault-free run repeats exactly
+            cfg = cfg.with_overrides({"data.deal": o.learners})
+        if cfg.data.max_ready_shards == 0:
+            # Data workers share the learners' cores here: make a few shards per learner ahead,
+            # not the whole corpus at the start.
+            cfg = cfg.with_overrides({"data.max_ready_shards": 2 * o.learners})
         self.config = cfg.with_overrides({"name": self.name}).validate()
         self.kills: dict[str, int] = {}
         self.group = ProcessGroup(
@@ -187,6 +193,8 @@ class LocalRun:
         finally:
             self._stop_children()
         summary = self._summarize(detail, train_seconds, time.monotonic() - started)
+        # Where the machine's time went: learners' arithmetic, or the parts around it.
+        summary["cpu_seconds_by_role"] = self.group.cpu_seconds_by_role()
         report = audit(self.workdir)
         summary.update(
             kills=self.kills,

@@ -292,6 +292,49 @@ def test_lease_shard_waits_while_chunks_are_unprocessed(ledger):
     assert ledger.lease_shard("L1", TTL) == "wait"
 
 
+def test_dealt_shards_go_to_their_slot_whatever_order_they_were_made_in(ledger):
+    make(ledger, ["train"] * 4)
+    positions = ledger.train_positions()
+    holders = {}
+    for i in range(4):
+        lease = ledger.lease_chunk(f"d{i}", TTL)
+        assert isinstance(lease, ChunkLease)
+        holders[lease.chunk_id] = f"d{i}"
+    # Made in reverse, the first one not at all yet: first come, first served would hand slot 0
+    # whatever was ready first.
+    for cid in sorted(positions, key=positions.get, reverse=True)[:3]:
+        assert complete(ledger, holders[cid], cid).accepted
+    got = {}
+    for slot in (0, 1, 0, 1):
+        lease = ledger.lease_shard(f"L{slot}", TTL, slot=slot, slots=2)
+        got.setdefault(slot, []).append(
+            lease if isinstance(lease, str) else positions[ledger.shard(lease.shard_id)["chunk_id"]]
+        )
+    assert got[1] == [1, 3]
+    # Slot 0's position 2 is ready, position 0's chunk is not made yet: it waits for it, it
+    # does not take slot 1's.
+    assert got[0][0] == 2
+    assert got[0][1] == "wait-dealt"
+
+
+def test_data_workers_make_only_so_many_shards_ahead_per_slot(ledger):
+    make(ledger, ["train"] * 6 + ["eval"])
+    positions = ledger.train_positions()
+    taken = [ledger.lease_chunk(f"d{i}", TTL, max_ready=4, slots=2) for i in range(6)]
+    made = [lease for lease in taken if isinstance(lease, ChunkLease)]
+    # Two per slot are being made; the eval chunk is never held back; then nothing more.
+    assert sorted(positions[c.chunk_id] % 2 for c in made if c.spec.split == "train") == [0, 0, 1, 1]
+    assert [c.spec.split for c in made].count("eval") == 1
+    assert taken[-1] == "wait"
+    # Slot 0's learner starts one of its shards: slot 0 may have one more made, slot 1 not.
+    first = next(c for c in made if c.spec.split == "train" and positions[c.chunk_id] % 2 == 0)
+    assert complete(ledger, "d0", first.chunk_id).accepted
+    lease = ledger.lease_shard("L0", TTL, slot=0, slots=2)
+    assert isinstance(lease, ShardLease)
+    more = ledger.lease_chunk("d9", TTL, max_ready=4, slots=2)
+    assert isinstance(more, ChunkLease) and positions[more.chunk_id] % 2 == 0
+
+
 def test_eval_shards_are_never_leased(ledger):
     with_train_shard(ledger, ("eval", "eval"))
     assert ledger.lease_shard("L1", TTL) == "done"

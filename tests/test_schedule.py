@@ -4,7 +4,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.compute.schedule import apply_due, fragment_due, mix, must_block, push_interval
+from diloco.compute.schedule import (
+    apply_due,
+    catch_up_steps,
+    fragment_due,
+    mix,
+    must_block,
+    push_interval,
+    share_done,
+    token_share,
+)
+from diloco.config import RunConfig
 
 
 def pushes(first: int, last: int, inner_steps: int, fragments: int) -> dict[int, int]:
@@ -140,3 +150,28 @@ def test_must_block_only_past_a_positive_bound():
 @pytest.mark.parametrize("bound", [0.0, -1.0])
 def test_must_block_never_with_bound_zero_or_negative(unreachable, bound):
     assert not must_block(unreachable, bound)
+
+
+def test_catch_up_moves_the_schedule_by_the_missed_steps_at_most_half_an_interval():
+    assert catch_up_steps(0.0, 0.04, 25) == 0
+    assert catch_up_steps(0.2, 0.04, 25) == 5  # missed by 5 steps' time
+    assert catch_up_steps(2.0, 0.04, 25) == 12  # half of 25 at most, the rest next time
+    assert catch_up_steps(0.2, 0.0, 25) == 0  # no step time yet: nothing to convert with
+
+
+def test_a_token_share_only_for_synchronous_dealt_budgeted_runs():
+    cfg = RunConfig().with_overrides(
+        {
+            "train.max_tokens": 1001,
+            "data.deal": 2,
+            "sync.overlap_steps": 0,
+            "sync.quorum": 0,
+            "sync.fragments": 1,
+        }
+    )
+    assert token_share(cfg) == 501  # rounded up: the shares cover the budget
+    assert not share_done(500, cfg) and share_done(501, cfg)
+    assert token_share(cfg.with_overrides({"data.deal": 0})) == 0
+    assert token_share(cfg.with_overrides({"train.max_tokens": 0})) == 0
+    decoupled = cfg.with_overrides({"sync.overlap_steps": 10})
+    assert token_share(decoupled) == 0 and not share_done(10**9, decoupled)

@@ -18,6 +18,7 @@ from diloco.coordinator.syncer import (
     merge_deltas,
     merge_weight,
     merge_weights,
+    missed_round_by,
     outer_step,
     quorum_needed,
     staleness_refusal,
@@ -608,3 +609,20 @@ def test_a_round_sum_refuses_what_cannot_be_merged():
     with pytest.raises(ValueError, match="same tensors"):
         acc.add({"w": torch.ones(3)}, 1.0)
     assert acc.count == 1 and torch.equal(acc.result()["w"], torch.ones(2)), "a refused delta adds nothing"
+
+
+def test_a_push_that_opens_a_round_is_told_how_late_it_was_for_the_last_one():
+    # The previous round's first push came at t = 100 from A; B's push opens the next at 100.6.
+    assert missed_round_by(100.6, 100.0, {"A"}, "B", period_s=2.0) == pytest.approx(0.6)
+
+
+def test_no_miss_for_a_pusher_that_was_in_the_last_round_or_without_one():
+    assert missed_round_by(100.6, 100.0, {"A", "B"}, "B", period_s=2.0) == 0.0
+    assert missed_round_by(100.6, None, set(), "B", period_s=2.0) == 0.0
+    assert missed_round_by(100.6, 100.0, {"A"}, "B", period_s=0.0) == 0.0  # no step time known
+
+
+def test_a_push_half_a_period_or_more_after_is_early_for_the_next_round_not_late():
+    assert missed_round_by(101.0, 100.0, {"A"}, "B", period_s=2.0) == 0.0
+    assert missed_round_by(101.5, 100.0, {"A"}, "B", period_s=2.0) == 0.0
+    assert missed_round_by(100.99, 100.0, {"A"}, "B", period_s=2.0) == pytest.approx(0.99)

@@ -88,6 +88,10 @@ class FragmentState:
     loss_sum: float = 0.0
     in_flight: bool = False  # pushed; its merged result has not been applied yet
     apply_at: int = 0  # inner step from which the merged result is applied
+    # sync.keep_overlap: θ_p and the counters as they were at the push, so the steps since
+    # can be kept on top of the merged result.
+    at_push: dict[str, torch.Tensor] = field(default_factory=dict)
+    counted_at_push: tuple[int, int, float] = (0, 0, 0.0)
 
 
 @dataclass
@@ -177,6 +181,10 @@ class Learner:
         self.resolved = Unpushed()  # rows that wait for nothing more: they ride on the next push
         self.frags: list[FragmentState] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
+        # Steps the push schedule runs ahead of the step count: moved on when our pushes keep
+        # missing the other learners' rounds (SyncChannel.take_missed).
+        self.schedule_shift = 0
+        self.shifted_after = 0  # pushes up to this number were made before the last move
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -274,21 +282,29 @@ class Learner:
         f = self.frags[merged.fragment]
         alpha = self.cfg.sync.mix_alpha
         value, version = self._merged_value(f, merged)
+        keep = alpha == 0 and self.cfg.sync.keep_overlap and bool(f.at_push)
         with torch.no_grad():
             for name, t in value.items():
                 new = t.to(self.device, self.params[name].dtype)
                 if alpha > 0 and f.version >= 0:
                     self.params[name].copy_(schedule.mix(self.params[name], new, alpha))
+                elif keep:  # the steps since our push stay on top of the merge
+                    self.params[name].add_(new - f.at_push[name].to(self.device, new.dtype))
                 else:
                     self.params[name].copy_(new)
                 f.base[name] = t.to(torch.float32).clone()
         f.version = version
-        f.steps = f.tokens = 0
-        f.loss_sum = 0.0
         f.in_flight = False
-        # Overwritten: this fragment no longer holds any waiting rows up; they ride on the next push.
-        done, self.awaiting = release_fragment(self.awaiting, merged.fragment)
-        self.resolved.extend(done)
+        if keep:  # the steps since the push are still ours to push, with the rows they trained on
+            steps, tokens, loss_sum = f.counted_at_push
+            f.steps, f.tokens, f.loss_sum = f.steps - steps, f.tokens - tokens, f.loss_sum - loss_sum
+        else:
+            f.steps = f.tokens = 0
+            f.loss_sum = 0.0
+            # Overwritten: this fragment no longer holds any waiting rows up; they ride on the next push.
+            done, self.awaiting = release_fragment(self.awaiting, merged.fragment)
+            self.resolved.extend(done)
+        f.at_push = {}
 
     def _merged_value(self, f: FragmentState, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
         """The fragment's new value and version: sent in full, or the held base plus each encoded
@@ -346,6 +362,9 @@ class Learner:
                 self.prefetcher.release(shard_id)
             f.in_flight = True
             f.apply_at = self.progress.inner_steps + self.cfg.sync.overlap_steps
+            if self.cfg.sync.keep_overlap and self.cfg.sync.overlap_steps:
+                f.at_push = {n: self.params[n].detach().clone() for n in f.names}
+                f.counted_at_push = (f.steps, f.tokens, f.loss_sum)
         self.channel.submit(header, tensors)
 
     def _covered_by(self, p: int) -> Unpushed:
@@ -393,9 +412,20 @@ class Learner:
         return out
 
     def _push_due(self) -> None:
-        p = schedule.fragment_due(self.progress.inner_steps, self.cfg.train.inner_steps, len(self.frags))
+        p = schedule.fragment_due(
+            self.progress.inner_steps + self.schedule_shift, self.cfg.train.inner_steps, len(self.frags)
+        )
         if p is None:
             return
+        # At a push: the next one is a whole interval away, so bringing the schedule forward by
+        # less than that skips none.
+        interval = schedule.push_interval(self.cfg.train.inner_steps, len(self.frags))
+        step_time = self.progress.busy_s / max(1, self.progress.inner_steps)
+        shift = schedule.catch_up_steps(self.channel.take_missed(self.shifted_after), step_time, interval)
+        if shift:
+            log.info("pushes missed the others' rounds: pushing %d step(s) earlier from now on", shift)
+            self.schedule_shift += shift
+            self.shifted_after = self.channel.submitted
         if self.frags[p].in_flight:
             # The last merge of this fragment has not come back yet: keep training, push it next time.
             log.info(
@@ -543,6 +573,7 @@ class Learner:
             self.stop,
             cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes),
             mix=cfg.data.mix_shards,
+            seed=cfg.train.seed,
         )
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
@@ -580,6 +611,9 @@ class Learner:
                 self._push_due()
                 if cfg.sync.synchronous:
                     self._wait_for_merges()
+                if schedule.share_done(self.progress.tokens_trained, cfg):
+                    reason = "token share trained"
+                    break
                 self._wait_if_unreachable()
             self.progress.ended = time.monotonic()
             if not self.stop.is_set():

@@ -16,6 +16,11 @@ steps on one stretch make a delta that knows only that stretch. At most one deco
 beside the open ones, so a learner holds at most mix + 1 shard leases ahead of its queue. Each
 batch carries the shard row range it came from, so the learner can say exactly which rows a delta
 trained on.
+
+With dealt shards (data.deal > 0) the batch order repeats exactly from run to run: the choice
+among open shards is seeded by the run's seed and the learner's slot, and the batch stage waits for
+a dealt shard that is on its way instead of going on with fewer open (which shards happen to be
+open at a given batch would otherwise depend on timing).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from diloco.store import StoreError
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.prefetch")
+
+# Longest the batch stage waits for a dealt shard on its way while it has others open.
+DEALT_SHARD_WAIT_S = 10.0
 
 
 @dataclass
@@ -67,11 +75,16 @@ class ShardPrefetcher:
         stop: threading.Event,
         cache: ShardCache | None = None,
         mix: int = 1,
+        seed: int = 0,
     ):
         self.client = client
         self.batch_size = batch_size
         self.mix = max(1, mix)
-        self._rng = random.Random()
+        self.seed = seed
+        self._rng = random.Random(seed)  # reseeded with the deal slot on the first dealt shard
+        self._seeded_slot = 0
+        # The fetcher's last answer was a shard or "your dealt shard is coming": worth waiting for.
+        self._coming = threading.Event()
         self.stop = stop
         self.cache = cache
         self.queue: queue.Queue[Batch | object] = queue.Queue(maxsize=max(1, max_batches))
@@ -167,10 +180,15 @@ class ShardPrefetcher:
         if lease.done:
             return DONE
         if lease.retry_after_s > 0:
-            self.starved.set()
+            if lease.dealt_shard_coming:
+                self._coming.set()
+            else:
+                self._coming.clear()
+                self.starved.set()
             self.stop.wait(lease.retry_after_s)
             return None
         self.starved.clear()
+        self._coming.set()
         with self._lock:
             self._held.add(lease.shard_id)
             self._leases += 1
@@ -193,14 +211,28 @@ class ShardPrefetcher:
         try:
             while not self.stop.is_set():
                 # Take in decoded shards while there is room; wait for one only when none is open.
+                waited_since = time.monotonic()
                 while not done and len(open_shards) < self.mix:
+                    # Dealt shards: a shard on its way is waited for, so the mix does not depend on
+                    # timing; but only so long (the coordinator may be down: training goes on).
+                    wait = not open_shards or (self._seeded_slot > 0 and self._coming.is_set())
                     try:
-                        item = self._ready.get(timeout=0.2) if not open_shards else self._ready.get_nowait()
+                        item = self._ready.get(timeout=0.2) if wait else self._ready.get_nowait()
                     except queue.Empty:
-                        break
+                        if not open_shards or not wait or self.stop.is_set():
+                            break
+                        if time.monotonic() - waited_since > DEALT_SHARD_WAIT_S:
+                            log.info("dealt shard still not here after %.0fs; going on", DEALT_SHARD_WAIT_S)
+                            self._coming.clear()
+                            break
+                        continue
                     if item is DONE:
                         done = True
                     else:
+                        lease = item[0]  # type: ignore[index]
+                        if lease.deal_slot and lease.deal_slot != self._seeded_slot:
+                            self._seeded_slot = lease.deal_slot
+                            self._rng.seed(f"{self.seed}/{lease.deal_slot}")
                         open_shards.append(self._batches(*item))  # type: ignore[misc]
                 if not open_shards:
                     if done:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
+from diloco.config import RunConfig
+
 T = TypeVar("T")
 
 
@@ -28,6 +30,15 @@ def fragment_due(step: int, inner_steps: int, fragments: int) -> int | None:
     return (step // interval - 1) % fragments
 
 
+def catch_up_steps(missed_by_s: float, step_time_s: float, interval: int) -> int:
+    """Steps to bring the push schedule forward after missing a round by `missed_by_s`: at most
+    half an interval at once (pushes keep at least half their steps; a larger gap closes over
+    the next few pushes)."""
+    if missed_by_s <= 0 or step_time_s <= 0:
+        return 0
+    return min(interval // 2, round(missed_by_s / step_time_s))
+
+
 def apply_due(step: int, apply_at: int) -> bool:
     """A merged fragment that has arrived is applied once the learner reached step `apply_at`."""
     return step >= apply_at
@@ -41,3 +52,22 @@ def mix(local: T, merged: T, alpha: float) -> T:
 def must_block(unreachable_for_s: float, bound_s: float) -> bool:
     """A learner stops stepping only when the syncer has been unreachable for longer than bound_s."""
     return bound_s > 0 and unreachable_for_s > bound_s
+
+
+def token_share(cfg: RunConfig) -> int:
+    """The tokens one learner trains in a synchronous run with a budget dealt over data.deal
+    learners (0: no share, the coordinator's budget alone ends the run).
+
+    Synchronous learners step in lockstep, so each stopping at its share of the budget ends the run
+    on the same step every time; the coordinator's budget counts merged tokens and is seen by
+    learners only at their next heartbeat, a timing-dependent number of steps later. Decoupled
+    learners keep the coordinator's budget: a faster one trains more, as it should.
+    """
+    if not (cfg.sync.synchronous and cfg.data.deal and cfg.train.max_tokens):
+        return 0
+    return -(-cfg.train.max_tokens // cfg.data.deal)
+
+
+def share_done(tokens_trained: int, cfg: RunConfig) -> bool:
+    share = token_share(cfg)
+    return share > 0 and tokens_trained >= share

@@ -28,6 +28,7 @@ log = logging.getLogger("diloco.sync")
 class PushJob:
     header: pb.TensorHeader
     tensors: dict[str, torch.Tensor]
+    number: int = 0  # the learner's count of submitted pushes, this one included
 
 
 @dataclass
@@ -66,6 +67,8 @@ class SyncChannel:
         # back, so a push can be asked about again after a coordinator restart.
         self._awaiting: dict[int, tuple[int, bool, PushJob]] = {}
         self._results: dict[int, Merged] = {}
+        self._missed: list[tuple[int, float]] = []  # (push number, seconds it missed a round by)
+        self.submitted = 0
         self._unreachable_since: float | None = None
         self.pushes_refused = 0
         self.bytes_pushed = 0
@@ -87,12 +90,25 @@ class SyncChannel:
 
     # -- the training thread's side -------------------------------------------------------------
 
-    def submit(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor]) -> None:
-        self.jobs.put(PushJob(header, tensors))
+    def submit(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor]) -> int:
+        """Queue a push; returns its number (pushes are numbered from 1 in submission order)."""
+        self.submitted += 1
+        self.jobs.put(PushJob(header, tensors, self.submitted))
+        return self.submitted
 
     def take(self, fragment: int) -> Merged | None:
         with self._cond:
             return self._results.pop(fragment, None)
+
+    def take_missed(self, after: int) -> float:
+        """Seconds by which pushes numbered above `after` missed the others' rounds (0: none).
+
+        Pushes made before the learner last moved its schedule measured the old schedule: what
+        they missed by is already made up, and counting it again would overshoot."""
+        with self._cond:
+            missed = max((s for n, s in self._missed if n > after), default=0.0)
+            self._missed = []
+            return missed
 
     def wait_any(self, timeout_s: float) -> None:
         """Sleep until a result arrives (or the timeout): synchronous mode's only wait."""
@@ -173,6 +189,9 @@ class SyncChannel:
         if not reply.accepted:
             self.pushes_refused += 1
             log.info("push of fragment %d refused: %s", p, reply.reason)
+        elif reply.missed_round_by_s > 0:
+            with self._cond:
+                self._missed.append((job.number, reply.missed_round_by_s))
         if not job.tensors:
             return  # "nothing this round" (or rows given back): no merge to wait for
         with self._cond:

@@ -16,11 +16,11 @@ import random
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from diloco.coordinator import leases
+from diloco.coordinator import deal, leases
 from diloco.data.chunks import ChunkSpec
 
 SCHEMA = """
@@ -77,6 +77,7 @@ class ShardLease:
     checksum: str
     rows: int
     todo: list[leases.Range]
+    slot: int | None = None  # the deal slot it was dealt from (None: first come)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class Ledger:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        self._positions: dict[int, int] | None = None
 
     def close(self) -> None:
         with self._lock:
@@ -297,21 +299,54 @@ class Ledger:
 
     # -- chunks (data workers) ------------------------------------------------------------------
 
-    def lease_chunk(self, worker_id: str, ttl_s: float, max_attempts: int = 0) -> ChunkLease | str:
-        """A pending chunk, or "wait" (others hold the rest), or "done"."""
+    def lease_chunk(
+        self, worker_id: str, ttl_s: float, max_attempts: int = 0, max_ready: int = 0, slots: int = 0
+    ) -> ChunkLease | str:
+        """A pending chunk, or "wait" (others hold the rest, or enough are made ahead), or "done".
+
+        With `max_ready` > 0, a train chunk waits while that many train shards are made (or being
+        made) and untouched by any learner; with dealing (`slots` > 0) that bound is per slot, so a
+        slow learner's unread shards never hold back a fast one's. Eval chunks never wait (the
+        final eval needs them)."""
         self.reclaim_expired(ttl_s, max_attempts)
+        positions = self.train_positions()
+        groups = max(1, slots)
         with self._tx() as db:
-            row = db.execute(
-                "SELECT id, spec, attempts FROM chunks WHERE state = 'pending' ORDER BY lease_order, id LIMIT 1"
-            ).fetchone()
+            ahead = self._made_ahead(db, positions, groups) if max_ready > 0 else [0] * groups
+            cap = -(-max_ready // groups) if max_ready > 0 else 0
+            row = None
+            for candidate in db.execute(
+                "SELECT id, spec, attempts, split FROM chunks WHERE state = 'pending' ORDER BY lease_order, id"
+            ).fetchall():
+                if (
+                    candidate["split"] != "train"
+                    or not cap
+                    or ahead[positions[candidate["id"]] % groups] < cap
+                ):
+                    row = candidate
+                    break
             if row is None:
-                leased = db.execute("SELECT COUNT(*) FROM chunks WHERE state = 'leased'").fetchone()[0]
-                return "wait" if leased else "done"
+                waiting = db.execute(
+                    "SELECT COUNT(*) FROM chunks WHERE state IN ('leased', 'pending')"
+                ).fetchone()[0]
+                return "wait" if waiting else "done"
             db.execute(
                 "UPDATE chunks SET state = 'leased', holder = ?, lease_expires = ?, attempts = attempts + 1 WHERE id = ?",
                 (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
             )
             return ChunkLease(row["id"], ChunkSpec.from_json(row["spec"]), row["attempts"] + 1)
+
+    @staticmethod
+    def _made_ahead(db: sqlite3.Connection, positions: dict[int, int], groups: int) -> list[int]:
+        """Per deal slot: train shards made (or being made) that no learner has trained a row of."""
+        ahead = [0] * groups
+        for (chunk_id,) in db.execute(
+            "SELECT s.chunk_id FROM shards s WHERE s.split = 'train' AND s.state = 'ready' "
+            "AND NOT EXISTS (SELECT 1 FROM spans p WHERE p.shard_id = s.id) "
+            "UNION ALL SELECT id FROM chunks WHERE split = 'train' AND state = 'leased'"
+        ).fetchall():
+            ahead[positions[chunk_id] % groups] += 1
+        return ahead
 
     def complete_chunk(
         self,
@@ -415,22 +450,61 @@ class Ledger:
     def _todo(self, db: sqlite3.Connection, shard_id: int, rows: int) -> list[leases.Range]:
         return leases.subtract((0, rows), self._spans(db, shard_id, ("merged", "pending")))
 
-    def lease_shard(self, worker_id: str, ttl_s: float) -> ShardLease | str:
-        """A train shard with rows nobody has trained on, or "wait", or "done"."""
+    def train_positions(self) -> dict[int, int]:
+        """chunk id -> its place among the train chunks in lease order (what `deal` deals by).
+        Chunks never change split or order, so this is read once."""
+        if not self._positions:  # (empty until the ledger is initialized)
+            rows = self._q("SELECT id FROM chunks WHERE split = 'train' ORDER BY lease_order, id")
+            self._positions = {r["id"]: i for i, r in enumerate(rows)}
+        return self._positions
+
+    def lease_shard(
+        self,
+        worker_id: str,
+        ttl_s: float,
+        slot: int | None = None,
+        slots: int = 0,
+        vacant: Collection[int] = (),
+    ) -> ShardLease | str:
+        """A train shard with rows nobody has trained on, or "wait", or "done" ("wait-dealt":
+        wait, the learner's next dealt shard is being made).
+
+        With `slots` > 0 the shard is dealt to the learner's `slot` (deal.choose_shard); otherwise
+        the first in lease order."""
         self.reclaim_expired(ttl_s)
+        positions = self.train_positions()
         with self._tx() as db:
-            for row in db.execute(
-                "SELECT s.id, s.uri, s.checksum, s.rows FROM shards s JOIN chunks c ON c.id = s.chunk_id "
-                "WHERE s.split = 'train' AND s.state = 'ready' ORDER BY c.lease_order, s.id"
-            ).fetchall():
+            ready = db.execute(
+                "SELECT id, chunk_id, uri, checksum, rows FROM shards WHERE split = 'train' AND state = 'ready'"
+            ).fetchall()
+            by_id = {row["id"]: row for row in ready}
+            candidates = [deal.Candidate(row["id"], positions[row["chunk_id"]]) for row in ready]
+            own_work_coming = (
+                slots > 0
+                and slot is not None
+                and any(
+                    positions[r["id"]] % slots == slot
+                    for r in db.execute(
+                        "SELECT id FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
+                    ).fetchall()
+                )
+            )
+            while True:
+                choice = deal.choose_shard(candidates, slot, slots, vacant, own_work_coming)
+                if choice.shard_id is None:
+                    if own_work_coming:
+                        return "wait-dealt"
+                    break
+                row = by_id[choice.shard_id]
                 todo = self._todo(db, row["id"], row["rows"])
-                if not todo:
+                if not todo:  # every row is merged or in a pending push: not a candidate
+                    candidates = [c for c in candidates if c.shard_id != row["id"]]
                     continue
                 db.execute(
                     "UPDATE shards SET state = 'leased', holder = ?, lease_expires = ? WHERE id = ?",
                     (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
                 )
-                return ShardLease(row["id"], row["uri"], row["checksum"], row["rows"], todo)
+                return ShardLease(row["id"], row["uri"], row["checksum"], row["rows"], todo, slot)
             unfinished_chunks = db.execute(
                 "SELECT COUNT(*) FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
             ).fetchone()[0]

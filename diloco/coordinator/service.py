@@ -32,7 +32,7 @@ import torch
 
 from diloco import store
 from diloco.config import RunConfig
-from diloco.coordinator import checkpoint, syncer
+from diloco.coordinator import checkpoint, deal, syncer
 from diloco.coordinator.ledger import ChunkLease, Ledger, MergeRecord, ShardLease
 from diloco.coordinator.wirecount import WireCounter
 from diloco.fragments import assign_fragments
@@ -89,6 +89,9 @@ class FragmentState:
     sum: RoundSum
     pending: list[PendingPush] = field(default_factory=list)
     sealing: bool = False  # the merger is waiting for the round's last folds: new pushes wait
+    # The last merged round's first push time and pushers: a push that opens the next round is
+    # told how late it was for that one (syncer.missed_round_by).
+    previous_round: tuple[float, frozenset[str]] | None = None
     # Published: checkpointed and committed, so learners may hold it. Merges between the
     # published version and the head wait for the publisher.
     published_version: int = 0
@@ -139,6 +142,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.wire = WireCounter()
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
+        self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"
@@ -323,7 +327,11 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             reply = pb.LeaseChunkReply(done=True, run_state=self._state_pb())
         else:
             lease = self.ledger.lease_chunk(
-                request.worker_id, ttl, self.config.coordinator.max_chunk_attempts
+                request.worker_id,
+                ttl,
+                self.config.coordinator.max_chunk_attempts,
+                self.config.data.max_ready_shards,
+                self.config.data.deal,
             )
             if isinstance(lease, ChunkLease):
                 shard_uri = store.join(self.shard_root, f"chunk-{lease.chunk_id:06d}-a{lease.attempt}.shard")
@@ -419,7 +427,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if self.run_state != "running":
             reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())
         else:
-            lease = self.ledger.lease_shard(request.worker_id, ttl)
+            slots = self.config.data.deal
+            live = set(self._live_learners()) if slots else set()
+            with self.cond:  # the slot map is shared by every LeaseShard handler
+                slot = deal.take_slot(slots, self._deal_slots, live, request.worker_id) if slots else None
+                if slot is not None:
+                    self._deal_slots = {
+                        w: s for w, s in self._deal_slots.items() if s != slot or w == request.worker_id
+                    }
+                    self._deal_slots[request.worker_id] = slot
+                vacant = deal.vacant_slots(slots, self._deal_slots, live) if slots else set()
+            lease = self.ledger.lease_shard(request.worker_id, ttl, slot, slots, vacant)
             if isinstance(lease, ShardLease):
                 reply = pb.LeaseShardReply(
                     shard_id=lease.shard_id,
@@ -431,9 +449,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
                     ],
                     lease_ttl_s=ttl,
                     run_state=self._state_pb(),
+                    deal_slot=0 if lease.slot is None else lease.slot + 1,
                 )
-            elif lease == "wait":
-                reply = pb.LeaseShardReply(retry_after_s=0.5, run_state=self._state_pb())
+            elif lease in ("wait", "wait-dealt"):
+                reply = pb.LeaseShardReply(
+                    retry_after_s=0.5, run_state=self._state_pb(), dealt_shard_coming=lease == "wait-dealt"
+                )
             else:
                 reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())
         self.wire.add_out("lease_shard", reply)
@@ -734,13 +755,17 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if refusal is not None:
             log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
             return pb.PushReply(accepted=False, reason=refusal, version=frag.version), None
+        now = self.clock()
+        missed = 0.0
+        if frag.previous_round is not None and not any(a.tokens for a in frag.round.arrivals):
+            missed = syncer.missed_round_by(
+                now,
+                *frag.previous_round,
+                header.worker_id,
+                self.config.train.inner_steps * header.step_time_s,
+            )
         arrival = syncer.Arrival(
-            header.worker_id,
-            header.tokens,
-            header.inner_steps,
-            self.clock(),
-            header.version,
-            header.step_time_s,
+            header.worker_id, header.tokens, header.inner_steps, now, header.version, header.step_time_s
         )
         frag.round.arrivals.append(arrival)
         frag.pending.append(PendingPush(arrival, header.push_id, header.mean_loss, header.first_loss))
@@ -754,10 +779,10 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         if header.first_loss and self.ledger.get_meta("first_loss") is None:
             self.ledger.set_meta(first_loss=repr(header.first_loss))
         weight = syncer.merge_weight(header.tokens, header.inner_steps, self.policy.merge)
-        return pb.PushReply(accepted=True, reason="queued for merge", version=frag.version), (
-            frag.sum,
-            weight,
+        reply = pb.PushReply(
+            accepted=True, reason="queued for merge", version=frag.version, missed_round_by_s=missed
         )
+        return reply, (frag.sum, weight)
 
     # -- the syncer -----------------------------------------------------------------------------
 
@@ -832,6 +857,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             MergeRecord(version, tuple(q.push_id for q in pending), tokens, steps, mean_loss, reason, scale)
         )
         frag.params, frag.momentum, frag.version = params, momentum, version
+        frag.previous_round = (min(q.arrival.arrived_at for q in pending), frozenset(contributors))
         frag.pending, frag.sum = [], self._new_sum()
         frag.round = syncer.RoundState(p, version, self.clock())
         if mean_loss is not None:

@@ -217,7 +217,7 @@ class LeaseShardRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class LeaseShardReply(_message.Message):
-    __slots__ = ("shard_id", "uri", "checksum", "rows", "todo", "lease_ttl_s", "retry_after_s", "done", "run_state")
+    __slots__ = ("shard_id", "uri", "checksum", "rows", "todo", "lease_ttl_s", "retry_after_s", "done", "run_state", "deal_slot", "dealt_shard_coming")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     URI_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +227,8 @@ class LeaseShardReply(_message.Message):
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
+    DEAL_SLOT_FIELD_NUMBER: _ClassVar[int]
+    DEALT_SHARD_COMING_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     uri: str
     checksum: str
@@ -236,7 +238,9 @@ class LeaseShardReply(_message.Message):
     retry_after_s: float
     done: bool
     run_state: RunState
-    def __init__(self, shard_id: _Optional[int] = ..., uri: _Optional[str] = ..., checksum: _Optional[str] = ..., rows: _Optional[int] = ..., todo: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., done: _Optional[bool] = ..., run_state: _Optional[_Union[RunState, str]] = ...) -> None: ...
+    deal_slot: int
+    dealt_shard_coming: bool
+    def __init__(self, shard_id: _Optional[int] = ..., uri: _Optional[str] = ..., checksum: _Optional[str] = ..., rows: _Optional[int] = ..., todo: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., lease_ttl_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., done: _Optional[bool] = ..., run_state: _Optional[_Union[RunState, str]] = ..., deal_slot: _Optional[int] = ..., dealt_shard_coming: _Optional[bool] = ...) -> None: ...
 
 class ReportShardRequest(_message.Message):
     __slots__ = ("worker_id", "shard_id", "error")
@@ -347,14 +351,16 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., have_versions: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., wait_above: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "reason", "version")
+    __slots__ = ("accepted", "reason", "version", "missed_round_by_s")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MISSED_ROUND_BY_S_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     version: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    missed_round_by_s: float
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., missed_round_by_s: _Optional[float] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,186 @@
+"""The outer loop alone, in one process, on a step clock: which merge rule costs what.
+
+    python benchmarks/outer_sim.py --learners 2 --offsets 0,17 --quorum 1 --overlap 10
+
+M learners train the real model on the real rows (as benchmarks/ddp_baseline.py makes them) and
+sync fragments through the syncer's own functions (MergeAccumulator, coverage_scale, outer_step),
+but time is a step counter, not a clock: learner m starts `offset[m]` steps late, a round closes
+when every learner has pushed or `window` steps after its first push, and a merged fragment is
+applied τ steps after its push. Nothing here depends on how busy the machine is, so two arms differ
+only by the rule under test, and one run takes a minute instead of a benchmark's quarter hour.
+What it is for: separating the effects of partial rounds, staleness, overlap and fragments on the
+eval loss at equal tokens (issue: Decoupled vs synchronous DiLoCo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ddp_baseline import build_rows  # noqa: E402
+from diloco.config import parse_assignments  # noqa: E402
+from diloco.coordinator import syncer  # noqa: E402
+from diloco.evaluate import eval_loss  # noqa: E402
+from diloco.fragments import assign_fragments  # noqa: E402
+from diloco.model import build_model, lr_at, make_inner_optimizer  # noqa: E402
+from diloco.run import default_run_config  # noqa: E402
+from diloco.tokenizer import load_tokenizer  # noqa: E402
+
+
+@dataclass
+class Fragment:
+    """The syncer's side of one fragment."""
+
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    version: int = 0
+    open_since: int | None = None  # tick of the open round's first push
+    pushes: list[tuple[int, dict[str, torch.Tensor], int, int]] = field(default_factory=list)
+    history: list[dict[str, torch.Tensor]] = field(default_factory=list)  # params by version
+
+
+def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
+    """Close every round whose every learner pushed, or with quorum once its window is over."""
+    for f in frags:
+        pushers = {m for m, *_ in f.pushes}
+        needed = M if args.quorum <= 0 else min(args.quorum, M)
+        if not f.pushes:
+            continue
+        if not force and len(pushers) < M and (len(pushers) < needed or tick < f.open_since + args.window):
+            continue
+        acc = syncer.MergeAccumulator(policy.merge)
+        for _, delta, tok, st in f.pushes:
+            acc.add(delta, syncer.merge_weight(tok, st, policy.merge))
+        scale = 1.0 if args.no_coverage else syncer.coverage_scale(len(pushers), M)
+        f.params, f.momentum = syncer.outer_step(f.params, f.momentum, acc.result(scale), policy.outer_lr,
+                                                 policy.outer_momentum, policy.nesterov, fraction=scale)  # fmt: skip
+        f.version += 1
+        f.history.append({n: t.clone() for n, t in f.params.items()})
+        merges += 1
+        single += len(pushers) < M
+        f.pushes, f.open_since = [], None
+    return merges, single
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--learners", type=int, default=2)
+    p.add_argument("--offsets", default="", help="comma-separated start delay in steps per learner")
+    p.add_argument("--tokens", type=int, default=1_228_800)
+    p.add_argument("--inner-steps", type=int, default=50)
+    p.add_argument("--fragments", type=int, default=2)
+    p.add_argument("--overlap", type=int, default=10, help="τ: steps from a push to its merge's apply")
+    p.add_argument("--quorum", type=int, default=1, help="0: every learner")
+    p.add_argument("--window", type=int, default=0, help="steps a round waits past quorum")
+    p.add_argument("--no-coverage", action="store_true", help="a partial round takes a full outer step")
+    p.add_argument("--apply", choices=["own", "latest"], default="own",
+                   help="apply the merge that used the push, or the newest version at apply time")  # fmt: skip
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+
+    cfg = (
+        default_run_config()
+        .with_overrides({"train.seed": args.seed, "train.inner_steps": args.inner_steps, "train.threads": 1})
+        .with_overrides(parse_assignments(args.overrides))
+        .validate()
+    )
+    torch.set_num_threads(args.threads)
+    M, H, P, tau = args.learners, args.inner_steps, args.fragments, args.overlap
+    offsets = [int(x) for x in args.offsets.split(",")] if args.offsets else [0] * M
+    bs = cfg.train.batch_size
+    tokens_per_step = bs * (cfg.model.seq_len + 1)
+    steps_each = args.tokens // (M * tokens_per_step)
+    vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
+    train_rows, eval_rows = build_rows(cfg, vocab, steps_each * M * bs, 16 * bs)
+    policy = syncer.SyncPolicy(quorum=args.quorum, merge=cfg.sync.merge, outer_lr=cfg.sync.outer_lr,
+                               outer_momentum=cfg.sync.outer_momentum, nesterov=cfg.sync.nesterov)  # fmt: skip
+
+    models = [build_model(cfg.model, vocab, cfg.train.seed) for _ in range(M)]
+    optims = [make_inner_optimizer(m, cfg.train) for m in models]
+    plan = assign_fragments([(n, t.numel()) for n, t in models[0].named_parameters()], P)
+    start = dict(models[0].named_parameters())
+    frags = [
+        Fragment({n: start[n].detach().clone() for n in ns}, {n: torch.zeros_like(start[n]) for n in ns})
+        for ns in plan
+    ]
+    for f in frags:
+        f.history.append({n: t.clone() for n, t in f.params.items()})
+    # Per learner and fragment: (base version, steps since receipt, pending apply tick, version to apply).
+    base = [[0] * P for _ in range(M)]
+    since = [[0] * P for _ in range(M)]
+    apply_at: list[list[tuple[int, int] | None]] = [[None] * P for _ in range(M)]
+    interval = H // P
+    done = [0] * M
+    merges = single = 0
+    tick = 0
+    while min(done) < steps_each:
+        for m in range(M):
+            if tick < offsets[m] or done[m] >= steps_each:
+                continue
+            rows = train_rows[(done[m] * M + m) * bs : (done[m] * M + m + 1) * bs]
+            block = torch.from_numpy(rows.astype("int64"))
+            for g in optims[m].param_groups:
+                g["lr"] = lr_at(done[m], cfg.train)
+            _, loss = models[m](block[:, :-1], block[:, 1:])
+            optims[m].zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(models[m].parameters(), cfg.train.grad_clip)
+            optims[m].step()
+            done[m] += 1
+            params = dict(models[m].named_parameters())
+            for q in range(P):
+                since[m][q] += 1
+            # Apply what is due (the merge that used our push, or the newest version).
+            for q in range(P):
+                due = apply_at[m][q]
+                if due is not None and done[m] >= due[0] and frags[q].version >= due[1]:
+                    v = frags[q].version if args.apply == "latest" else due[1]
+                    with torch.no_grad():
+                        for n, t in frags[q].history[v].items():
+                            params[n].copy_(t)
+                    base[m][q], since[m][q], apply_at[m][q] = v, 0, None
+            if done[m] % interval == 0:
+                q = (done[m] // interval - 1) % P
+                if apply_at[m][q] is None and since[m][q]:
+                    delta = {n: frags[q].history[base[m][q]][n] - params[n].detach() for n in plan[q]}
+                    frags[q].pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
+                    if frags[q].open_since is None:
+                        frags[q].open_since = tick
+                    apply_at[m][q] = (done[m] + tau, frags[q].version + 1)
+        merges, single = close_rounds(frags, args, M, policy, tick, merges, single)
+        tick += 1
+    # The end: every learner hands in what it has not pushed (as the real learner's flush does).
+    for m in range(M):
+        params = dict(models[m].named_parameters())
+        for q in range(P):
+            if apply_at[m][q] is None and since[m][q]:
+                delta = {n: frags[q].history[base[m][q]][n] - params[n].detach() for n in plan[q]}
+                frags[q].pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
+    merges, single = close_rounds(frags, args, M, policy, tick, merges, single, force=True)
+    final = build_model(cfg.model, vocab, cfg.train.seed)
+    with torch.no_grad():
+        own = dict(final.named_parameters())
+        for f in frags:
+            for n, t in f.params.items():
+                own[n].copy_(t)
+    loss = eval_loss(final, eval_rows, bs, "cpu")
+    result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "steps_each": steps_each,
+              "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+    print(json.dumps(result))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Dealing train shards to learner slots: pure decisions, state built by hand."""
+
+from __future__ import annotations
+
+from diloco.coordinator.deal import Candidate, choose_shard, take_slot, vacant_slots
+
+
+def shards(*positions: int) -> list[Candidate]:
+    return [Candidate(shard_id=100 + p, position=p) for p in positions]
+
+
+def test_a_slot_is_the_lowest_not_held_by_a_live_learner() -> None:
+    assert take_slot(2, {}, set(), "a") == 0
+    assert take_slot(2, {"a": 0}, {"a"}, "b") == 1
+    assert take_slot(2, {"a": 0, "b": 1}, {"a", "b"}, "c") is None  # more learners than slots
+    assert take_slot(2, {"a": 0, "b": 1}, {"b"}, "c") == 0  # a is dead: its slot is free
+
+
+def test_a_learner_keeps_its_slot_and_a_restarted_one_gets_it_back() -> None:
+    assert take_slot(4, {"a": 2}, {"a"}, "a") == 2
+    assert take_slot(4, {"a": 2}, set(), "a") == 2  # not live yet after its restart: still its own
+
+
+def test_only_a_slot_whose_learner_died_is_vacant() -> None:
+    # Slot 1 was never taken (its learner may still be starting): not vacant.
+    assert vacant_slots(3, {"a": 0, "c": 2}, {"a"}) == {2}
+    assert vacant_slots(3, {}, set()) == set()
+
+
+def test_own_positions_first_lowest_first() -> None:
+    choice = choose_shard(shards(0, 1, 2, 3, 5), slot=1, slots=2, vacant=(), own_work_coming=True)
+    assert choice.shard_id == 101, choice.reason
+    choice = choose_shard(shards(0, 2, 3, 5), slot=1, slots=2, vacant=(), own_work_coming=True)
+    assert choice.shard_id == 103, choice.reason
+
+
+def test_waits_for_its_own_shard_rather_than_take_another_slots() -> None:
+    choice = choose_shard(shards(0, 2, 4), slot=1, slots=2, vacant=(), own_work_coming=True)
+    assert choice.shard_id is None
+    assert "being made" in choice.reason
+
+
+def test_takes_a_vacant_slots_shard_before_waiting() -> None:
+    choice = choose_shard(shards(0, 2, 4), slot=1, slots=2, vacant={0}, own_work_coming=True)
+    assert choice.shard_id == 100, choice.reason
+
+
+def test_takes_anything_once_its_own_are_used_up() -> None:
+    choice = choose_shard(shards(4, 2), slot=1, slots=2, vacant=(), own_work_coming=False)
+    assert choice.shard_id == 102, choice.reason
+    assert choose_shard([], slot=1, slots=2, vacant=(), own_work_coming=False).shard_id is None
+
+
+def test_without_a_slot_or_dealing_the_lowest_position_wins() -> None:
+    assert choose_shard(shards(3, 1, 2), slot=None, slots=2, vacant=(), own_work_coming=False).shard_id == 101
+    assert choose_shard(shards(3, 1, 2), slot=0, slots=0, vacant=(), own_work_coming=True).shard_id == 101
