@@ -251,6 +251,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_processes(main: Any, args: tuple, n: int, bound_s: float, what: str) -> None:
+    """`main(i, *args)` in n spawned processes; returns once all are done, raises if one failed
+    (the others are terminated) or past bound_s. Every process is reaped, whatever happened."""
+    ctx = mp.start_processes(main, args=args, nprocs=n, join=False, start_method="spawn")
+    deadline = time.monotonic() + bound_s
+    try:
+        while not ctx.join(timeout=1.0):  # raises if a process failed; True once all are done
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} ran past {bound_s:.0f}s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
 def run_ddp(
     cfg: RunConfig,
     workers: int = 2,
@@ -288,21 +307,7 @@ def run_ddp(
         result_path = os.path.join(tmp, "result.json")
         args = (workers, _free_port(), cfg, train_rows, eval_rows, max_steps, max_seconds, eval_batches,
                 result_path, log_every, slow_factor)  # fmt: skip
-        ctx = mp.start_processes(_rank_main, args=args, nprocs=workers, join=False, start_method="spawn")
-        deadline = time.monotonic() + max_seconds + grace_seconds
-        try:
-            # join() raises if a rank failed (after terminating the others); True once all are done
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"DDP baseline ran past {max_seconds + grace_seconds:.0f}s")
-        finally:
-            for p in ctx.processes:  # reap every rank, whatever happened
-                if p.is_alive():
-                    p.terminate()
-                    p.join(5)
-                if p.is_alive():
-                    p.kill()
-                p.join()
+        run_processes(_rank_main, args, workers, max_seconds + grace_seconds, "DDP baseline")
         result = json.loads(Path(result_path).read_text())
 
     result["data_seconds"] = data_seconds

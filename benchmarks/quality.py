@@ -116,7 +116,8 @@ def run_cell(
                 raw[f"{arm}/seed{seed}"] = {
                     k: result.get(k)
                     for k in ("eval_loss", "baseline_loss", "tokens_trained", "tokens_merged", "rounds",
-                              "wall_seconds", "trained_tokens_per_s", "merged_tokens_per_s", "utilization")
+                              "wall_seconds", "trained_tokens_per_s", "learner_tokens_per_s", "merged_tokens_per_s",
+                              "utilization", "cpu_seconds_by_role", "rounds_by_pushes")
                 }  # fmt: skip
     losses = {arm: spread([s[arm] for s in by_seed.values() if arm in s]) for arm in arms}
     ratios = {f"{a}/{b}": spread(r) for a, b in PAIRS if (r := paired_ratios(by_seed, a, b))}

@@ -46,7 +46,6 @@ os.environ.setdefault("RUST_LOG", "warn")
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torchft.manager
 from torch.distributed import ReduceOp
 from torchft import Manager, ProcessGroupGloo
@@ -56,7 +55,7 @@ from torchft.local_sgd import DiLoCo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.ddp_baseline import BENCH_CHUNK_BYTES, build_rows
+from benchmarks.ddp_baseline import BENCH_CHUNK_BYTES, build_rows, run_processes
 from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig, parse_assignments
 from diloco.evaluate import eval_loss, unigram_entropy
@@ -266,22 +265,7 @@ def run_torchft(cfg: RunConfig, workers: int = 2, max_tokens: int | None = None,
             np.save(Path(tmp, "eval.npy"), eval_rows)
             args = (workers, lighthouse, cfg, max_steps, max_seconds, eval_batches,
                     tmp, log_every, slow_factor, grace_seconds)  # fmt: skip
-            ctx = mp.start_processes(
-                _replica_main, args=args, nprocs=workers, join=False, start_method="spawn"
-            )
-            deadline = time.monotonic() + max_seconds + grace_seconds
-            try:
-                while not ctx.join(timeout=1.0):  # raises if a replica failed
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"torchft baseline ran past {max_seconds + grace_seconds:.0f}s")
-            finally:
-                for p in ctx.processes:  # reap every replica, whatever happened
-                    if p.is_alive():
-                        p.terminate()
-                        p.join(5)
-                    if p.is_alive():
-                        p.kill()
-                    p.join()
+            run_processes(_replica_main, args, workers, max_seconds + grace_seconds, "torchft baseline")
             parts = [json.loads(Path(tmp, f"replica{r}.json").read_text()) for r in range(workers)]
     finally:
         server.shutdown()

@@ -1,3 +1,10 @@
-from cli.main import app
+import os
+import time
+
+# The first statement of the process: the end of "process start" in a learner's start-up line
+# (diloco.compute.startup), before any import of the CLI, torch or the library.
+os.environ.setdefault("DILOCO_MAIN_AT", repr(time.time()))
+
+from cli.main import app  # noqa: E402
 
 app(prog_name="diloco")

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from diloco.compute.startup import SPAWNED_AT_ENV
+
 
 @dataclass
 class Child:
@@ -54,6 +56,7 @@ class ProcessGroup:
         log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, **self.env, **(extra_env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env[SPAWNED_AT_ENV] = repr(time.time())  # the start of a learner's start-up line
         # A Ctrl-C between fork and bookkeeping would leave a child nobody stops: hold SIGINT and
         # SIGTERM until the child is on the list (they are delivered right after).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

@@ -180,6 +180,8 @@ class LocalRun:
             f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
             f"{self.options.data_workers} data workers, workdir {self.workdir}"
         )
+        if warning := cold_start_warning(self.config):
+            self.console.print(f"[yellow]warning:[/] {warning}")
         try:
             address = self._start_coordinator()
             self._warn_if_no_eval_split()
@@ -201,6 +203,7 @@ class LocalRun:
             audit_ok=report.ok,
             audit_violations=report.violations,
             longest_merge_gap_s=longest_merge_gap(self.workdir),
+            rounds_by_pushes=rounds_by_pushes(self.workdir),
         )
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -381,6 +384,18 @@ class LocalRun:
         summary["sync_wait_share"] = _mean(
             [w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
         )
+        summary["goodput"] = goodput(
+            d.get("learner_busy_seconds", 0.0),
+            summary["tokens_merged"],
+            summary["tokens_trained"],
+            self.options.learners,
+            train_seconds,
+        )
+        # Each learner's tokens over its own training time (first inner step to its last), summed:
+        # what a peer's loop timed from its start barrier measures, without the job's start-up.
+        summary["learner_tokens_per_s"] = round(
+            sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
+        )
         if versions and eval_rows:
             rows = np.concatenate(eval_rows)
             model = build_model(cfg.model, vocab, cfg.train.seed)
@@ -449,6 +464,52 @@ def longest_merge_gap(workdir: Path) -> float:
     with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
         closed = [r[0] for r in db.execute("SELECT closed FROM rounds ORDER BY closed")]
     return round(max((b - a for a, b in zip(closed, closed[1:], strict=False)), default=0.0), 2)
+
+
+def goodput(
+    busy_seconds: float, tokens_merged: int, tokens_trained: int, learners: int, wall_s: float
+) -> float:
+    """The share of learner-seconds whose work was merged: time in inner steps (every life of every
+    learner) times the share of the trained tokens that were merged, over learners × wall time.
+
+    Merged tokens per second alone would hide what a failure costs on shared cores: a dead
+    learner's core goes to the others, who then train faster. Work lost to a kill (steps whose
+    rows never merged) and time spent dead or restarting both count against it.
+    """
+    if learners <= 0 or wall_s <= 0 or tokens_trained <= 0:
+        return 0.0
+    merged_share = min(1.0, tokens_merged / tokens_trained)
+    return round(min(1.0, busy_seconds * merged_share / (learners * wall_s)), 4)
+
+
+# Above this H, a run from a random init tends to end worse than it began (issue 6's note, and the
+# README's H = 500 figures): see cold_start_warning.
+COLD_START_MAX_H = 200
+
+
+def cold_start_warning(cfg: RunConfig) -> str | None:
+    """Why a large H from a random init is a bad idea, or None.
+
+    From a random init, a learner's first few hundred AdamW steps move it far from where it
+    started and into its own basin; the average of such far-apart models (what an outer step
+    takes) is no longer a good model, so each merge undoes much of what was learned. DiLoCo's
+    large H is meant for a warm start (the DiLoCo paper begins from a pretrained checkpoint).
+    """
+    if cfg.train.inner_steps <= COLD_START_MAX_H or cfg.model.init_from:
+        return None
+    return (
+        f"H = {cfg.train.inner_steps} from a random init: the first merges average models that moved far "
+        f"apart, and such runs have ended above where they began. Train a few thousand steps at H <= "
+        f"{COLD_START_MAX_H} first and start from that model (--set model.init_from=runs/<name>/model.safetensors)."
+    )
+
+
+def rounds_by_pushes(workdir: Path) -> dict[str, int]:
+    """Merged rounds by how many pushes each held: with quorum 1, rounds of one push where every
+    learner could have met in one are what costs Decoupled DiLoCo eval loss."""
+    with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
+        rows = db.execute("SELECT pushes, COUNT(*) FROM rounds GROUP BY pushes ORDER BY pushes").fetchall()
+    return {str(pushes): count for pushes, count in rows}
 
 
 def split_sizes(workdir: Path) -> tuple[int, int]:

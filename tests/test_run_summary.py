@@ -9,12 +9,19 @@ import pytest
 
 from cli.main import worker_line
 from diloco.client import CoordinatorClient
+from diloco.compute.startup import breakdown, describe
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.server import start_coordinator
 from diloco.data.shard import write_shard
 from diloco.data.worker import DataWorker
-from diloco.run import data_plane_metrics, ddp_wire_bytes_per_token, longest_merge_gap
+from diloco.run import (
+    cold_start_warning,
+    data_plane_metrics,
+    ddp_wire_bytes_per_token,
+    goodput,
+    longest_merge_gap,
+)
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -102,3 +109,37 @@ def test_status_counts_each_data_workers_tokens_once(tmp_path: Path) -> None:
     metrics = data_plane_metrics(detail, 2.0)
     assert metrics["data_tokens_per_s"] == pytest.approx(detail["tokens_prepared"] / 2.0, abs=0.1)
     assert set(metrics["data_tokens_per_s_by_worker"]) == {"data-hand", "data-0"}
+
+
+def test_a_large_h_from_a_random_init_is_warned_about() -> None:
+    cold = RunConfig().with_overrides({"train.inner_steps": 500})
+    assert "model.init_from" in (cold_start_warning(cold) or "")
+    assert cold_start_warning(cold.with_overrides({"model.init_from": "warm/model.safetensors"})) is None
+    assert cold_start_warning(RunConfig()) is None  # the default H = 50
+
+
+def test_goodput_is_merged_work_over_learner_time() -> None:
+    # 2 learners for 100 s; 150 s in inner steps; 90% of what they trained merged.
+    assert goodput(150.0, 900, 1000, learners=2, wall_s=100.0) == pytest.approx(0.675)
+    assert goodput(0.0, 0, 0, learners=2, wall_s=100.0) == 0.0
+    assert goodput(300.0, 2000, 1000, learners=2, wall_s=100.0) == 1.0  # never above 1
+
+
+def test_start_up_breaks_down_from_spawn_to_first_step() -> None:
+    marks = {"spawned": 10.0, "main": 10.2, "imports": 12.0, "join": 12.1, "pull": 12.6,
+             "first_batch": 13.0, "first_step": 13.05}  # fmt: skip
+    phases = breakdown(marks)
+    assert phases == pytest.approx(
+        {
+            "process": 0.2,
+            "imports": 1.8,
+            "join": 0.1,
+            "pull": 0.5,
+            "first_batch": 0.4,
+            "first_step": 0.05,
+            "total": 3.05,
+        }  # fmt: skip
+    )
+    assert describe(phases).startswith("start-up: process 0.20s, imports 1.80s")
+    # Started by hand (no supervisor): the phases it can see.
+    assert "process" not in breakdown({k: v for k, v in marks.items() if k != "spawned"})

@@ -26,6 +26,7 @@ from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import schedule
 from diloco.compute.device import pick_device, set_threads
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
+from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache
@@ -166,6 +167,8 @@ class Learner:
     def __init__(
         self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
     ):
+        self.startup = StartupClock.from_env()
+        self.startup.mark("imports")
         self.overrides = overrides or LocalOverrides()
         self.client = CoordinatorClient(
             address,
@@ -190,6 +193,7 @@ class Learner:
 
     def _setup(self) -> RunConfig:
         reply = self.client.join(self.overrides.connect_timeout_s)
+        self.startup.mark("join")
         self.epoch = reply.coordinator_epoch
         cfg = self.client.config
         assert cfg is not None
@@ -208,6 +212,7 @@ class Learner:
             log.info("init parameters: %s", init.reason)
         for header, tensors in self._pull_everything(cfg):
             self._apply(Merged.full(header.fragment, header.version, tensors))
+        self.startup.mark("pull")
         log.info(
             "learner %s on %s: %d params in %d fragment(s), H=%d, tau=%d, versions %s",
             self.client.worker_id,
@@ -589,7 +594,7 @@ class Learner:
         last_empty_push = 0.0
         try:
             while not self.stop.is_set():
-                if self.finishing.is_set():
+                if self.finishing.is_set() or self.channel.finishing.is_set():
                     reason = "run finishing"
                     break
                 ready = self.prefetcher.ready()
@@ -606,7 +611,12 @@ class Learner:
                     self._apply_due()
                     continue
                 assert isinstance(item, Batch)
+                if not self.progress.inner_steps:
+                    self.startup.mark("first_batch")
                 self._inner_step(item)
+                if self.progress.inner_steps == 1:
+                    self.startup.mark("first_step")
+                    log.info("%s", describe(breakdown(self.startup.marks)))
                 self._apply_due()
                 self._push_due()
                 if cfg.sync.synchronous:

@@ -67,6 +67,7 @@ class SyncChannel:
         # back, so a push can be asked about again after a coordinator restart.
         self._awaiting: dict[int, tuple[int, bool, PushJob]] = {}
         self._results: dict[int, Merged] = {}
+        self.finishing = threading.Event()  # a push reply said the run is finishing
         self._missed: list[tuple[int, float]] = []  # (push number, seconds it missed a round by)
         self.submitted = 0
         self._unreachable_since: float | None = None
@@ -186,6 +187,8 @@ class SyncChannel:
                 attempt += 1
         if reply is None:
             return
+        if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
+            self.finishing.set()
         if not reply.accepted:
             self.pushes_refused += 1
             log.info("push of fragment %d refused: %s", p, reply.reason)

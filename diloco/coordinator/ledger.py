@@ -212,11 +212,14 @@ class Ledger:
         now = self.clock()
         with self._tx() as db:
             row = db.execute("SELECT stats FROM workers WHERE id = ?", (worker_id,)).fetchone()
-            before = int(json.loads(row["stats"]).get("tokens_trained", 0)) if row else 0
+            previous = json.loads(row["stats"]) if row else {}
+            before = int(previous.get("tokens_trained", 0))
             if int(stats.get("tokens_trained", 0)) < before:
                 # A restarted process under the same id counts from zero again: keep what its
-                # previous life reported, so killed learners' work still shows as trained.
+                # previous life reported, so killed learners' work still shows as trained (and
+                # its time in inner steps, for goodput).
                 _bump(db, "tokens_trained_by_earlier_lives", before)
+                _bump(db, "busy_seconds_by_earlier_lives", float(previous.get("busy_seconds", 0.0)))
             db.execute(
                 "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?",
                 (now, json.dumps(stats), worker_id),

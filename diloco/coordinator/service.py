@@ -668,6 +668,9 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
         if fold is not None:
             self._fold(header, tensors, *fold)
+        # Learners push every H/P steps but heartbeat every few seconds: told here, they stop
+        # within a push interval of the budget instead of training on for a heartbeat period.
+        reply.run_state = self._state_pb()
         self.wire.add_out("push", reply)
         return reply
 
@@ -1067,6 +1070,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "tokens_pushed": int(counters.get("tokens_trained", 0)),
             # Heartbeats are current while learners run; pushes are exact once they have left.
             "tokens_trained": max(self._tokens_reported(), int(counters.get("tokens_trained", 0))),
+            # Time in inner steps over every life of every learner (heartbeats; earlier lives kept).
+            "learner_busy_seconds": round(
+                counters.get("busy_seconds_by_earlier_lives", 0.0)
+                + sum(w.get("busy_seconds", 0.0) for w in workers if w["role"] == "compute"),
+                3,
+            ),
             "pushes_received": int(counters.get("pushes_received", 0)),
             "pushes_refused": int(counters.get("pushes_refused", 0)),
             "record_stats": {

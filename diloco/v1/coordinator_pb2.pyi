@@ -351,16 +351,18 @@ class PullRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[_Iterable[int]] = ..., have_versions: _Optional[_Iterable[int]] = ..., wait_s: _Optional[float] = ..., wait_above: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("accepted", "reason", "version", "missed_round_by_s")
+    __slots__ = ("accepted", "reason", "version", "missed_round_by_s", "run_state")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MISSED_ROUND_BY_S_FIELD_NUMBER: _ClassVar[int]
+    RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     version: int
     missed_round_by_s: float
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., missed_round_by_s: _Optional[float] = ...) -> None: ...
+    run_state: RunState
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ..., missed_round_by_s: _Optional[float] = ..., run_state: _Optional[_Union[RunState, str]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

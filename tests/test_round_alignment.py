@@ -1,0 +1,60 @@
+"""A learner whose push misses the others' round is told by how much, on a real coordinator.
+
+Quorum-1 rounds merge each push alone once learners drift apart by more than the grace window,
+and such rounds cost eval loss (benchmarks/quality.py). The push reply says how late the push
+came for the previous round; the learner's schedule then moves that much earlier
+(schedule.catch_up_steps), so the two meet in one round again without anyone waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.client import CoordinatorClient
+from diloco.v1 import coordinator_pb2 as pb
+from tests.test_codecs import delta_header, tiny_coordinator
+
+STEP_TIME_S = 0.05  # so one sync period is H·0.05 = 2.5 s and half of it 1.25 s
+
+
+def push(
+    learner: CoordinatorClient, init: dict[str, torch.Tensor], push_id: str, version: int
+) -> pb.PushReply:
+    header = delta_header(learner, "fp32", push_id)
+    header.version = version
+    header.step_time_s = STEP_TIME_S
+    return learner.push(header, {n: torch.randn_like(t) * 1e-3 for n, t in init.items()})
+
+
+def wait_version(running, version: int) -> None:
+    deadline = time.monotonic() + 20
+    while running.service.fragments[0].version < version:
+        assert time.monotonic() < deadline, f"no merge to version {version}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(120)
+def test_a_push_after_the_round_closed_is_told_how_late_it_was(tiny_corpus: Path, tmp_path: Path) -> None:
+    with tiny_coordinator(tiny_corpus, tmp_path, {"train.inner_steps": 50}) as (running, first, init):
+        second = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE)
+        second.join()
+        try:
+            alone = push(first, init, "a-1", version=0)
+            assert alone.accepted and alone.missed_round_by_s == 0.0  # no round before it
+            wait_version(running, 1)  # quorum 1, no grace window: it merged alone
+            time.sleep(0.3)
+            late = push(second, init, "b-1", version=0)
+            assert late.accepted
+            assert 0.3 <= late.missed_round_by_s < 1.25, late
+            wait_version(running, 2)
+            # Half a period or more after the last round's first push is early for the next
+            # round, not late for the last one: nothing to make up.
+            time.sleep(1.3)
+            early = push(first, init, "a-2", version=1)
+            assert early.accepted and early.missed_round_by_s == 0.0, early
+        finally:
+            second.close()
