@@ -45,6 +45,9 @@ class Fragment:
     open_since: int | None = None  # tick of the open round's first push
     pushes: list[tuple[int, dict[str, torch.Tensor], int, int]] = field(default_factory=list)
     history: list[dict[str, torch.Tensor]] = field(default_factory=list)  # params by version
+    # --late amend: the last period's starting version and who is in it.
+    period_start: int | None = None
+    period_members: set[int] = field(default_factory=set)
 
 
 def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
@@ -60,8 +63,10 @@ def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
         for _, delta, tok, st in f.pushes:
             acc.add(delta, syncer.merge_weight(tok, st, policy.merge))
         scale = 1.0 if args.no_coverage else syncer.coverage_scale(len(pushers), M)
+        fraction = 1.0 if args.late == "amend" else scale
+        f.period_start, f.period_members = f.version, set(pushers)
         f.params, f.momentum = syncer.outer_step(f.params, f.momentum, acc.result(scale), policy.outer_lr,
-                                                 policy.outer_momentum, policy.nesterov, fraction=scale)  # fmt: skip
+                                                 policy.outer_momentum, policy.nesterov, fraction=fraction)  # fmt: skip
         f.version += 1
         f.history.append({n: t.clone() for n, t in f.params.items()})
         merges += 1
@@ -83,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-coverage", action="store_true", help="a partial round takes a full outer step")
     p.add_argument("--apply", choices=["own", "latest"], default="own",
                    help="apply the merge that used the push, or the newest version at apply time")  # fmt: skip
+    p.add_argument("--late", choices=["round", "amend"], default="round",
+                   help="a push late for the last period: its own round, or amended into that period's step")  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -154,10 +161,29 @@ def main(argv: list[str] | None = None) -> None:
                 q = (done[m] // interval - 1) % P
                 if apply_at[m][q] is None and since[m][q]:
                     delta = {n: frags[q].history[base[m][q]][n] - params[n].detach() for n in plan[q]}
-                    frags[q].pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
-                    if frags[q].open_since is None:
-                        frags[q].open_since = tick
-                    apply_at[m][q] = (done[m] + tau, frags[q].version + 1)
+                    f = frags[q]
+                    if (
+                        args.late == "amend"
+                        and f.period_start is not None
+                        and base[m][q] >= f.period_start
+                        and m not in f.period_members
+                        and all(pm != m for pm, *_ in f.pushes)
+                    ):
+                        # Late for the last period: its share goes into that period's outer step.
+                        mu, lr = policy.outer_momentum, policy.outer_lr
+                        for n, d in delta.items():
+                            g = d / M
+                            f.momentum[n] = f.momentum[n] + g
+                            f.params[n] = f.params[n] - lr * (g + mu * g)
+                        f.version += 1
+                        f.history.append({n: t.clone() for n, t in f.params.items()})
+                        f.period_members.add(m)
+                        apply_at[m][q] = (done[m] + tau, f.version)
+                        continue
+                    f.pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
+                    if f.open_since is None:
+                        f.open_since = tick
+                    apply_at[m][q] = (done[m] + tau, f.version + 1)
         merges, single = close_rounds(frags, args, M, policy, tick, merges, single)
         tick += 1
     # The end: every learner hands in what it has not pushed (as the real learner's flush does).

@@ -100,6 +100,10 @@ def run_cell(
             config_path = Path(tmp) / "run.toml"
             config_path.write_text(cfg.to_toml())
             for arm, flags in arms.items():
+                key = f"{arm}/seed{seed}"
+                if (old := args.reused.get((workers, inner_steps, model), {}).get(key)) is not None:
+                    by_seed[seed][arm], raw[key] = old["eval_loss"], {**old, "reused": str(args.reuse)}
+                    continue
                 print(
                     f"== M={workers} H={inner_steps} {model} seed={seed}: {arm}", file=sys.stderr, flush=True
                 )
@@ -153,7 +157,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--max-minutes", type=float, default=20.0, help="safety bound per run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
+    p.add_argument("--reuse", type=Path, help="take these arms' runs from an earlier result file instead")
+    p.add_argument("--reuse-arms", default="ddp,torchft,sync-diloco",
+                   help="the arms --reuse takes (their runs must not depend on what changed since)")  # fmt: skip
     args = p.parse_args(argv)
+    args.reused = {}
+    if args.reuse:
+        taken = set(args.reuse_arms.split(","))
+        for cell in json.loads(args.reuse.read_text())["cells"]:
+            runs = {k: v for k, v in cell["runs"].items() if k.split("/")[0] in taken}
+            args.reused[(cell["workers"], cell["inner_steps"], cell["model"])] = runs
 
     variants = dict(v.split("=", 1) for v in args.variant)
     arms: dict[str, list[str] | None] = {}
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
             cells.append(run_cell(workers, inner_steps, model, seeds, arms, args))
             print_cell(cells[-1])
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            payload = {"cells": cells, "args": {k: str(v) for k, v in vars(args).items()},
+            payload = {"cells": cells, "args": {k: str(v) for k, v in vars(args).items() if k != "reused"},
                        "seconds": time.perf_counter() - started}  # fmt: skip
             args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")  # after every cell
     print(f"\nresults: {args.out} ({time.perf_counter() - started:.0f} s)")
