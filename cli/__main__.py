@@ -3,7 +3,8 @@ import time
 
 # The first statement of the process: the end of "process start" in a learner's start-up line
 # (diloco.compute.startup), before any import of the CLI, torch or the library.
-os.environ.setdefault("DILOCO_MAIN_AT", repr(time.time()))
+# Assigned, not defaulted: a child of `diloco run` inherits the supervisor's own value.
+os.environ["DILOCO_MAIN_AT"] = repr(time.time())
 
 from cli.main import app  # noqa: E402
 

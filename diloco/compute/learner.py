@@ -207,6 +207,7 @@ class Learner:
         self.params = dict(self.model.named_parameters())
         plan = assign_fragments([(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments)
         self.frags = [FragmentState(names) for names in plan]
+        self.startup.mark("model")  # tokenizer check, model and optimizer built
         if reply.needs_init:
             init = self.client.init_parameters(self._initial_parameters(cfg))
             log.info("init parameters: %s", init.reason)

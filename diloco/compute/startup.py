@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 # first statement: the two ends of "process start" (the interpreter coming up).
 SPAWNED_AT_ENV = "DILOCO_SPAWNED_AT"
 MAIN_AT_ENV = "DILOCO_MAIN_AT"
-PHASES = ("process", "imports", "join", "pull", "first_batch", "first_step")
+PHASES = ("process", "imports", "join", "model", "pull", "first_batch", "first_step")
 
 
 @dataclass
@@ -32,14 +32,14 @@ class StartupClock:
         return clock
 
     def mark(self, name: str) -> None:
-        """Record the end of a phase (imports, join, pull, first_batch, first_step), once."""
+        """Record the end of a phase (imports, join, model, pull, first_batch, first_step), once."""
         self.marks.setdefault(name, time.time())
 
 
 def breakdown(marks: dict[str, float]) -> dict[str, float]:
     """Seconds per phase, from whichever marks are there: process = spawn → `python -m cli`,
     imports = → the learner object, then each phase from the end of the one before."""
-    order = ["spawned", "main", "imports", "join", "pull", "first_batch", "first_step"]
+    order = ["spawned", "main", "imports", "join", "model", "pull", "first_batch", "first_step"]
     have = [name for name in order if name in marks]
     out: dict[str, float] = {}
     for before, after in zip(have, have[1:], strict=False):
