@@ -56,6 +56,10 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
             "--no-progress",
             "--set",
             "data.chunk_bytes=131072",
+            # Every chunk becomes one shard (asserted below), not only the few ahead of the
+            # learners that `diloco run` makes by default.
+            "--set",
+            "data.max_ready_shards=1000000",
         ],
         timeout=220,
     )

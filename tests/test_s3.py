@@ -173,6 +173,10 @@ def test_whole_run_with_dataset_shards_and_checkpoints_on_s3(
             "--no-progress",
             "--set",
             "data.chunk_bytes=32768",
+            # Every chunk becomes a shard (asserted below), not only the few ahead of the learner
+            # that `diloco run` makes by default.
+            "--set",
+            "data.max_ready_shards=1000000",
             "--set",
             "sync.overlap_steps=3",
             # A small model: the point is the storage path, and eval + sampling stay quick.
