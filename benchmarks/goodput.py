@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -27,27 +26,32 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.chaos import diloco_run  # noqa: E402
-from diloco.compute.startup import PHASES  # noqa: E402
-
-STARTUP = re.compile(r"start-up: (.*) \(total ([\d.]+)s\)")
+from diloco.compute.startup import PHASES, read_startups  # noqa: E402
 
 
 def restarts(workdir: Path) -> list[dict[str, float]]:
     """The start-up phases of every learner life after the first (the restarts after a kill)."""
-    lives: list[dict[str, float]] = []
-    for log in sorted((workdir / "logs").glob("learner-*.log")):
-        found = [STARTUP.search(line) for line in log.read_text(errors="replace").splitlines()]
-        for match in [m for m in found if m][1:]:
-            phases = {}
-            for part in match.group(1).split(", "):
-                name, seconds = part.rsplit(" ", 1)
-                phases[name.replace(" ", "_")] = float(seconds.rstrip("s"))
-            phases["total"] = float(match.group(2))
-            lives.append(phases)
-    return lives
+    return [
+        life.phases
+        for log in sorted((workdir / "logs").glob("learner-*.log"))
+        for life in read_startups(log.read_text(errors="replace"))[1:]
+    ]
 
 
-def arm_row(name: str, summary: dict[str, Any], lives: list[dict[str, float]]) -> dict[str, Any]:
+def resumes(workdir: Path) -> tuple[int, int]:
+    """(restarts that resumed from their local state, restarts that started fresh)."""
+    resumed = fresh = 0
+    for log in (workdir / "logs").glob("learner-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if "local state: " in line:
+                resumed += "resuming at step" in line
+                fresh += "resuming at step" not in line
+    return resumed, fresh
+
+
+def arm_row(
+    name: str, summary: dict[str, Any], lives: list[dict[str, float]], resumed: tuple[int, int]
+) -> dict[str, Any]:
     wall = max(1e-9, summary["wall_seconds"])
     by_phase = {
         phase: {"mean": statistics.fmean(v), "max": max(v)}
@@ -57,6 +61,10 @@ def arm_row(name: str, summary: dict[str, Any], lives: list[dict[str, float]]) -
     return {
         "arm": name,
         "goodput": summary.get("goodput", 0.0),
+        "goodput_after_start": summary.get("goodput_after_start", 0.0),
+        "job_startup_s": summary.get("job_startup_seconds", 0.0),
+        "resumed_from_local_state": resumed[0],
+        "restarted_fresh": resumed[1],
         "merged_tokens_per_s": summary["tokens_merged"] / wall,
         "trained_tokens_per_s": summary["tokens_trained"] / wall,
         "merged_share": summary["tokens_merged"] / max(1, summary["tokens_trained"]),
@@ -91,15 +99,19 @@ def main(argv: list[str] | None = None) -> None:
         for i, (name, extra) in enumerate(arms):
             print(f"== {name}", file=sys.stderr, flush=True)
             summary = diloco_run(f"arm{i}", Path(tmp), [*common, *extra], args.minutes * 60 + 600)
-            rows.append(arm_row(name, summary, restarts(Path(tmp) / f"arm{i}")))
+            workdir = Path(tmp) / f"arm{i}"
+            rows.append(arm_row(name, summary, restarts(workdir), resumes(workdir)))
 
     calm = rows[0]
-    print(f"{'arm':<30}{'goodput':>9}{'vs calm':>9}{'merged/s':>10}{'trained/s':>11}{'merged':>8}{'kills':>7}"
-          f"{'eval':>8}")  # fmt: skip
+    print(f"{'arm':<30}{'goodput':>9}{'vs calm':>9}{'after start':>12}{'vs calm':>9}{'merged/s':>10}"
+          f"{'trained/s':>11}{'merged':>8}{'kills':>7}{'resumed':>9}{'eval':>8}")  # fmt: skip
     for r in rows:
+        after, calm_after = r["goodput_after_start"], max(1e-9, calm["goodput_after_start"])
         print(f"{r['arm']:<30}{r['goodput']:>9.1%}{r['goodput'] / max(1e-9, calm['goodput']):>9.1%}"
+              f"{after:>12.1%}{after / calm_after:>9.1%}"
               f"{r['merged_tokens_per_s']:>10.0f}{r['trained_tokens_per_s']:>11.0f}{r['merged_share']:>8.1%}"
-              f"{r['kills']:>7}{r['eval_loss'] or float('nan'):>8.4f}")  # fmt: skip
+              f"{r['kills']:>7}{r['resumed_from_local_state']:>5}/{r['kills']:<3}"
+              f"{r['eval_loss'] or float('nan'):>8.4f}")  # fmt: skip
     for r in rows[1:]:
         phases = r["restart_phases_s"]
         if phases:

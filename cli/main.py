@@ -130,12 +130,16 @@ def compute(
     ] = 1.0,
     connect_timeout: ConnectOpt = 60.0,
     worker_id: WorkerIdOpt = None,
+    state_dir: Annotated[
+        str | None,
+        typer.Option(help="local directory for this learner's state: with --worker-id, a restart resumes it"),
+    ] = None,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.learner import LocalOverrides, run_learner
 
     setup_logging("learner")
-    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout, worker_id)
+    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout, worker_id, state_dir)
     sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
 
 
@@ -339,3 +343,19 @@ def tokenizer_train(
         f"characters of {result.files} files"
     )
     typer.echo(f"use it with: --set data.tokenizer={result.uri}")
+
+
+@app.command(hidden=True)
+def standby(
+    role: Annotated[str, typer.Option(help="the role this spare warms up for: learner | data | coordinator")],
+) -> None:
+    """A warm spare (started by `diloco run` under chaos): import everything, then wait on stdin for
+    the command line of a process that died, and run it here."""
+    from diloco.spare import await_assignment, take_over, warm_up
+
+    warm_up(role)
+    assignment = await_assignment(sys.stdin)
+    if assignment is None:  # the supervisor is stopping and never needed us
+        sys.exit(0)
+    take_over(assignment)
+    app(args=assignment.args, prog_name="diloco")

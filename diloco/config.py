@@ -106,6 +106,10 @@ class TrainConfig:
     seed: int = 1337
     # Injected delay per inner step, for straggler experiments (seconds).
     step_delay_s: float = 0.0
+    # A learner with a stable id keeps its state (parameters, inner optimizer, unmerged rows,
+    # bases) on its own disk this often, off the training thread: restarted, it goes on from
+    # there instead of losing every step since its last pushes (0: never).
+    local_state_every_s: float = 5.0
 
 
 @dataclass
@@ -246,6 +250,8 @@ class RunConfig:
         m, t, s = self.model, self.train, self.sync
         if m.n_embd % m.n_head:
             raise ConfigError(f"model.n_embd ({m.n_embd}) must be a multiple of model.n_head ({m.n_head})")
+        if t.local_state_every_s < 0:
+            raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
         if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
             raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
         if s.fragments < 1 or s.quorum < 0:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.compute.startup import SPAWNED_AT_ENV
+from diloco.spare import Assignment
 
 
 @dataclass
@@ -49,16 +50,29 @@ class ProcessGroup:
     env: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
     retired: list[Child] = field(default_factory=list)  # earlier lives of respawned children
+    spares: dict[str, Child] = field(default_factory=dict)  # role -> a warm spare (keep_spares)
 
     def spawn(self, name: str, role: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
         """Start `python -m cli <args>` with its output in <log_dir>/<name>.log."""
+        child = self._start(name, role, args, self.log_dir / f"{name}.log", extra_env)
+        self.children.append(child)
+        return child
+
+    def _start(
+        self,
+        name: str,
+        role: str,
+        args: list[str],
+        log_path: Path,
+        extra_env: dict[str, str] | None = None,
+        stdin: int = subprocess.DEVNULL,
+    ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{name}.log"
         env = {**os.environ, **self.env, **(extra_env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[SPAWNED_AT_ENV] = repr(time.time())  # the start of a learner's start-up line
         # A Ctrl-C between fork and bookkeeping would leave a child nobody stops: hold SIGINT and
-        # SIGTERM until the child is on the list (they are delivered right after).
+        # SIGTERM until the child is on a list (they are delivered right after).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
             with open(log_path, "ab") as log:
@@ -68,29 +82,62 @@ class ProcessGroup:
                     [sys.executable, "-m", "cli", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
+                    stdin=stdin,
                     env=env,
                     start_new_session=True,
                     # ...but the child must not inherit the held signals, or SIGTERM would not reach it.
                     preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, blocked),
                 )
-            child = Child(name, role, args, proc, log_path)
-            self.children.append(child)
+            return Child(name, role, args, proc, log_path)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def keep_spares(self, roles: list[str]) -> None:
+        """From now on keep one warm spare (diloco.spare) per role, for respawn to hand a role to."""
+        for role in roles:
+            if role not in self.spares:
+                self.spares[role] = self._start(
+                    f"spare-{role}",
+                    role,
+                    ["standby", "--role", role],
+                    self.log_dir / f"spare-{role}.log",
+                    stdin=subprocess.PIPE,
+                )
+
+    def _hand_to_spare(self, name: str, role: str, args: list[str]) -> Child | None:
+        """The role's spare becomes `name` (and a new spare starts warming up); None: no live spare."""
+        spare = self.spares.pop(role, None)
+        if spare is None:
+            return None
+        log_path = self.log_dir / f"{name}.log"
+        assignment = Assignment(args, str(log_path), {SPAWNED_AT_ENV: repr(time.time())})
+        try:
+            if not spare.alive or spare.proc.stdin is None:
+                raise BrokenPipeError
+            spare.proc.stdin.write(assignment.to_line())
+            spare.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            self.retired.append(spare)
+            self.keep_spares([role])
+            return None
+        child = Child(name, role, args, spare.proc, log_path)
+        self.children.append(child)
+        self.keep_spares([role])
         return child
 
     def respawn(self, child: Child, args: list[str] | None = None) -> Child:
-        """Start a process again in a child's place (same name, role and, unless given, args)."""
+        """Start a process again in a child's place (same name, role and, unless given, args): the
+        role's warm spare when there is one, else a fresh process."""
         self.children.remove(child)
         child.alive  # noqa: B018 (reaped now, so its CPU time is known)
         self.retired.append(child)
-        return self.spawn(child.name, child.role, args or child.args)
+        args = args or child.args
+        return self._hand_to_spare(child.name, child.role, args) or self.spawn(child.name, child.role, args)
 
     def cpu_seconds_by_role(self) -> dict[str, float]:
         """CPU seconds used by the children that have exited, every life of each, by role."""
         totals: dict[str, float] = {}
-        for c in [*self.retired, *self.children]:
+        for c in [*self.retired, *self.children, *self.spares.values()]:
             if c.cpu_s is not None:
                 totals[c.role] = round(totals.get(c.role, 0.0) + c.cpu_s, 2)
         return totals
@@ -119,7 +166,8 @@ class ProcessGroup:
         leases, last heartbeat or leave may be missing): each gets a warning line. Ended by the
         signal itself is clean: the child had not set its handlers up yet, so it held nothing.
         """
-        targets = [c for c in (self.children if children is None else children) if c.alive]
+        everyone = [*self.children, *self.spares.values()]
+        targets = [c for c in (everyone if children is None else children) if c.alive]
         for c in targets:
             self.signal(c, signal.SIGTERM)
         killed = set()

@@ -30,6 +30,7 @@ from rich.table import Table
 from diloco import store
 from diloco.chaos import ChaosPlan
 from diloco.client import CoordinatorClient
+from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.audit import audit
 from diloco.coordinator.checkpoint import load_model_params
@@ -150,7 +151,7 @@ class LocalRun:
             )
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
-            args += ["--worker-id", f"learner-{i}"]
+            args += ["--worker-id", f"learner-{i}", "--state-dir", str(self.workdir / "learner-state")]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             self.group.spawn(f"learner-{i}", "learner", args)
@@ -176,6 +177,7 @@ class LocalRun:
         self._check_inputs()
         self.workdir.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        started_at = time.time()
         self.console.print(
             f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
             f"{self.options.data_workers} data workers, workdir {self.workdir}"
@@ -186,6 +188,10 @@ class LocalRun:
             address = self._start_coordinator()
             self._warn_if_no_eval_split()
             self._start_workers(address)
+            if self.options.chaos_interval:
+                # A supervisor that expects deaths keeps a warm spare per role it will restart:
+                # the replacement skips the interpreter's start and the imports (diloco.spare).
+                self.group.keep_spares(list(self.options.chaos_roles or ("coordinator", "data", "learner")))
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
             detail = self._watch(observer, started)
             train_seconds = time.monotonic() - started
@@ -204,6 +210,17 @@ class LocalRun:
             audit_violations=report.violations,
             longest_merge_gap_s=longest_merge_gap(self.workdir),
             rounds_by_pushes=rounds_by_pushes(self.workdir),
+        )
+        # The job's own start-up (every learner's first life, up to its first step) is paid once
+        # per job, not per failure: goodput after it is what a long run converges to.
+        job_startup = job_startup_seconds(self.workdir / "logs", started_at)
+        summary["job_startup_seconds"] = round(job_startup, 2)
+        summary["goodput_after_start"] = goodput(
+            detail.get("learner_busy_seconds", 0.0),
+            summary["tokens_merged"],
+            summary["tokens_trained"],
+            self.options.learners,
+            max(1e-9, train_seconds - job_startup),
         )
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -277,7 +294,7 @@ class LocalRun:
         name = chaos.pick([c.name for c in alive if c.role == role])
         victim = next(c for c in alive if c.name == name)
         self.group.signal(victim, signal.SIGKILL)
-        victim.proc.wait(timeout=10)
+        self.group.wait([victim], timeout_s=10)  # reaped by wait4, so its CPU time is counted
         self.kills[role] = self.kills.get(role, 0) + 1
         self.group.respawn(victim)
         self.console.print(f"chaos: killed {victim.name} (kill #{sum(self.kills.values())}), restarted it")
@@ -485,6 +502,16 @@ def goodput(
 # Above this H, a run from a random init tends to end worse than it began (issue 6's note, and the
 # README's H = 500 figures): see cold_start_warning.
 COLD_START_MAX_H = 200
+
+
+def job_startup_seconds(log_dir: Path, started_at: float) -> float:
+    """Mean over learners of the time from the job's start to their first inner step (first life)."""
+    firsts = []
+    for log in sorted(log_dir.glob("learner-*.log")):
+        lives = read_startups(log.read_text(errors="replace"))
+        if lives:
+            firsts.append(max(0.0, lives[0].first_step_at - started_at))
+    return sum(firsts) / len(firsts) if firsts else 0.0
 
 
 def cold_start_warning(cfg: RunConfig) -> str | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compute.learner import FragmentState, Learner
+from diloco.compute.held import HeldFragment
+from diloco.compute.learner import Learner
 from diloco.compute.prefetch import Batch
 from diloco.compute.sync_channel import Merged
 from diloco.config import RunConfig
@@ -30,7 +31,7 @@ def learner_with_one_tensor(keep: bool) -> Learner:
     learner.device = torch.device("cpu")
     weight = torch.nn.Parameter(torch.ones(4))
     learner.params = {"w": weight}
-    learner.frags = [FragmentState(["w"]), FragmentState([])]
+    learner.frags = [HeldFragment(["w"]), HeldFragment([])]
     learner._apply(Merged.full(0, 0, {"w": torch.ones(4)}))
     learner.frags[1].version = 0
     learner.channel = Submitted()  # type: ignore[assignment]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compute.learner import Unpushed, release_fragment, rows_to_carry
+from diloco.compute.held import Unpushed, release_fragment, rows_to_carry
 from diloco.compute.prefetch import Batch
 
 

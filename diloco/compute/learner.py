@@ -13,18 +13,29 @@ Only this process's rank 0 talks to the coordinator; the inner loop is plain PyT
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import grpc
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
-from diloco.compute import schedule
+from diloco.compute import local_state, schedule
 from diloco.compute.device import pick_device, set_threads
+from diloco.compute.held import (
+    AwaitingCover,
+    HeldFragment,
+    Unpushed,
+    copy_rows,
+    release_fragment,
+    rows_to_carry,
+)
+from diloco.compute.local_state import LocalState, StateWriter, state_path
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
 from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.sync_channel import Merged, SyncChannel
@@ -56,6 +67,8 @@ class LocalOverrides:
     connect_timeout_s: float = 60.0
     # A stable identity (e.g. the host's name) instead of a generated one.
     worker_id: str | None = None
+    # Where this learner keeps its state on local disk (with a stable worker_id only; None: off).
+    state_dir: str | None = None
 
 
 @dataclass
@@ -77,92 +90,6 @@ class Progress:
         return (self.ended or time.monotonic()) - self.started
 
 
-@dataclass
-class FragmentState:
-    """What a learner holds of one fragment."""
-
-    names: list[str]
-    version: int = -1
-    base: dict[str, torch.Tensor] = field(default_factory=dict)  # Θ_p as last received (CPU fp32)
-    steps: int = 0  # inner steps since Θ_p was received
-    tokens: int = 0
-    loss_sum: float = 0.0
-    in_flight: bool = False  # pushed; its merged result has not been applied yet
-    apply_at: int = 0  # inner step from which the merged result is applied
-    # sync.keep_overlap: θ_p and the counters as they were at the push, so the steps since
-    # can be kept on top of the merged result.
-    at_push: dict[str, torch.Tensor] = field(default_factory=dict)
-    counted_at_push: tuple[int, int, float] = (0, 0, 0.0)
-
-
-@dataclass
-class Unpushed:
-    """Shard rows trained on since the last push: they ride on the next push, whatever fragment."""
-
-    spans: list[tuple[int, int, int]] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    _last: dict[int, int] = field(default_factory=dict)  # shard id -> index of its latest span
-
-    def add(self, batch: Batch) -> None:
-        # Batches of several shards interleave: extend the shard's own latest span when the rows follow on.
-        k = self._last.get(batch.shard_id)
-        if k is not None and self.spans[k][2] == batch.row_start:
-            self.spans[k] = (batch.shard_id, self.spans[k][1], batch.row_end)
-        else:
-            self._last[batch.shard_id] = len(self.spans)
-            self.spans.append((batch.shard_id, batch.row_start, batch.row_end))
-        if batch.last_of_shard:
-            self.released.append(batch.shard_id)
-
-    def extend(self, other: Unpushed) -> None:
-        for span in other.spans:
-            self._last[span[0]] = len(self.spans)
-            self.spans.append(span)
-        self.released.extend(other.released)
-
-
-@dataclass
-class AwaitingCover:
-    """Rows trained before a push, waiting for every other fragment's push to carry them too.
-
-    Each inner step changes every fragment, so a row's effect reaches the global model only once
-    each fragment has been pushed after it. Its span rides on the push that completes that set:
-    a learner that dies in between leaves the rows unmerged (back to the pool), instead of
-    counting them as trained while most of the model never saw them.
-    """
-
-    rows: Unpushed
-    waiting: set[int]
-
-
-def release_fragment(awaiting: list[AwaitingCover], fragment: int) -> tuple[Unpushed, list[AwaitingCover]]:
-    """The groups stop waiting for `fragment` (it was just pushed, or just overwritten by its merge:
-    what it held of the rows is then as far as they get, as for any row in the τ overlap).
-    Returns the rows that now wait for nothing and the groups still waiting."""
-    done = Unpushed()
-    for group in awaiting:
-        group.waiting.discard(fragment)
-        if not group.waiting:
-            done.extend(group.rows)
-    return done, [g for g in awaiting if g.waiting]
-
-
-def rows_to_carry(
-    awaiting: list[AwaitingCover], fresh: Unpushed, pushed: int, fragments: int
-) -> tuple[Unpushed, list[AwaitingCover]]:
-    """Fragment `pushed` is pushed now: the rows its push carries, and the groups still waiting.
-
-    `fresh` holds the rows trained since the previous push; from now on they wait for every
-    fragment's push, this one included. Groups complete in the order they were made.
-    """
-    groups = (
-        [*awaiting, AwaitingCover(fresh, set(range(fragments)))]
-        if fresh.spans or fresh.released
-        else awaiting
-    )
-    return release_fragment(groups, pushed)
-
-
 class Learner:
     def __init__(
         self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
@@ -182,11 +109,13 @@ class Learner:
         self.unpushed = Unpushed()
         self.awaiting: list[AwaitingCover] = []
         self.resolved = Unpushed()  # rows that wait for nothing more: they ride on the next push
-        self.frags: list[FragmentState] = []
+        self.frags: list[HeldFragment] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
         # Steps the push schedule runs ahead of the step count: moved on when our pushes keep
         # missing the other learners' rounds (SyncChannel.take_missed).
         self.schedule_shift = 0
+        self.state_writer: StateWriter | None = None  # local state kept on disk (local_state)
+        self.resumed: LocalState | None = None
         self.shifted_after = 0  # pushes up to this number were made before the last move
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -195,6 +124,7 @@ class Learner:
         reply = self.client.join(self.overrides.connect_timeout_s)
         self.startup.mark("join")
         self.epoch = reply.coordinator_epoch
+        self.run_id = reply.run_id
         cfg = self.client.config
         assert cfg is not None
         self._check_tokenizer(cfg, reply.tokenizer_hash)
@@ -206,13 +136,15 @@ class Learner:
         self.optimizer = make_inner_optimizer(self.model, cfg.train)
         self.params = dict(self.model.named_parameters())
         plan = assign_fragments([(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments)
-        self.frags = [FragmentState(names) for names in plan]
+        self.frags = [HeldFragment(names) for names in plan]
         self.startup.mark("model")  # tokenizer check, model and optimizer built
         if reply.needs_init:
             init = self.client.init_parameters(self._initial_parameters(cfg))
             log.info("init parameters: %s", init.reason)
-        for header, tensors in self._pull_everything(cfg):
-            self._apply(Merged.full(header.fragment, header.version, tensors))
+        self.resumed = self._resume_decision(cfg, reply)
+        if self.resumed is None:
+            for header, tensors in self._pull_everything(cfg):
+                self._apply(Merged.full(header.fragment, header.version, tensors))
         self.startup.mark("pull")
         log.info(
             "learner %s on %s: %d params in %d fragment(s), H=%d, tau=%d, versions %s",
@@ -225,6 +157,80 @@ class Learner:
             [f.version for f in self.frags],
         )
         return cfg
+
+    def _resume_decision(self, cfg: RunConfig, reply: pb.JoinReply) -> LocalState | None:
+        """This learner's state from its last life, restored, when the run still accepts it; else None."""
+        if not self.overrides.state_dir or not self.overrides.worker_id or cfg.train.local_state_every_s <= 0:
+            return None
+        path = state_path(self.overrides.state_dir, self.overrides.worker_id)
+        self.state_writer = StateWriter(path, cfg.train.local_state_every_s)
+        state = local_state.load(path, [f.names for f in self.frags])
+        decision = local_state.resume_decision(
+            state,
+            run_id=reply.run_id,
+            worker_id=self.client.worker_id,
+            shapes={n: tuple(p.shape) for n, p in self.params.items()},
+            current_versions=list(reply.fragment_versions),
+            max_staleness=cfg.sync.max_staleness,
+        )
+        if state is not None:
+            log.info("local state: %s", decision.reason)
+        if not decision.resume or state is None:
+            return None
+        with torch.no_grad():
+            for name, t in state.params.items():
+                self.params[name].copy_(t.to(self.device))
+        self.optimizer.load_state_dict(state.optimizer)
+        self.frags = state.fragments
+        self.residual = state.residual
+        self.unpushed, self.awaiting, self.resolved = state.unpushed, state.awaiting, state.resolved
+        self.progress.inner_steps = state.inner_steps
+        self.progress.first_loss = state.first_loss
+        self.schedule_shift = state.schedule_shift
+        for p, push in state.pushes.items():
+            self.frags[p].push = push
+        return state
+
+    def _resume_in_flight(self, state: LocalState) -> None:
+        """After a resume: the last life's shard leases go back to the pool (their rows trained and
+        unmerged ride on our pushes; the prefetcher never cuts them again), and each push that was
+        in flight is sent again with its own push_id, for the ledger to answer."""
+        self.prefetcher.skip(state.row_spans())
+        if state.held_shards:
+            header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
+            header.released_shards.extend(state.held_shards)
+            self.channel.submit(header, {})
+        for f in self.frags:
+            if f.in_flight and f.push is not None:
+                self.channel.submit(*f.push)
+            elif f.in_flight:  # nothing to ask about: take the fragment's next version as it comes
+                f.in_flight = False
+
+    def _keep_local_state(self) -> None:
+        """A copy of what this learner holds, for the writer thread to save (local_state)."""
+        writer = self.state_writer
+        if writer is None or not writer.due(time.monotonic()):
+            return
+        # The tensors in bases and pushes are replaced, never changed in place: the dicts are copied.
+        frags = [dataclasses.replace(f, base=dict(f.base), at_push=dict(f.at_push)) for f in self.frags]
+        writer.offer(
+            LocalState(
+                run_id=self.run_id,
+                worker_id=self.client.worker_id,
+                inner_steps=self.progress.inner_steps,
+                first_loss=self.progress.first_loss,
+                schedule_shift=self.schedule_shift,
+                params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
+                optimizer=local_state.copy_optimizer(self.optimizer),
+                fragments=frags,
+                pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
+                residual=dict(self.residual),
+                unpushed=copy_rows(self.unpushed),
+                awaiting=[AwaitingCover(copy_rows(g.rows), set(g.waiting)) for g in self.awaiting],
+                resolved=copy_rows(self.resolved),
+                held_shards=self.prefetcher.held_shards(),
+            )
+        )
 
     def _initial_parameters(self, cfg: RunConfig) -> dict[str, torch.Tensor]:
         """The run's starting point: this learner's random init, or the weights of model.init_from."""
@@ -301,6 +307,7 @@ class Learner:
                 f.base[name] = t.to(torch.float32).clone()
         f.version = version
         f.in_flight = False
+        f.push = None
         if keep:  # the steps since the push are still ours to push, with the rows they trained on
             steps, tokens, loss_sum = f.counted_at_push
             f.steps, f.tokens, f.loss_sum = f.steps - steps, f.tokens - tokens, f.loss_sum - loss_sum
@@ -312,7 +319,7 @@ class Learner:
             self.resolved.extend(done)
         f.at_push = {}
 
-    def _merged_value(self, f: FragmentState, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
+    def _merged_value(self, f: HeldFragment, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
         """The fragment's new value and version: sent in full, or the held base plus each encoded
         step since."""
         first = merged.parts[0][0]
@@ -353,6 +360,7 @@ class Learner:
             mean_loss=f.loss_sum / f.steps if f.steps and not empty else 0.0,
             first_loss=0.0 if math.isnan(self.progress.first_loss) else self.progress.first_loss,
             step_time_s=self.progress.busy_s / max(1, self.progress.inner_steps),
+            push_id=uuid.uuid4().hex,  # here, not in the client: the local state keeps it
         )
         tensors: dict[str, torch.Tensor] = {}
         if not empty:
@@ -371,6 +379,7 @@ class Learner:
             if self.cfg.sync.keep_overlap and self.cfg.sync.overlap_steps:
                 f.at_push = {n: self.params[n].detach().clone() for n in f.names}
                 f.counted_at_push = (f.steps, f.tokens, f.loss_sum)
+            f.push = (header, tensors)
         self.channel.submit(header, tensors)
 
     def _covered_by(self, p: int) -> Unpushed:
@@ -584,6 +593,8 @@ class Learner:
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
         )
+        if self.resumed is not None:
+            self._resume_in_flight(self.resumed)
         self.prefetcher.start()
         self.channel.start()
         heartbeats = threading.Thread(
@@ -612,16 +623,20 @@ class Learner:
                     self._apply_due()
                     continue
                 assert isinstance(item, Batch)
-                if not self.progress.inner_steps:
+                first = (
+                    not self.progress.tokens_trained
+                )  # this life's first step (a resume goes on counting steps)
+                if first:
                     self.startup.mark("first_batch")
                 self._inner_step(item)
-                if self.progress.inner_steps == 1:
+                if first:
                     self.startup.mark("first_step")
                     log.info("%s", describe(breakdown(self.startup.marks)))
                 self._apply_due()
                 self._push_due()
                 if cfg.sync.synchronous:
                     self._wait_for_merges()
+                self._keep_local_state()
                 if schedule.share_done(self.progress.tokens_trained, cfg):
                     reason = "token share trained"
                     break
@@ -630,8 +645,12 @@ class Learner:
             if not self.stop.is_set():
                 # Finished work is not thrown away: what was not pushed yet is pushed and merged.
                 self._flush()
+                if self.state_writer is not None:
+                    self.state_writer.discard()  # nothing is left to resume
         finally:
             self.stop.set()
+            if self.state_writer is not None:
+                self.state_writer.close()
             # The final counters, for status and utilization: tried once, like leave(), so a
             # coordinator that is gone does not hold the exit up.
             with contextlib.suppress(Exception):

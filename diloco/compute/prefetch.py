@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.client import CoordinatorClient
+from diloco.coordinator.leases import subtract
 from diloco.data.cache import ShardCache, read_shard_via
 from diloco.data.shard import ShardCorrupt
 from diloco.store import StoreError
@@ -98,6 +99,9 @@ class ShardPrefetcher:
         # lost lease is removed, so its queued rows are skipped, and a later lease of the same
         # shard (rows handed back to the pool come round again) gets a new number.
         self._live: dict[int, int] = {}
+        # shard id -> rows this learner trained on in an earlier life and still holds unmerged
+        # (diloco.compute.local_state): never cut into batches again, or a push would carry them twice.
+        self._skip: dict[int, list[tuple[int, int]]] = {}
         self._leases = 0
         self._lock = threading.Lock()
         self._fetcher = threading.Thread(target=self._fetch_loop, name="prefetch-fetch", daemon=True)
@@ -113,6 +117,12 @@ class ShardPrefetcher:
         for thread in (self._fetcher, self._batcher):
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+    def skip(self, spans: list[tuple[int, int, int]]) -> None:
+        """Rows (shard, start, end) already trained on: left out of every later lease's batches."""
+        with self._lock:
+            for shard_id, a, b in spans:
+                self._skip.setdefault(shard_id, []).append((a, b))
 
     def held_shards(self) -> list[int]:
         with self._lock:
@@ -251,7 +261,9 @@ class ShardPrefetcher:
             self._put(self.queue, DONE)
 
     def _batches(self, lease: pb.LeaseShardReply, number: int, rows) -> Iterator[Batch]:
-        ranges = [(s.row_start, s.row_end) for s in lease.todo]
+        with self._lock:
+            done = list(self._skip.get(lease.shard_id, ()))
+        ranges = [r for s in lease.todo for r in subtract((s.row_start, s.row_end), done)]
         for r, (a, b) in enumerate(ranges):
             for i in range(a, b, self.batch_size):
                 if not self._is_live(lease.shard_id, number):

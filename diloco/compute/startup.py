@@ -9,8 +9,10 @@ so the time lost per kill can be broken down from the learners' logs (benchmarks
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 
 # Set by a supervisor when it spawns the process (diloco.procs), and by `python -m cli` as its
 # first statement: the two ends of "process start" (the interpreter coming up).
@@ -52,3 +54,32 @@ def breakdown(marks: dict[str, float]) -> dict[str, float]:
 def describe(phases: dict[str, float]) -> str:
     parts = [f"{name.replace('_', ' ')} {phases[name]:.2f}s" for name in PHASES if name in phases]
     return f"start-up: {', '.join(parts)} (total {phases.get('total', 0.0):.2f}s)"
+
+
+# The line `describe` makes, as diloco.logs writes it: "<date> <time,ms> INFO learner[pid] ...".
+_LINE = re.compile(r"^(\S+ \S+) .*start-up: (.*) \(total ([\d.]+)s\)")
+
+
+@dataclass(frozen=True)
+class Startup:
+    """One process life's start-up, read back from its log."""
+
+    first_step_at: float  # wall clock (time.time()) of the first inner step
+    phases: dict[str, float]  # PHASES and "total", in seconds
+
+
+def read_startups(log_text: str) -> list[Startup]:
+    """Every start-up line in a learner's log, in order (one per life)."""
+    out = []
+    for line in log_text.splitlines():
+        match = _LINE.match(line)
+        if not match:
+            continue
+        phases = {}
+        for part in match.group(2).split(", "):
+            name, seconds = part.rsplit(" ", 1)
+            phases[name.replace(" ", "_")] = float(seconds.rstrip("s"))
+        phases["total"] = float(match.group(3))
+        at = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        out.append(Startup(at, phases))
+    return out

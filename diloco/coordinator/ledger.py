@@ -16,6 +16,7 @@ import random
 import sqlite3
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +175,12 @@ class Ledger:
                 _bump(db, name, value)
             for key, value in meta.items():
                 db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def run_id(self) -> str:
+        """The run's identity: made on first use and kept for the ledger's life (restarts too)."""
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('run_id', ?)", (uuid.uuid4().hex,))
+            return str(db.execute("SELECT value FROM meta WHERE key = 'run_id'").fetchone()[0])
 
     def next_epoch(self) -> int:
         """A new coordinator epoch: pushes that were in flight in the last one are gone."""

@@ -134,6 +134,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
         self.ledger = ledger
         # Handed out at join; every worker refuses to work with a tokenizer that differs.
         self.tokenizer_hash = tokenizer_hash
+        self.run_id = self.ledger.run_id()
         self.checkpoint_root = checkpoint_root
         self.shard_root = shard_root
         self.clock = clock
@@ -273,6 +274,8 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             run_state=self._state_pb(),
             heartbeat_s=self.config.coordinator.heartbeat_s,
             tokenizer_hash=self.tokenizer_hash,
+            run_id=self.run_id,
+            fragment_versions=[f.version for f in self.fragments],
         )
         with self.cond:
             self.cond.notify_all()

@@ -40,7 +40,7 @@ class JoinRequest(_message.Message):
     def __init__(self, role: _Optional[_Union[Role, str]] = ..., host: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("worker_id", "config_json", "coordinator_epoch", "needs_init", "num_fragments", "run_state", "heartbeat_s", "tokenizer_hash")
+    __slots__ = ("worker_id", "config_json", "coordinator_epoch", "needs_init", "num_fragments", "run_state", "heartbeat_s", "tokenizer_hash", "run_id", "fragment_versions")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,8 @@ class JoinReply(_message.Message):
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     config_json: str
     coordinator_epoch: int
@@ -57,7 +59,9 @@ class JoinReply(_message.Message):
     run_state: RunState
     heartbeat_s: float
     tokenizer_hash: str
-    def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ...) -> None: ...
+    run_id: str
+    fragment_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ..., run_id: _Optional[str] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds")

@@ -1,0 +1,172 @@
+"""A learner's state on local disk: the file round-trips, the writer never blocks, the resume
+decision is a pure function of the state and the run, and a real learner killed with -9 resumes."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.compute import local_state
+from diloco.compute.held import AwaitingCover, HeldFragment, Unpushed
+from diloco.compute.local_state import LocalState, StateWriter, resume_decision, state_path
+from diloco.config import RunConfig
+from diloco.model.gpt import build_model, make_inner_optimizer
+from diloco.procs import ProcessGroup
+from diloco.v1 import coordinator_pb2 as pb
+from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
+
+
+def a_state(tmp_steps: int = 7) -> tuple[LocalState, torch.optim.Optimizer]:
+    cfg = RunConfig().with_overrides({"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2})
+    model = build_model(cfg.model, 256, 1)
+    optimizer = make_inner_optimizer(model, cfg.train)
+    x = torch.randint(0, 256, (2, cfg.model.seq_len))
+    _, loss = model(x, x)
+    loss.backward()
+    optimizer.step()
+    names = [n for n, _ in model.named_parameters()]
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frags = [
+        HeldFragment(names[:2], version=3, steps=5, tokens=500, loss_sum=9.5),
+        HeldFragment(names[2:], version=2),
+    ]
+    frags[0].base = {n: params[n] + 1 for n in names[:2]}
+    frags[0].in_flight, frags[0].apply_at = True, 9
+    header = pb.TensorHeader(fragment=0, version=3, push_id="abc", inner_steps=5, tokens=500)
+    header.spans.append(pb.ShardSpan(shard_id=4, row_start=0, row_end=8))
+    frags[0].push = (header, {names[0]: torch.ones(3)})
+    unpushed = Unpushed([(7, 16, 24)], released=[7])
+    state = LocalState(
+        run_id="run-1",
+        worker_id="learner-0",
+        inner_steps=tmp_steps,
+        first_loss=5.5,
+        schedule_shift=2,
+        params=params,
+        optimizer=local_state.copy_optimizer(optimizer),
+        fragments=frags,
+        pushes={0: frags[0].push},
+        residual={names[0]: torch.full((2,), 0.25)},
+        unpushed=unpushed,
+        awaiting=[AwaitingCover(Unpushed([(5, 0, 8)]), {1})],
+        resolved=Unpushed(),
+        held_shards=[5, 7],
+    )
+    return state, optimizer
+
+
+def test_the_file_round_trips_everything_but_released_shards(tmp_path: Path) -> None:
+    state, optimizer = a_state()
+    path = state_path(tmp_path, "learner-0")
+    local_state.save(path, state)
+    back = local_state.load(path, [f.names for f in state.fragments])
+    assert back is not None
+    assert back.run_id == "run-1" and back.inner_steps == 7 and back.schedule_shift == 2
+    assert all(torch.equal(back.params[n], t) for n, t in state.params.items())
+    assert back.fragments[0].version == 3 and back.fragments[0].in_flight and back.fragments[0].apply_at == 9
+    assert torch.equal(
+        back.fragments[0].base[state.fragments[0].names[0]],
+        state.fragments[0].base[state.fragments[0].names[0]],
+    )
+    header, blobs = back.pushes[0]
+    assert (
+        header.push_id == "abc"
+        and header.spans[0].row_end == 8
+        and torch.equal(next(iter(blobs.values())), torch.ones(3))
+    )
+    assert back.row_spans() == [(7, 16, 24), (5, 0, 8)]
+    assert back.unpushed.released == []  # the old leases are given back at resume, not by a push
+    assert back.held_shards == [5, 7]
+    # The optimizer state loads into a fresh optimizer of the same model.
+    optimizer.load_state_dict(back.optimizer)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_torn_or_foreign_file_means_a_fresh_start(tmp_path: Path) -> None:
+    path = state_path(tmp_path, "learner-0")
+    path.write_bytes(b"not a safetensors file")
+    assert local_state.load(path, [[]]) is None
+    assert local_state.load(tmp_path / "absent.safetensors", [[]]) is None
+
+
+def test_resume_decision_names_its_reason() -> None:
+    state, _ = a_state()
+    shapes = {n: tuple(t.shape) for n, t in state.params.items()}
+    kw = {"run_id": "run-1", "worker_id": "learner-0", "shapes": shapes, "max_staleness": 4}
+    ok = resume_decision(state, current_versions=[5, 2], **kw)
+    assert ok.resume and "step 7" in ok.reason
+    assert resume_decision(None, current_versions=[5, 2], **kw).reason == "no local state"
+    other_run = resume_decision(state, current_versions=[5, 2], **{**kw, "run_id": "run-2"})
+    assert not other_run.resume and "another run" in other_run.reason
+    stale = resume_decision(state, current_versions=[8, 2], **kw)
+    assert not stale.resume and "fragment 0" in stale.reason and "stale" in stale.reason
+    ahead = resume_decision(state, current_versions=[2, 2], **kw)  # the run lost merges we hold
+    assert not ahead.resume and "newer than" in ahead.reason
+    assert not resume_decision(state, current_versions=[3], **kw).resume
+    assert not resume_decision(state, current_versions=[3, 2], **{**kw, "shapes": {"x": (1,)}}).resume
+
+
+def test_the_writer_keeps_only_the_newest_state_and_discard_removes_it(tmp_path: Path) -> None:
+    path = state_path(tmp_path, "learner-0")
+    writer = StateWriter(path, every_s=0.0)
+    for steps in (1, 2, 3):
+        state, _ = a_state(steps)
+        writer.offer(state)
+    wait_for(lambda: path.exists() and writer.due(time.monotonic()), 20, "the writer to finish")
+    back = local_state.load(path, [f.names for f in state.fragments])
+    assert back is not None and back.inner_steps == 3
+    assert writer.writes <= 3
+    writer.discard()
+    assert not path.exists()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """kill -9 mid-run, the same id restarts: it resumes at its step without a pull, the run ends
+    with every row merged once (the audit), and a clean end leaves no state behind."""
+    workdir = tmp_path / "coord"
+    state_dir = tmp_path / "state"
+    path = state_path(state_dir, "learner-0")
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        address = start_coordinator(group, workdir, [
+            "--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.inner_steps=20",
+            "--set", "train.local_state_every_s=0.2", "--set", "data.chunk_bytes=65536",
+        ])  # fmt: skip
+        group.spawn("data-0", "data", ["data", "--coordinator", address])
+        args = ["compute", "--coordinator", address, "--threads", "1", "--worker-id", "learner-0",
+                "--state-dir", str(state_dir)]  # fmt: skip
+        learner = group.spawn("learner-0", "learner", args)
+
+        def saved_steps() -> int:
+            state = local_state.load(path, [[]] * 8) if path.exists() else None
+            return state.inner_steps if state else 0
+
+        wait_for(lambda: saved_steps() >= 30, 150, "the learner to keep its state past step 30")
+        group.signal(learner, signal.SIGKILL)
+        assert group.wait([learner], 10)
+        saved = saved_steps()
+        learner = group.respawn(learner)
+        assert group.wait([learner], 150) and learner.proc.returncode == 0, group.tail(learner, 40)
+        log = learner.log_path.read_text()
+        resumed = [line for line in log.splitlines() if "local state: resuming at step" in line]
+        assert resumed, log[-3000:]
+        assert int(resumed[-1].split("resuming at step ")[1].split()[0]) >= saved
+        assert not path.exists(), "a clean end leaves nothing to resume"
+        group.stop(group.by_role("data"), grace_s=30)
+        group.stop(group.by_role("coordinator"), grace_s=30)
+        audit = run_cli(["status", "--audit", "--workdir", str(workdir)], timeout=60)
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+        merged = ledger_rows(
+            workdir, "SELECT COUNT(*) FROM pushes WHERE worker_id = 'learner-0' AND state = 'merged'"
+        )
+        assert merged[0][0] > 0
+    finally:
+        group.stop()
