@@ -42,36 +42,91 @@ def diloco_run(name: str, workdir: Path, args: list[str], timeout_s: float) -> d
     return json.loads((workdir / name / "summary.json").read_text())
 
 
+def pair_row(
+    calm: dict[str, Any], chaos: dict[str, Any], seed: int, interval: float, roles: str
+) -> dict[str, Any]:
+    """One chaos run next to its fault-free twin (same seed, same merged-token budget)."""
+    ratio = (
+        chaos["eval_loss"] / calm["eval_loss"] - 1.0
+        if calm.get("eval_loss") and chaos.get("eval_loss")
+        else None
+    )
+    return {
+        "seed": seed,
+        "interval_s": interval,
+        "roles": roles,
+        "kills": chaos.get("kills", {}),
+        "eval_fault_free": calm.get("eval_loss"),
+        "eval_chaos": chaos.get("eval_loss"),
+        "eval_ratio": ratio,
+        "tokens_merged": [calm.get("tokens_merged"), chaos.get("tokens_merged")],
+        "audit_ok": chaos.get("audit_ok"),
+        "goodput": [calm.get("goodput"), chaos.get("goodput")],
+        "longest_merge_gap_s": chaos.get("longest_merge_gap_s"),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=3_000_000)
     p.add_argument("--chaos-interval", type=float, default=6.0)
     p.add_argument("--learners", type=int, default=2)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--pairs",
+        default="",
+        help="several pairs: SEED:INTERVAL[:ROLES],... (ROLES as --chaos-roles, '+'-separated; default all)",
+    )
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--max-minutes", type=float, default=60.0, help="safety bound per run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
 
-    common = ["--tokens", str(args.tokens), "--minutes", str(args.max_minutes), "--learners", str(args.learners),
-              "--seed", str(args.seed)]  # fmt: skip
+    pairs = [(args.seed, args.chaos_interval, "")]
+    if args.pairs:
+        pairs = []
+        for item in args.pairs.split(","):
+            seed, interval, *roles = item.split(":")
+            pairs.append((int(seed), float(interval), roles[0].replace("+", ",") if roles else ""))
     timeout = args.max_minutes * 60 + 600
+    rows, runs = [], []
+    calms: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="diloco_chaos_") as tmp:
-        print("== fault-free", file=sys.stderr, flush=True)
-        calm = diloco_run("fault-free", Path(tmp), common, timeout)
-        print(f"== chaos every ~{args.chaos_interval:g}s", file=sys.stderr, flush=True)
-        chaos = diloco_run(
-            "chaos", Path(tmp), [*common, "--chaos-interval", str(args.chaos_interval)], timeout
-        )
+        for i, (seed, interval, roles) in enumerate(pairs):
+            common = ["--tokens", str(args.tokens), "--minutes", str(args.max_minutes),
+                      "--learners", str(args.learners), "--seed", str(seed)]  # fmt: skip
+            for item in args.overrides:
+                common += ["--set", item]
+            if seed not in calms:  # the fault-free twin of a seed is the same run for every interval
+                print(f"== fault-free, seed {seed}", file=sys.stderr, flush=True)
+                calms[seed] = diloco_run(f"fault-free-{seed}", Path(tmp), common, timeout)
+            extra = ["--chaos-interval", str(interval)] + (["--chaos-roles", roles] if roles else [])
+            print(
+                f"== chaos every ~{interval:g}s ({roles or 'all roles'}), seed {seed}",
+                file=sys.stderr,
+                flush=True,
+            )
+            chaos = diloco_run(f"chaos-{i}", Path(tmp), [*common, *extra], timeout)
+            rows.append(pair_row(calms[seed], chaos, seed, interval, roles or "all"))
+            runs.append({"fault_free": calms[seed], "chaos": chaos})
+            r = rows[-1]
+            print(f"   eval {r['eval_fault_free']:.4f} -> {r['eval_chaos']:.4f} ({r['eval_ratio']:+.2%}), "
+                  f"kills {sum(r['kills'].values())}, audit {r['audit_ok']}", file=sys.stderr, flush=True)  # fmt: skip
 
-    keys = ["kills", "chunks", "chunks_done", "chunks_quarantined", "tokens_trained", "tokens_merged", "rounds",
-            "eval_loss", "longest_merge_gap_s", "wall_seconds", "audit_ok", "audit_violations"]  # fmt: skip
-    print(f"{'':<22}{'fault-free':>20}{'chaos':>28}")
-    for key in keys:
-        print(f"{key:<22}{json.dumps(calm.get(key)):>20}{json.dumps(chaos.get(key)):>28}")
-    ratio = chaos["eval_loss"] / calm["eval_loss"] - 1.0
-    print(f"eval loss, chaos vs fault-free: {ratio:+.2%}; kills: {sum(chaos['kills'].values())}")
+    print(
+        f"{'seed':>5}{'every':>7}{'roles':>22}{'kills':>7}{'fault-free':>12}{'chaos':>9}{'ratio':>9}{'audit':>7}"
+    )
+    for r in rows:
+        print(f"{r['seed']:>5}{r['interval_s']:>6g}s{r['roles']:>22}{sum(r['kills'].values()):>7}"
+              f"{r['eval_fault_free']:>12.4f}{r['eval_chaos']:>9.4f}{r['eval_ratio']:>+9.2%}{str(r['audit_ok']):>7}")  # fmt: skip
+    ratios = [r["eval_ratio"] for r in rows if r["eval_ratio"] is not None]
+    if ratios:
+        mean = sum(ratios) / len(ratios)
+        spread = (sum((x - mean) ** 2 for x in ratios) / max(1, len(ratios) - 1)) ** 0.5
+        print(f"chaos vs fault-free over {len(ratios)} pair(s): mean {mean:+.2%}, sd {spread:.2%}, "
+              f"worst {max(ratios):+.2%}; within 2%: {sum(x <= 0.02 for x in ratios)}/{len(ratios)}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"fault_free": calm, "chaos": chaos, "eval_loss_ratio": ratio, "args": vars(args)}
+    payload = {"pairs": rows, "runs": runs, "args": {k: str(v) for k, v in vars(args).items()}}
     args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     print(f"results: {args.out}")
 

@@ -52,9 +52,17 @@ class ProcessGroup:
     retired: list[Child] = field(default_factory=list)  # earlier lives of respawned children
     spares: dict[str, Child] = field(default_factory=dict)  # role -> a warm spare (keep_spares)
 
-    def spawn(self, name: str, role: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
-        """Start `python -m cli <args>` with its output in <log_dir>/<name>.log."""
-        child = self._start(name, role, args, self.log_dir / f"{name}.log", extra_env)
+    def spawn(
+        self,
+        name: str,
+        role: str,
+        args: list[str],
+        extra_env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+    ) -> Child:
+        """Start `python -m cli <args>` with its output in <log_dir>/<name>.log; `prefix` is a
+        command that execs it (e.g. `ip netns exec NS`, to run it in another network namespace)."""
+        child = self._start(name, role, args, self.log_dir / f"{name}.log", extra_env, prefix=prefix)
         self.children.append(child)
         return child
 
@@ -66,6 +74,7 @@ class ProcessGroup:
         log_path: Path,
         extra_env: dict[str, str] | None = None,
         stdin: int = subprocess.DEVNULL,
+        prefix: list[str] | None = None,
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, **(extra_env or {})}
@@ -79,7 +88,7 @@ class ProcessGroup:
                 # A session of its own: a Ctrl-C at the terminal reaches only the parent, which then
                 # stops the children in order instead of all of them dying at once.
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "cli", *args],
+                    [*(prefix or []), sys.executable, "-m", "cli", *args],
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=stdin,

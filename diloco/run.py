@@ -216,9 +216,9 @@ class LocalRun:
         job_startup = job_startup_seconds(self.workdir / "logs", started_at)
         summary["job_startup_seconds"] = round(job_startup, 2)
         summary["goodput_after_start"] = goodput(
-            detail.get("learner_busy_seconds", 0.0),
+            detail.get("learner_kept_busy_seconds", 0.0),
             summary["tokens_merged"],
-            summary["tokens_trained"],
+            detail.get("tokens_pushed", 0),
             self.options.learners,
             max(1e-9, train_seconds - job_startup),
         )
@@ -402,9 +402,9 @@ class LocalRun:
             [w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
         )
         summary["goodput"] = goodput(
-            d.get("learner_busy_seconds", 0.0),
+            d.get("learner_kept_busy_seconds", 0.0),
             summary["tokens_merged"],
-            summary["tokens_trained"],
+            d.get("tokens_pushed", 0),
             self.options.learners,
             train_seconds,
         )
@@ -484,19 +484,23 @@ def longest_merge_gap(workdir: Path) -> float:
 
 
 def goodput(
-    busy_seconds: float, tokens_merged: int, tokens_trained: int, learners: int, wall_s: float
+    kept_busy_seconds: float, tokens_merged: int, tokens_pushed: int, learners: int, wall_s: float
 ) -> float:
-    """The share of learner-seconds whose work was merged: time in inner steps (every life of every
-    learner) times the share of the trained tokens that were merged, over learners × wall time.
+    """The share of learner-seconds whose work was merged, over learners × wall time.
+
+    The work is time in inner steps, every life of every learner, that a kill did not lose: steps
+    whose rows rode on a push, or that were in the learner's local state on disk when it died
+    (each learner reports that figure, `kept_busy_seconds`, in its heartbeats). Of the pushed
+    work, the share of tokens that merged counts (refused or dropped pushes do not).
 
     Merged tokens per second alone would hide what a failure costs on shared cores: a dead
-    learner's core goes to the others, who then train faster. Work lost to a kill (steps whose
-    rows never merged) and time spent dead or restarting both count against it.
+    learner's core goes to the others, who then train faster. Work lost to a kill and time spent
+    dead or restarting both count against goodput.
     """
-    if learners <= 0 or wall_s <= 0 or tokens_trained <= 0:
+    if learners <= 0 or wall_s <= 0 or tokens_pushed <= 0:
         return 0.0
-    merged_share = min(1.0, tokens_merged / tokens_trained)
-    return round(min(1.0, busy_seconds * merged_share / (learners * wall_s)), 4)
+    merged_share = min(1.0, tokens_merged / tokens_pushed)
+    return round(min(1.0, kept_busy_seconds * merged_share / (learners * wall_s)), 4)
 
 
 # Above this H, a run from a random init tends to end worse than it began (issue 6's note, and the

@@ -594,8 +594,11 @@ def test_the_shuffled_order_survives_a_restart(tmp_path, clock) -> None:
 def test_a_restarted_worker_keeps_its_earlier_lives_tokens(ledger) -> None:
     ledger.join("L1", "compute", "h")
     ledger.heartbeat("L1", {"tokens_trained": 500})
-    ledger.heartbeat("L1", {"tokens_trained": 900})
+    ledger.heartbeat("L1", {"tokens_trained": 900, "busy_seconds": 30.0, "kept_busy_seconds": 24.0})
     ledger.join("L1", "compute", "h")  # killed and restarted under the same id: counts from 0
     ledger.heartbeat("L1", {"tokens_trained": 100})
     ledger.heartbeat("L1", {"tokens_trained": 300})
     assert ledger.counter("tokens_trained_by_earlier_lives") == 900
+    # Its time in inner steps too, and how much of it a kill did not lose (for goodput).
+    assert ledger.counter("busy_seconds_by_earlier_lives") == 30.0
+    assert ledger.counter("kept_busy_seconds_by_earlier_lives") == 24.0

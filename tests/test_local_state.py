@@ -44,6 +44,7 @@ def a_state(tmp_steps: int = 7) -> tuple[LocalState, torch.optim.Optimizer]:
         run_id="run-1",
         worker_id="learner-0",
         inner_steps=tmp_steps,
+        busy_s=1.5,
         first_loss=5.5,
         schedule_shift=2,
         params=params,

@@ -9,7 +9,7 @@ import pytest
 
 from cli.main import worker_line
 from diloco.client import CoordinatorClient
-from diloco.compute.startup import breakdown, describe
+from diloco.compute.startup import breakdown, describe, read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.server import start_coordinator
@@ -20,6 +20,7 @@ from diloco.run import (
     data_plane_metrics,
     ddp_wire_bytes_per_token,
     goodput,
+    job_startup_seconds,
     longest_merge_gap,
 )
 from diloco.tokenizer import load_tokenizer
@@ -119,7 +120,7 @@ def test_a_large_h_from_a_random_init_is_warned_about() -> None:
 
 
 def test_goodput_is_merged_work_over_learner_time() -> None:
-    # 2 learners for 100 s; 150 s in inner steps; 90% of what they trained merged.
+    # 2 learners for 100 s; 150 s in inner steps that no kill lost; 90% of what they pushed merged.
     assert goodput(150.0, 900, 1000, learners=2, wall_s=100.0) == pytest.approx(0.675)
     assert goodput(0.0, 0, 0, learners=2, wall_s=100.0) == 0.0
     assert goodput(300.0, 2000, 1000, learners=2, wall_s=100.0) == 1.0  # never above 1
@@ -143,3 +144,22 @@ def test_start_up_breaks_down_from_spawn_to_first_step() -> None:
     assert describe(phases).startswith("start-up: process 0.20s, imports 1.80s")
     # Started by hand (no supervisor): the phases it can see.
     assert "process" not in breakdown({k: v for k, v in marks.items() if k != "spawned"})
+
+
+def test_start_up_lines_read_back_with_their_time_and_the_job_start_up(tmp_path: Path) -> None:
+    lines = [
+        "2026-12-01 13:04:07,492 INFO learner[1] diloco.learner: start-up: process 0.16s, imports 9.92s, "
+        "join 0.05s, model 5.27s, pull 0.45s, first batch 1.07s, first step 1.27s (total 18.19s)",
+        "2026-12-01 13:04:09,000 INFO learner[1] diloco.learner: something else",
+        "2026-12-01 13:05:00,000 INFO learner[2] diloco.learner: start-up: process 0.00s, imports 0.05s, "
+        "join 0.04s, model 0.05s, pull 0.05s, first batch 0.03s, first step 1.13s (total 1.36s)",
+    ]
+    lives = read_startups("\n".join(lines))
+    assert [life.phases["total"] for life in lives] == [18.19, 1.36]
+    assert lives[0].phases["first_batch"] == 1.07 and lives[1].phases["imports"] == 0.05
+    assert lives[1].first_step_at - lives[0].first_step_at == pytest.approx(52.508)
+    (tmp_path / "learner-0.log").write_text("\n".join(lines))
+    (tmp_path / "learner-1.log").write_text(lines[2])
+    started = lives[0].first_step_at - 20.0
+    # learner-0's first life took its first step 20 s in, learner-1's 72.5 s in
+    assert job_startup_seconds(tmp_path, started) == pytest.approx((20.0 + 72.508) / 2)

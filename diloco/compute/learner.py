@@ -80,6 +80,7 @@ class Progress:
     last_loss: float = math.nan
     first_loss: float = math.nan
     busy_s: float = 0.0  # time inside inner steps
+    kept_busy_s: float = 0.0  # of it, the steps a kill would not lose (pushed, or saved locally)
     stall_s: float = 0.0  # time waiting for data
     sync_wait_s: float = 0.0  # time waiting for the syncer
     started: float = field(default_factory=time.monotonic)
@@ -163,7 +164,7 @@ class Learner:
         if not self.overrides.state_dir or not self.overrides.worker_id or cfg.train.local_state_every_s <= 0:
             return None
         path = state_path(self.overrides.state_dir, self.overrides.worker_id)
-        self.state_writer = StateWriter(path, cfg.train.local_state_every_s)
+        self.state_writer = StateWriter(path, cfg.train.local_state_every_s, on_saved=self._saved)
         state = local_state.load(path, [f.names for f in self.frags])
         decision = local_state.resume_decision(
             state,
@@ -190,6 +191,10 @@ class Learner:
         for p, push in state.pushes.items():
             self.frags[p].push = push
         return state
+
+    def _saved(self, state: LocalState) -> None:
+        """(writer thread) The steps up to this state survive a kill now."""
+        self.progress.kept_busy_s = max(self.progress.kept_busy_s, state.busy_s)
 
     def _resume_in_flight(self, state: LocalState) -> None:
         """After a resume: the last life's shard leases go back to the pool (their rows trained and
@@ -218,6 +223,7 @@ class Learner:
                 run_id=self.run_id,
                 worker_id=self.client.worker_id,
                 inner_steps=self.progress.inner_steps,
+                busy_s=self.progress.busy_s,
                 first_loss=self.progress.first_loss,
                 schedule_shift=self.schedule_shift,
                 params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
@@ -388,6 +394,8 @@ class Learner:
         self.unpushed = Unpushed()
         self.resolved.extend(carried)
         carried, self.resolved = self.resolved, Unpushed()
+        if not self.awaiting:  # every step so far rides on a push: a kill now loses none of it
+            self.progress.kept_busy_s = self.progress.busy_s
         return carried
 
     def _return_unpushed(self) -> None:
@@ -481,6 +489,7 @@ class Learner:
             tokens_trained=p.tokens_trained,
             last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
             busy_seconds=p.busy_s,
+            kept_busy_seconds=p.kept_busy_s,
             wall_seconds=p.wall_s(),
             data_stall_seconds=p.stall_s,
             sync_wait_seconds=p.sync_wait_s,
@@ -645,6 +654,7 @@ class Learner:
             if not self.stop.is_set():
                 # Finished work is not thrown away: what was not pushed yet is pushed and merged.
                 self._flush()
+                self.progress.kept_busy_s = self.progress.busy_s  # pushed and merged, or given back
                 if self.state_writer is not None:
                     self.state_writer.discard()  # nothing is left to resume
         finally:

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class LocalState:
     run_id: str
     worker_id: str
     inner_steps: int
+    busy_s: float  # this life's time in inner steps when the copy was taken
     first_loss: float
     schedule_shift: int
     params: dict[str, torch.Tensor]
@@ -160,6 +162,7 @@ def save(path: Path, state: LocalState) -> None:
         "run_id": state.run_id,
         "worker_id": state.worker_id,
         "inner_steps": state.inner_steps,
+        "busy_s": state.busy_s,
         "first_loss": state.first_loss,
         "schedule_shift": state.schedule_shift,
         "optimizer_groups": state.optimizer["param_groups"],
@@ -225,6 +228,7 @@ def _from_file(meta: dict[str, Any], tensors: dict[str, torch.Tensor], names: li
         run_id=meta["run_id"],
         worker_id=meta["worker_id"],
         inner_steps=int(meta["inner_steps"]),
+        busy_s=float(meta["busy_s"]),
         first_loss=float(meta["first_loss"]),
         schedule_shift=int(meta["schedule_shift"]),
         params=_section(tensors, "param/"),
@@ -246,9 +250,10 @@ class StateWriter:
     A state offered while the last is still being written replaces any not yet started: only the
     newest matters, and copies never pile up."""
 
-    def __init__(self, path: Path, every_s: float):
+    def __init__(self, path: Path, every_s: float, on_saved: Callable[[LocalState], None] | None = None):
         self.path = path
         self.every_s = every_s
+        self.on_saved = on_saved  # called on the writer thread once a state is on disk
         self._closed = threading.Event()
         self._next: LocalState | None = None
         self._busy = False
@@ -292,6 +297,8 @@ class StateWriter:
             try:
                 save(self.path, state)
                 self.writes += 1
+                if self.on_saved is not None:
+                    self.on_saved(state)
             except Exception as e:  # a full disk must not stop training: the next copy may land
                 log.warning("could not save local state to %s: %s", self.path, e)
             finally:

@@ -227,6 +227,7 @@ class Ledger:
                 # its time in inner steps, for goodput).
                 _bump(db, "tokens_trained_by_earlier_lives", before)
                 _bump(db, "busy_seconds_by_earlier_lives", float(previous.get("busy_seconds", 0.0)))
+                _bump(db, "kept_busy_seconds_by_earlier_lives", float(previous.get("kept_busy_seconds", 0.0)))
             db.execute(
                 "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?",
                 (now, json.dumps(stats), worker_id),

@@ -291,6 +291,7 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "tokens_trained": request.tokens_trained,
             "last_loss": request.last_loss,
             "busy_seconds": request.busy_seconds,
+            "kept_busy_seconds": request.kept_busy_seconds,
             "wall_seconds": request.wall_seconds,
             "data_stall_seconds": request.data_stall_seconds,
             "sync_wait_seconds": request.sync_wait_seconds,
@@ -1077,6 +1078,12 @@ class CoordinatorService(pb_grpc.CoordinatorServicer):
             "learner_busy_seconds": round(
                 counters.get("busy_seconds_by_earlier_lives", 0.0)
                 + sum(w.get("busy_seconds", 0.0) for w in workers if w["role"] == "compute"),
+                3,
+            ),
+            # Of it, the steps whose work survived: carried by pushes or saved on local disk.
+            "learner_kept_busy_seconds": round(
+                counters.get("kept_busy_seconds_by_earlier_lives", 0.0)
+                + sum(w.get("kept_busy_seconds", 0.0) for w in workers if w["role"] == "compute"),
                 3,
             ),
             "pushes_received": int(counters.get("pushes_received", 0)),
