@@ -109,7 +109,7 @@ class TrainConfig:
     # A learner with a stable id keeps its state (parameters, inner optimizer, unmerged rows,
     # bases) on its own disk this often, off the training thread: restarted, it goes on from
     # there instead of losing every step since its last pushes (0: never).
-    local_state_every_s: float = 5.0
+    local_state_every_s: float = 2.0
 
 
 @dataclass

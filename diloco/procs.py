@@ -50,7 +50,9 @@ class ProcessGroup:
     env: dict[str, str] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
     retired: list[Child] = field(default_factory=list)  # earlier lives of respawned children
-    spares: dict[str, Child] = field(default_factory=dict)  # role -> a warm spare (keep_spares)
+    spares: dict[str, list[Child]] = field(default_factory=dict)  # role -> warm spares, oldest first
+    spares_per_role: int = 0
+    _spares_started: int = 0
 
     def spawn(
         self,
@@ -101,23 +103,28 @@ class ProcessGroup:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
-    def keep_spares(self, roles: list[str]) -> None:
-        """From now on keep one warm spare (diloco.spare) per role, for respawn to hand a role to."""
+    def keep_spares(self, roles: list[str], per_role: int | None = None) -> None:
+        """From now on keep `per_role` warm spares (diloco.spare) of each role for respawn to hand a
+        role to: more than one, so that kills in quick succession still find one warmed up."""
+        self.spares_per_role = per_role if per_role is not None else self.spares_per_role
         for role in roles:
-            if role not in self.spares:
-                self.spares[role] = self._start(
+            waiting = self.spares.setdefault(role, [])
+            while len(waiting) < self.spares_per_role:
+                self._spares_started += 1
+                waiting.append(self._start(
                     f"spare-{role}",
                     role,
                     ["standby", "--role", role],
-                    self.log_dir / f"spare-{role}.log",
+                    self.log_dir / f"spare-{role}-{self._spares_started}.log",
                     stdin=subprocess.PIPE,
-                )
+                ))  # fmt: skip
 
     def _hand_to_spare(self, name: str, role: str, args: list[str]) -> Child | None:
         """The role's spare becomes `name` (and a new spare starts warming up); None: no live spare."""
-        spare = self.spares.pop(role, None)
-        if spare is None:
+        waiting = self.spares.get(role, [])
+        if not waiting:
             return None
+        spare = waiting.pop(0)  # the oldest: the one furthest into its warm-up
         log_path = self.log_dir / f"{name}.log"
         assignment = Assignment(args, str(log_path), {SPAWNED_AT_ENV: repr(time.time())})
         try:
@@ -134,6 +141,9 @@ class ProcessGroup:
         self.keep_spares([role])
         return child
 
+    def all_spares(self) -> list[Child]:
+        return [c for waiting in self.spares.values() for c in waiting]
+
     def respawn(self, child: Child, args: list[str] | None = None) -> Child:
         """Start a process again in a child's place (same name, role and, unless given, args): the
         role's warm spare when there is one, else a fresh process."""
@@ -146,7 +156,7 @@ class ProcessGroup:
     def cpu_seconds_by_role(self) -> dict[str, float]:
         """CPU seconds used by the children that have exited, every life of each, by role."""
         totals: dict[str, float] = {}
-        for c in [*self.retired, *self.children, *self.spares.values()]:
+        for c in [*self.retired, *self.children, *self.all_spares()]:
             if c.cpu_s is not None:
                 totals[c.role] = round(totals.get(c.role, 0.0) + c.cpu_s, 2)
         return totals
@@ -175,7 +185,7 @@ class ProcessGroup:
         leases, last heartbeat or leave may be missing): each gets a warning line. Ended by the
         signal itself is clean: the child had not set its handlers up yet, so it held nothing.
         """
-        everyone = [*self.children, *self.spares.values()]
+        everyone = [*self.children, *self.all_spares()]
         targets = [c for c in (everyone if children is None else children) if c.alive]
         for c in targets:
             self.signal(c, signal.SIGTERM)

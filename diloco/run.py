@@ -14,7 +14,6 @@ import json
 import math
 import os
 import signal
-import sqlite3
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -34,6 +33,7 @@ from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.audit import audit
 from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes, split_sizes
 from diloco.coordinator.server import check_same_dataset, dataset_files, recorded_dataset, store_root
 from diloco.data.shard import read_shard
 from diloco.errors import DilocoError
@@ -61,6 +61,11 @@ def default_run_config() -> RunConfig:
     cfg.data.chunk_bytes = 256 * 1024
     cfg.coordinator.lease_ttl_s = 15.0
     return cfg
+
+
+# Warm spares per restarted role under chaos: two, so a second kill within a spare's warm-up (a
+# few seconds of imports) still finds one ready.
+SPARES_PER_ROLE = 2
 
 
 @dataclass
@@ -191,7 +196,8 @@ class LocalRun:
             if self.options.chaos_interval:
                 # A supervisor that expects deaths keeps a warm spare per role it will restart:
                 # the replacement skips the interpreter's start and the imports (diloco.spare).
-                self.group.keep_spares(list(self.options.chaos_roles or ("coordinator", "data", "learner")))
+                roles = list(self.options.chaos_roles or ("coordinator", "data", "learner"))
+                self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
             detail = self._watch(observer, started)
             train_seconds = time.monotonic() - started
@@ -476,13 +482,6 @@ def _param_shapes(cfg: RunConfig, vocab: int) -> list[tuple[int, ...]]:
         return [tuple(p.shape) for p in build_model(cfg.model, vocab, 0).parameters()]
 
 
-def longest_merge_gap(workdir: Path) -> float:
-    """The longest time between two merges (any fragment): how long the syncer made no progress."""
-    with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
-        closed = [r[0] for r in db.execute("SELECT closed FROM rounds ORDER BY closed")]
-    return round(max((b - a for a, b in zip(closed, closed[1:], strict=False)), default=0.0), 2)
-
-
 def goodput(
     kept_busy_seconds: float, tokens_merged: int, tokens_pushed: int, learners: int, wall_s: float
 ) -> float:
@@ -533,23 +532,6 @@ def cold_start_warning(cfg: RunConfig) -> str | None:
         f"apart, and such runs have ended above where they began. Train a few thousand steps at H <= "
         f"{COLD_START_MAX_H} first and start from that model (--set model.init_from=runs/<name>/model.safetensors)."
     )
-
-
-def rounds_by_pushes(workdir: Path) -> dict[str, int]:
-    """Merged rounds by how many pushes each held: with quorum 1, rounds of one push where every
-    learner could have met in one are what costs Decoupled DiLoCo eval loss."""
-    with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
-        rows = db.execute("SELECT pushes, COUNT(*) FROM rounds GROUP BY pushes ORDER BY pushes").fetchall()
-    return {str(pushes): count for pushes, count in rows}
-
-
-def split_sizes(workdir: Path) -> tuple[int, int]:
-    """The run's chunks, and how many of them are held out for evaluation."""
-    with contextlib.closing(sqlite3.connect(workdir / "state" / "ledger.sqlite")) as db:
-        total, held_out = db.execute(
-            "SELECT COUNT(*), COUNT(*) FILTER (WHERE split = 'eval') FROM chunks"
-        ).fetchone()
-    return total, held_out
 
 
 def _mean(values: list[float]) -> float:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from diloco.client import CoordinatorClient
+from diloco.coordinator.ledger import ledger_path
 from diloco.corpus import stdlib_files
 from diloco.procs import Child, ProcessGroup
 from diloco.v1 import coordinator_pb2 as pb
@@ -133,7 +134,7 @@ def start_coordinator(group: ProcessGroup, workdir: Path, args: list[str]) -> st
 
 
 def ledger_rows(workdir: Path, sql: str, args: tuple = ()) -> list[tuple]:
-    with sqlite3.connect(workdir / "state" / "ledger.sqlite") as db:
+    with sqlite3.connect(ledger_path(workdir)) as db:
         return db.execute(sql, args).fetchall()
 
 

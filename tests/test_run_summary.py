@@ -12,6 +12,7 @@ from diloco.client import CoordinatorClient
 from diloco.compute.startup import breakdown, describe, read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.report import longest_merge_gap
 from diloco.coordinator.server import start_coordinator
 from diloco.data.shard import write_shard
 from diloco.data.worker import DataWorker
@@ -21,7 +22,6 @@ from diloco.run import (
     ddp_wire_bytes_per_token,
     goodput,
     job_startup_seconds,
-    longest_merge_gap,
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb

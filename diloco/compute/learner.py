@@ -21,12 +21,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
-from diloco.compute import local_state, schedule
-from diloco.compute.device import pick_device, set_threads
+from diloco.compute import local_state, outer, schedule
+from diloco.compute.handshake import join_run, pull_everything
 from diloco.compute.held import (
     AwaitingCover,
     HeldFragment,
@@ -41,13 +40,9 @@ from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache
-from diloco.errors import DilocoError
-from diloco.fragments import assign_fragments
-from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
-from diloco.model.weights import check_matches, load_weights
-from diloco.tokenizer import load_checked_tokenizer
+from diloco.model.gpt import lr_at
+from diloco.role import heartbeat_thread
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.wire import codecs
 
 log = logging.getLogger("diloco.learner")
 
@@ -122,29 +117,25 @@ class Learner:
     # -- set-up ---------------------------------------------------------------------------------
 
     def _setup(self) -> RunConfig:
-        reply = self.client.join(self.overrides.connect_timeout_s)
-        self.startup.mark("join")
-        self.epoch = reply.coordinator_epoch
-        self.run_id = reply.run_id
-        cfg = self.client.config
-        assert cfg is not None
-        self._check_tokenizer(cfg, reply.tokenizer_hash)
-        self.cfg = cfg
-        self.device = self._pick_device(cfg)
-        set_threads(self.overrides.threads if self.overrides.threads is not None else cfg.train.threads)
-        torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, cfg.model.vocab_size, cfg.train.seed).to(self.device)
-        self.optimizer = make_inner_optimizer(self.model, cfg.train)
-        self.params = dict(self.model.named_parameters())
-        plan = assign_fragments([(n, p.numel()) for n, p in self.params.items()], cfg.sync.fragments)
-        self.frags = [HeldFragment(names) for names in plan]
-        self.startup.mark("model")  # tokenizer check, model and optimizer built
-        if reply.needs_init:
-            init = self.client.init_parameters(self._initial_parameters(cfg))
-            log.info("init parameters: %s", init.reason)
+        o = self.overrides
+        joined = join_run(
+            self.client, connect_timeout_s=o.connect_timeout_s, device=o.device, threads=o.threads,
+            mark=self.startup.mark,
+        )  # fmt: skip
+        reply, cfg = joined.reply, joined.cfg
+        self.epoch, self.run_id = reply.coordinator_epoch, reply.run_id
+        self.cfg, self.device = cfg, joined.device
+        self.model, self.optimizer, self.params, self.frags = (
+            joined.model,
+            joined.optimizer,
+            joined.params,
+            joined.frags,
+        )
         self.resumed = self._resume_decision(cfg, reply)
         if self.resumed is None:
-            for header, tensors in self._pull_everything(cfg):
+            for header, tensors in pull_everything(
+                self.client, len(self.frags), cfg, o.connect_timeout_s, self.stop
+            ):
                 self._apply(Merged.full(header.fragment, header.version, tensors))
         self.startup.mark("pull")
         log.info(
@@ -238,61 +229,6 @@ class Learner:
             )
         )
 
-    def _initial_parameters(self, cfg: RunConfig) -> dict[str, torch.Tensor]:
-        """The run's starting point: this learner's random init, or the weights of model.init_from."""
-        mine = {n: p.detach().cpu() for n, p in self.params.items()}
-        if not cfg.model.init_from:
-            return mine
-        try:
-            loaded = load_weights(cfg.model.init_from)
-            check_matches(mine, loaded, cfg.model.init_from)
-        except DilocoError as e:
-            self._refuse(e)
-            raise
-        log.info("initial parameters from %s", cfg.model.init_from)
-        return {n: loaded[n].to(mine[n].dtype) for n in mine}
-
-    def _pull_everything(self, cfg: RunConfig) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
-        """Every fragment in full. Another learner may still be streaming the initial parameters
-        (a big model takes a while): wait for them, as long as we would wait for the coordinator."""
-        deadline = time.monotonic() + max(self.overrides.connect_timeout_s, cfg.sync.pull_wait_s)
-        everything = list(range(len(self.frags)))
-        while True:
-            try:
-                return self.client.pull(everything, None, wait_s=cfg.sync.pull_wait_s)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION or time.monotonic() > deadline:
-                    raise
-                log.info("no parameters yet (%s); waiting for the learner that initializes them", e.details())
-                self.stop.wait(1.0)
-
-    def _check_tokenizer(self, cfg: RunConfig, expected_hash: str) -> None:
-        """Refuse to train (clear error, non-zero exit) on a tokenizer other than the run's: the
-        model's vocabulary comes from the coordinator's config, the shards from its tokenizer."""
-        try:
-            tokenizer = load_checked_tokenizer(cfg.data.tokenizer, expected_hash)
-            if cfg.model.vocab_size < tokenizer.vocab_size:
-                raise DilocoError(
-                    f"model.vocab_size {cfg.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
-                )
-        except DilocoError as e:
-            self._refuse(e)
-            raise
-
-    def _pick_device(self, cfg: RunConfig) -> torch.device:
-        """This machine's device for the run; one it does not have is refused like any bad set-up."""
-        try:
-            return pick_device(self.overrides.device or cfg.train.device)
-        except DilocoError as e:
-            self._refuse(e)
-            raise
-
-    def _refuse(self, error: DilocoError) -> None:
-        """Leave with a clear reason (the caller re-raises: a clear error, a non-zero exit)."""
-        log.error("%s", error)
-        self.client.leave(f"refused: {error}")
-        self.client.close()
-
     # -- fragments ------------------------------------------------------------------------------
 
     def _apply(self, merged: Merged) -> None:
@@ -301,16 +237,14 @@ class Learner:
         alpha = self.cfg.sync.mix_alpha
         value, version = self._merged_value(f, merged)
         keep = alpha == 0 and self.cfg.sync.keep_overlap and bool(f.at_push)
-        with torch.no_grad():
-            for name, t in value.items():
-                new = t.to(self.device, self.params[name].dtype)
-                if alpha > 0 and f.version >= 0:
-                    self.params[name].copy_(schedule.mix(self.params[name], new, alpha))
-                elif keep:  # the steps since our push stay on top of the merge
-                    self.params[name].add_(new - f.at_push[name].to(self.device, new.dtype))
-                else:
-                    self.params[name].copy_(new)
-                f.base[name] = t.to(torch.float32).clone()
+        outer.take(
+            self.params,
+            value,
+            alpha=alpha,
+            mixing=alpha > 0 and f.version >= 0,
+            at_push=f.at_push if keep else None,
+        )
+        f.base = {**f.base, **{n: t.to(torch.float32).clone() for n, t in value.items()}}
         f.version = version
         f.in_flight = False
         f.push = None
@@ -326,25 +260,19 @@ class Learner:
         f.at_push = {}
 
     def _merged_value(self, f: HeldFragment, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
-        """The fragment's new value and version: sent in full, or the held base plus each encoded
-        step since."""
-        first = merged.parts[0][0]
-        if not first.delta:
-            return merged.parts[-1][1], merged.version
-        if first.version != f.version + 1:  # not a continuation of what we hold: ask for it whole
-            log.warning(
-                "fragment %d: steps from %d do not follow version %d; pulling it whole",
-                merged.fragment,
-                first.version,
-                f.version,
-            )
-            (header, tensors), *_ = self.client.pull([merged.fragment], None)
-            return tensors, header.version
-        value = {n: t.clone() for n, t in f.base.items()}
-        for header, blobs in merged.parts:
-            for name, blob in blobs.items():
-                value[name] += codecs.decode(blob.numpy().tobytes(), header.codec, tuple(value[name].shape))
-        return value, merged.version
+        """The fragment's new value and version; steps that do not follow what we hold are not
+        applied: the fragment is pulled whole instead."""
+        value = outer.decode(f.base, f.version, merged.parts)
+        if value is not None:
+            return value, merged.version
+        log.warning(
+            "fragment %d: steps from %d do not follow version %d; pulling it whole",
+            merged.fragment,
+            merged.parts[0][0].version,
+            f.version,
+        )
+        (header, tensors), *_ = self.client.pull([merged.fragment], None)
+        return tensors, header.version
 
     def _apply_due(self) -> None:
         step = self.progress.inner_steps
@@ -370,11 +298,10 @@ class Learner:
         )
         tensors: dict[str, torch.Tensor] = {}
         if not empty:
-            with torch.no_grad():  # Δ = Θ(base) − θ: the outer gradient this learner proposes
-                tensors = {n: f.base[n] - self.params[n].detach().to("cpu", torch.float32) for n in f.names}
+            tensors = outer.delta(f.base, self.params, f.names)
             header.codec = self.cfg.sync.codec
             if header.codec != "fp32":
-                tensors = self._encode(tensors)
+                tensors = outer.encode(tensors, self.cfg.sync, self.residual)
             carried = self._covered_by(p)
             header.spans.extend(pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in carried.spans)
             header.released_shards.extend(carried.released)
@@ -419,20 +346,6 @@ class Learner:
         log.info("returning %d unmerged row span(s) to the pool", len(self.unpushed.spans))
         self.unpushed = Unpushed()
         self.channel.submit(header, {})
-
-    def _encode(self, delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Quantize + zstd each tensor into a uint8 blob; keep what was dropped for the next push."""
-        sync = self.cfg.sync
-        out = {}
-        for name, value in delta.items():
-            if sync.error_feedback:
-                blob, self.residual[name] = codecs.encode_with_feedback(
-                    value, sync.codec, self.residual.get(name), sync.codec_level
-                )
-            else:
-                blob = codecs.encode(value, sync.codec, sync.codec_level)
-            out[name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        return out
 
     def _push_due(self) -> None:
         p = schedule.fragment_due(
@@ -506,13 +419,6 @@ class Learner:
         for shard_id in reply.lost_shard_leases:
             log.warning("lease on shard %d lost", shard_id)
             self.prefetcher.lose(shard_id)
-
-    def _heartbeat_forever(self, period_s: float) -> None:
-        while not self.stop.wait(period_s):
-            try:
-                self._heartbeat()
-            except Exception as e:  # a missed heartbeat is survivable; the next one may land
-                log.info("heartbeat failed: %s", e)
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -606,10 +512,7 @@ class Learner:
             self._resume_in_flight(self.resumed)
         self.prefetcher.start()
         self.channel.start()
-        heartbeats = threading.Thread(
-            target=self._heartbeat_forever, args=(cfg.coordinator.heartbeat_s,), name="heartbeat", daemon=True
-        )
-        heartbeats.start()
+        heartbeats = heartbeat_thread(self._heartbeat, cfg.coordinator.heartbeat_s, self.stop, log)
         self.progress.started = time.monotonic()
         reason = "stopped"
         last_empty_push = 0.0

@@ -19,6 +19,7 @@ from typing import Any
 
 from diloco import store
 from diloco.coordinator import checkpoint, leases
+from diloco.coordinator.ledger import ledger_path
 
 
 @dataclass
@@ -35,7 +36,7 @@ class AuditReport:
 
 
 def audit(workdir: str | Path, check_files: bool = True) -> AuditReport:
-    path = Path(workdir) / "state" / "ledger.sqlite"
+    path = ledger_path(workdir)
     if not path.exists():
         return AuditReport([f"no ledger at {path}"])
     db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)

@@ -19,10 +19,11 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from diloco.coordinator import deal, leases
-from diloco.data.chunks import ChunkSpec
+from diloco.data.types import ChunkSpec
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -99,6 +100,11 @@ class MergeRecord:
     mean_loss: float | None
     reason: str
     scale: float = 1.0
+
+
+def ledger_path(workdir: str | Path) -> Path:
+    """The one place a run's ledger lives: <workdir>/state/ledger.sqlite."""
+    return Path(workdir) / "state" / "ledger.sqlite"
 
 
 class Ledger:

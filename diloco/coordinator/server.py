@@ -17,7 +17,7 @@ import grpc
 
 from diloco import store
 from diloco.config import RunConfig
-from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.ledger import Ledger, ledger_path
 from diloco.coordinator.memory import keep_freed_memory
 from diloco.coordinator.service import STREAMED_REQUEST_KINDS, CoordinatorService
 from diloco.coordinator.wirecount import CountRequestStreams
@@ -107,10 +107,6 @@ def dataset_files(config: RunConfig) -> list[str]:
         return resolve_dataset(config.data.dataset)
     except (OSError, ValueError) as e:
         raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
-
-
-def ledger_path(workdir: str) -> Path:
-    return Path(workdir) / "state" / "ledger.sqlite"
 
 
 def recorded_dataset(workdir: str) -> str | None:

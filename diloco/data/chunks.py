@@ -10,95 +10,20 @@ parquet file is cut by row group, from its footer alone: a segment holds a range
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from diloco import store
 from diloco.corpus import file_kind, is_splittable
+from diloco.data.types import UNIT_BYTES, UNIT_ROW_GROUPS, ChunkSpec, RecordStats, Segment
 
-if TYPE_CHECKING:  # records imports this module
-    from diloco.data.records import RecordStats
+__all__ = ["UNIT_BYTES", "UNIT_ROW_GROUPS", "ChunkSpec", "Segment", "partition", "partition_dataset"]
 
 log = logging.getLogger("diloco.data")
-
-# What a segment's [start, end) counts: bytes of the file, or parquet row groups.
-UNIT_BYTES = "bytes"
-UNIT_ROW_GROUPS = "row_groups"
 
 # First window read after a cut target when looking for a newline; doubled until one is found.
 _WINDOW = 4096
 _MAX_WINDOW = 1 << 20
-
-
-@dataclass(frozen=True)
-class Segment:
-    """The byte range [start, end) of one file; `file_end` when `end` is the file's size.
-
-    With unit "row_groups", [start, end) are the parquet row groups of the file instead, and
-    `size` the stored bytes they hold (what sizes chunks; a byte range's size is end - start).
-    """
-
-    uri: str
-    start: int
-    end: int
-    file_end: bool
-    unit: str = UNIT_BYTES
-    size: int = 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.size if self.unit == UNIT_ROW_GROUPS else self.end - self.start
-
-    def to_list(self) -> list:
-        base = [self.uri, self.start, self.end, self.file_end]
-        return base if self.unit == UNIT_BYTES else [*base, self.unit, self.size]
-
-    @classmethod
-    def from_list(cls, item: list) -> Segment:
-        if len(item) == 4:
-            uri, start, end, file_end = item
-            return cls(str(uri), int(start), int(end), bool(file_end))
-        uri, start, end, file_end, unit, size = item
-        if unit not in (UNIT_BYTES, UNIT_ROW_GROUPS) or int(size) < 0:
-            raise ValueError(f"unit={unit!r} size={size!r}")
-        return cls(str(uri), int(start), int(end), bool(file_end), str(unit), int(size))
-
-
-@dataclass(frozen=True)
-class ChunkSpec:
-    index: int
-    segments: tuple[Segment, ...]
-    split: str  # "train" | "eval"
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "index": self.index,
-                "split": self.split,
-                "segments": [s.to_list() for s in self.segments],
-            },
-            separators=(",", ":"),
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> ChunkSpec:
-        try:
-            obj = json.loads(text)
-            index, split = obj["index"], obj["split"]
-            segments = tuple(Segment.from_list(item) for item in obj["segments"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"not a chunk spec: {e}") from e
-        if not isinstance(index, int) or split not in ("train", "eval"):
-            raise ValueError(f"not a chunk spec: index={index!r} split={split!r}")
-        if any(s.start < 0 or s.end <= s.start for s in segments):
-            raise ValueError("not a chunk spec: a segment is empty or negative")
-        return cls(index=index, segments=segments, split=split)
 
 
 def find_cut(uri: str, target: int, size: int) -> int:
@@ -206,7 +131,6 @@ def partition_dataset(
 
     Empty files, and parquet files whose footer cannot be read, are left out and counted.
     """
-    from diloco.data.records import RecordStats
 
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")

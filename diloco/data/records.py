@@ -17,16 +17,15 @@ import json
 import logging
 import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 import zstandard
 
 from diloco import store
 from diloco.corpus import compression, file_kind
+from diloco.data.types import RecordStats, Segment
 
-if TYPE_CHECKING:
-    from diloco.data.chunks import Segment
+__all__ = ["DEFAULT_MAX_RECORD_BYTES", "RecordStats", "iter_documents"]
 
 log = logging.getLogger("diloco.data")
 
@@ -41,33 +40,6 @@ _ZSTD_INPUT = 1 << 13
 # stretch this many times longer without one is cut at a character boundary.
 _TEXT_PIECE = 1 << 20
 _LONG_LINE_FACTOR = 4
-
-
-@dataclass
-class RecordStats:
-    records: int = 0  # texts yielded
-    skipped_undecodable: int = 0  # JSONL lines or parquet binary values that are not UTF-8
-    # JSONL objects and parquet rows without a string text field (missing, null or another type).
-    skipped_missing_field: int = 0
-    skipped_not_json: int = 0  # lines that are not a JSON object
-    skipped_empty: int = 0  # empty texts
-    skipped_oversized: int = 0  # JSONL lines or parquet values over data.max_record_bytes
-    # Plain text pieces with invalid UTF-8: kept, with U+FFFD for the bad bytes (dropping a
-    # whole multi-megabyte segment for one stray byte would lose far more than it protects).
-    replaced_undecodable: int = 0
-    # Compressed files that end early or are damaged: what was decoded before is kept.
-    truncated_compressed: int = 0
-    # Counted once, when the coordinator partitions the dataset: files without any data, and
-    # parquet files whose footer cannot be read (both left out of every chunk).
-    empty_files: int = 0
-    unreadable_files: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-    def add(self, other: RecordStats) -> None:
-        for key, value in other.as_dict().items():
-            setattr(self, key, getattr(self, key) + value)
 
 
 def iter_documents(

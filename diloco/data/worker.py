@@ -19,7 +19,7 @@ from diloco.config import RunConfig
 from diloco.data.chunks import UNIT_ROW_GROUPS, ChunkSpec, Segment
 from diloco.data.process import process_chunk
 from diloco.data.shard import write_shard
-from diloco.errors import DilocoError
+from diloco.role import heartbeat_thread, refusing
 from diloco.tokenizer import Tokenizer, load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -45,38 +45,21 @@ class DataWorker:
         self.busy_s = 0.0
         self.started = time.monotonic()
 
-    def _heartbeat_forever(self, period_s: float) -> None:
-        while not self.stop.wait(period_s):
-            held = [self.current_chunk] if self.current_chunk else []
-            try:
-                self.client.call(
-                    "Heartbeat",
-                    pb.HeartbeatRequest(
-                        chunk_leases=held,
-                        tokens_trained=0,
-                        busy_seconds=self.busy_s,
-                        wall_seconds=time.monotonic() - self.started,
-                    ),
-                    timeout_s=10.0,
-                )
-            except Exception as e:  # a missed heartbeat is survivable; the next one may land
-                log.info("heartbeat failed: %s", e)
+    def _heartbeat(self) -> None:
+        held = [self.current_chunk] if self.current_chunk else []
+        request = pb.HeartbeatRequest(
+            chunk_leases=held, tokens_trained=0, busy_seconds=self.busy_s,
+            wall_seconds=time.monotonic() - self.started,
+        )  # fmt: skip
+        self.client.call("Heartbeat", request, timeout_s=10.0)
 
     def run(self) -> int:
         reply = self.client.join(self.connect_timeout_s)
         config = self.client.config
         assert config is not None
-        try:
+        with refusing(self.client, log):
             tokenizer = load_checked_tokenizer(config.data.tokenizer, reply.tokenizer_hash)
-        except DilocoError as e:
-            log.error("%s", e)
-            self.client.leave(f"refused: {e}")
-            self.client.close()
-            raise
-        heartbeats = threading.Thread(
-            target=self._heartbeat_forever, args=(reply.heartbeat_s,), name="heartbeat", daemon=True
-        )
-        heartbeats.start()
+        heartbeats = heartbeat_thread(self._heartbeat, reply.heartbeat_s, self.stop, log)
         try:
             while not self.stop.is_set():
                 lease = self.client.call("LeaseChunk", pb.LeaseChunkRequest())

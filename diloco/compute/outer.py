@@ -1,0 +1,83 @@
+"""The learner's side of the outer step, as tensor arithmetic only (no network, no bookkeeping).
+
+delta    Δ_p = Θ_p(base) − θ_p: the outer gradient a learner proposes for fragment p
+encode   quantize + zstd each tensor, keeping what was dropped for the next push (error feedback)
+decode   a merged fragment's value: sent whole, or the held base plus each encoded step since
+take     θ_p ← α·θ_p + (1−α)·Θ_p; or Θ_p plus the steps taken since the push (keep_overlap)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.compute import schedule
+from diloco.config import SyncConfig
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire import codecs
+
+
+def delta(
+    base: dict[str, torch.Tensor], params: dict[str, torch.nn.Parameter], names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Θ(base) − θ for the named tensors, on the CPU in fp32 (what goes on the wire)."""
+    with torch.no_grad():
+        return {n: base[n] - params[n].detach().to("cpu", torch.float32) for n in names}
+
+
+def encode(
+    delta: dict[str, torch.Tensor], sync: SyncConfig, residual: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Each tensor as a uint8 blob of sync.codec; with error feedback, `residual` holds (and is
+    updated with) what quantization dropped, sent with the next delta of the same tensor."""
+    out = {}
+    for name, value in delta.items():
+        if sync.error_feedback:
+            blob, residual[name] = codecs.encode_with_feedback(
+                value, sync.codec, residual.get(name), sync.codec_level
+            )
+        else:
+            blob = codecs.encode(value, sync.codec, sync.codec_level)
+        out[name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return out
+
+
+def decode(
+    base: dict[str, torch.Tensor],
+    held_version: int,
+    parts: list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]],
+) -> dict[str, torch.Tensor] | None:
+    """The merged value from what was sent: the last part when sent whole, else the held base plus
+    each encoded step. None when the steps do not start right after the version held."""
+    first = parts[0][0]
+    if not first.delta:
+        return parts[-1][1]
+    if first.version != held_version + 1:
+        return None
+    value = {n: t.clone() for n, t in base.items()}
+    for header, blobs in parts:
+        for name, blob in blobs.items():
+            value[name] += codecs.decode(blob.numpy().tobytes(), header.codec, tuple(value[name].shape))
+    return value
+
+
+def take(
+    params: dict[str, torch.nn.Parameter],
+    value: dict[str, torch.Tensor],
+    *,
+    alpha: float,
+    mixing: bool,
+    at_push: dict[str, torch.Tensor] | None,
+) -> None:
+    """Write a merged fragment into the learner's parameters: mixed with α (`mixing`: α > 0 and a
+    fragment was held before), or with the steps since the push kept on top (`at_push`: θ_p as
+    it was at the push), or overwritten."""
+    with torch.no_grad():
+        for name, t in value.items():
+            target = params[name]
+            new = t.to(target.device, target.dtype)
+            if mixing:
+                target.copy_(schedule.mix(target, new, alpha))
+            elif at_push is not None:
+                target.add_(new - at_push[name].to(target.device, new.dtype))
+            else:
+                target.copy_(new)

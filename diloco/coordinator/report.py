@@ -1,0 +1,46 @@
+"""Read-only questions about a run's ledger, for its summary (diloco run) and the benchmarks.
+
+Opened read-only, so they can be asked while the coordinator runs, or after it is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+from diloco.coordinator.ledger import ledger_path
+
+
+@contextlib.contextmanager
+def read_only(workdir: str | Path) -> Iterator[sqlite3.Connection]:
+    db = sqlite3.connect(f"file:{ledger_path(workdir)}?mode=ro", uri=True)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+def longest_merge_gap(workdir: str | Path) -> float:
+    """The longest time between two merges (any fragment): how long the syncer made no progress."""
+    with read_only(workdir) as db:
+        closed = [r[0] for r in db.execute("SELECT closed FROM rounds ORDER BY closed")]
+    return round(max((b - a for a, b in zip(closed, closed[1:], strict=False)), default=0.0), 2)
+
+
+def rounds_by_pushes(workdir: str | Path) -> dict[str, int]:
+    """Merged rounds by how many pushes each held: with quorum 1, rounds of one push where every
+    learner could have met in one are what costs Decoupled DiLoCo eval loss."""
+    with read_only(workdir) as db:
+        rows = db.execute("SELECT pushes, COUNT(*) FROM rounds GROUP BY pushes ORDER BY pushes").fetchall()
+    return {str(pushes): count for pushes, count in rows}
+
+
+def split_sizes(workdir: str | Path) -> tuple[int, int]:
+    """The run's chunks, and how many of them are held out for evaluation."""
+    with read_only(workdir) as db:
+        total, held_out = db.execute(
+            "SELECT COUNT(*), COUNT(*) FILTER (WHERE split = 'eval') FROM chunks"
+        ).fetchone()
+    return total, held_out
