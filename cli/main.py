@@ -136,7 +136,8 @@ def compute(
     ] = None,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
-    from diloco.compute.learner import LocalOverrides, run_learner
+    from diloco.compute.learner import run_learner
+    from diloco.compute.overrides import LocalOverrides
 
     setup_logging("learner")
     overrides = LocalOverrides(device, threads, slow_factor, connect_timeout, worker_id, state_dir)

@@ -13,7 +13,6 @@ Only this process's rank 0 talks to the coordinator; the inner loop is plain PyT
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import threading
@@ -24,18 +23,19 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
-from diloco.compute import local_state, outer, schedule
+from diloco.compute import outer, schedule
 from diloco.compute.handshake import join_run, pull_everything
 from diloco.compute.held import (
     AwaitingCover,
     HeldFragment,
     Unpushed,
-    copy_rows,
     release_fragment,
     rows_to_carry,
 )
-from diloco.compute.local_state import LocalState, StateWriter, state_path
+from diloco.compute.local_state import LocalState, StateWriter
+from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
+from diloco.compute.resume import KeepsLocalState
 from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
@@ -49,21 +49,6 @@ log = logging.getLogger("diloco.learner")
 FINAL_MERGE_WAIT_S = 60.0
 FINAL_CALL_TIMEOUT_S = 5.0
 EMPTY_PUSH_PERIOD_S = 2.0
-
-
-@dataclass
-class LocalOverrides:
-    """Settings that belong to this machine, not to the run."""
-
-    device: str | None = None
-    threads: int | None = None
-    # Make this learner FACTOR× slower: after each step, sleep (FACTOR − 1)× its compute time.
-    slow_factor: float = 1.0
-    connect_timeout_s: float = 60.0
-    # A stable identity (e.g. the host's name) instead of a generated one.
-    worker_id: str | None = None
-    # Where this learner keeps its state on local disk (with a stable worker_id only; None: off).
-    state_dir: str | None = None
 
 
 @dataclass
@@ -86,7 +71,7 @@ class Progress:
         return (self.ended or time.monotonic()) - self.started
 
 
-class Learner:
+class Learner(KeepsLocalState):
     def __init__(
         self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
     ):
@@ -149,85 +134,6 @@ class Learner:
             [f.version for f in self.frags],
         )
         return cfg
-
-    def _resume_decision(self, cfg: RunConfig, reply: pb.JoinReply) -> LocalState | None:
-        """This learner's state from its last life, restored, when the run still accepts it; else None."""
-        if not self.overrides.state_dir or not self.overrides.worker_id or cfg.train.local_state_every_s <= 0:
-            return None
-        path = state_path(self.overrides.state_dir, self.overrides.worker_id)
-        self.state_writer = StateWriter(path, cfg.train.local_state_every_s, on_saved=self._saved)
-        state = local_state.load(path, [f.names for f in self.frags])
-        decision = local_state.resume_decision(
-            state,
-            run_id=reply.run_id,
-            worker_id=self.client.worker_id,
-            shapes={n: tuple(p.shape) for n, p in self.params.items()},
-            current_versions=list(reply.fragment_versions),
-            max_staleness=cfg.sync.max_staleness,
-        )
-        if state is not None:
-            log.info("local state: %s", decision.reason)
-        if not decision.resume or state is None:
-            return None
-        with torch.no_grad():
-            for name, t in state.params.items():
-                self.params[name].copy_(t.to(self.device))
-        self.optimizer.load_state_dict(state.optimizer)
-        self.frags = state.fragments
-        self.residual = state.residual
-        self.unpushed, self.awaiting, self.resolved = state.unpushed, state.awaiting, state.resolved
-        self.progress.inner_steps = state.inner_steps
-        self.progress.first_loss = state.first_loss
-        self.schedule_shift = state.schedule_shift
-        for p, push in state.pushes.items():
-            self.frags[p].push = push
-        return state
-
-    def _saved(self, state: LocalState) -> None:
-        """(writer thread) The steps up to this state survive a kill now."""
-        self.progress.kept_busy_s = max(self.progress.kept_busy_s, state.busy_s)
-
-    def _resume_in_flight(self, state: LocalState) -> None:
-        """After a resume: the last life's shard leases go back to the pool (their rows trained and
-        unmerged ride on our pushes; the prefetcher never cuts them again), and each push that was
-        in flight is sent again with its own push_id, for the ledger to answer."""
-        self.prefetcher.skip(state.row_spans())
-        if state.held_shards:
-            header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
-            header.released_shards.extend(state.held_shards)
-            self.channel.submit(header, {})
-        for f in self.frags:
-            if f.in_flight and f.push is not None:
-                self.channel.submit(*f.push)
-            elif f.in_flight:  # nothing to ask about: take the fragment's next version as it comes
-                f.in_flight = False
-
-    def _keep_local_state(self) -> None:
-        """A copy of what this learner holds, for the writer thread to save (local_state)."""
-        writer = self.state_writer
-        if writer is None or not writer.due(time.monotonic()):
-            return
-        # The tensors in bases and pushes are replaced, never changed in place: the dicts are copied.
-        frags = [dataclasses.replace(f, base=dict(f.base), at_push=dict(f.at_push)) for f in self.frags]
-        writer.offer(
-            LocalState(
-                run_id=self.run_id,
-                worker_id=self.client.worker_id,
-                inner_steps=self.progress.inner_steps,
-                busy_s=self.progress.busy_s,
-                first_loss=self.progress.first_loss,
-                schedule_shift=self.schedule_shift,
-                params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-                optimizer=local_state.copy_optimizer(self.optimizer),
-                fragments=frags,
-                pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
-                residual=dict(self.residual),
-                unpushed=copy_rows(self.unpushed),
-                awaiting=[AwaitingCover(copy_rows(g.rows), set(g.waiting)) for g in self.awaiting],
-                resolved=copy_rows(self.resolved),
-                held_shards=self.prefetcher.held_shards(),
-            )
-        )
 
     # -- fragments ------------------------------------------------------------------------------
 
