@@ -24,12 +24,10 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.live import Live
-from rich.table import Table
 
 from diloco import store
 from diloco.chaos import ChaosPlan
 from diloco.client import CoordinatorClient
-from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.audit import audit
 from diloco.coordinator.checkpoint import load_model_params
@@ -41,8 +39,17 @@ from diloco.evaluate import eval_loss, sample_text, unigram_entropy
 from diloco.model.gpt import build_model
 from diloco.model.weights import save_weights
 from diloco.procs import Child, ProcessGroup
+from diloco.run_summary import (
+    cold_start_warning,
+    data_plane_metrics,
+    ddp_wire_bytes_per_token,
+    goodput,
+    job_startup_seconds,
+    mean_of,
+)
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
+from diloco.views import print_summary, progress_line, progress_table
 
 SAMPLE_PROMPT = "def "
 EVAL_MAX_BATCHES = 64
@@ -260,7 +267,11 @@ class LocalRun:
             else None
         )
         next_kill = time.monotonic() + chaos.next_delay() if chaos else math.inf
-        live = Live(self._progress_table(detail, started), console=self.console, refresh_per_second=2)
+        live = Live(
+            progress_table(detail, started, self.name, self.options.minutes),
+            console=self.console,
+            refresh_per_second=2,
+        )
         last_line = 0.0
         with live if self.options.show_progress else contextlib.nullcontext():
             while any(c.alive for c in self.group.by_role("learner")):
@@ -274,16 +285,16 @@ class LocalRun:
                     next_kill = time.monotonic() + chaos.next_delay()
                 detail = self._status(observer) or detail
                 if self.options.show_progress:
-                    live.update(self._progress_table(detail, started))
+                    live.update(progress_table(detail, started, self.name, self.options.minutes))
                 elif time.monotonic() - last_line >= 10:
                     last_line = time.monotonic()
-                    self.console.print(self._progress_line(detail, started), highlight=False, soft_wrap=True)
+                    self.console.print(progress_line(detail, started), highlight=False, soft_wrap=True)
                 if not finish_sent and time.monotonic() >= deadline:
                     observer.call("Finish", pb.FinishRequest(reason="time budget reached"))
                     finish_sent = True
                 time.sleep(0.5)
             if self.options.show_progress:
-                live.update(self._progress_table(detail, started))
+                live.update(progress_table(detail, started, self.name, self.options.minutes))
         failed = [c.name for c in self.group.by_role("learner") if c.proc.returncode not in (0, None)]
         if failed:
             self.console.print(
@@ -309,35 +320,6 @@ class LocalRun:
         with contextlib.suppress(Exception):
             observer.call("Finish", pb.FinishRequest(reason="learners finished"), timeout_s=10)
         self.group.wait(self.group.by_role("data"), timeout_s=30)
-
-    def _progress_line(self, d: dict[str, Any], started: float) -> str:
-        loss = d.get("last_loss")
-        return (
-            f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
-            f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
-            f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
-            f"loss {f'{loss:.4f}' if loss else '-'}"
-        )
-
-    def _progress_table(self, d: dict[str, Any], started: float) -> Table:
-        table = Table(title=f"diloco run {self.name}", show_header=False, min_width=60)
-        elapsed = time.monotonic() - started
-        budget = f" / {self.options.minutes:.1f} min" if self.options.minutes > 0 else ""
-        table.add_row("elapsed", f"{elapsed / 60:.1f} min{budget}")
-        table.add_row(
-            "chunks",
-            f"{d.get('chunks_done', 0)} / {d.get('chunks_total', 0)} "
-            f"({d.get('chunks_quarantined', 0)} quarantined)",
-        )
-        table.add_row("tokens prepared", f"{d.get('tokens_prepared', 0):,}")
-        table.add_row("tokens trained", f"{d.get('tokens_trained', 0):,}")
-        table.add_row("tokens merged", f"{d.get('tokens_merged', 0):,}")
-        table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
-        loss = d.get("last_loss")
-        table.add_row("loss", f"{loss:.4f}" if loss else "-")
-        learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
-        table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
-        return table
 
     # -- the result -----------------------------------------------------------------------------
 
@@ -400,11 +382,11 @@ class LocalRun:
         summary["utilization_min_others"] = min(others) if others else 0.0
         summary["utilization"] = round(sum(per_learner) / len(per_learner), 4) if per_learner else 0.0
         timed = [w for w in learners if w.get("wall_seconds")]
-        summary["data_stall_share"] = _mean(
+        summary["data_stall_share"] = mean_of(
             [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
         )
         summary.update(data_plane_metrics(d, train_seconds))
-        summary["sync_wait_share"] = _mean(
+        summary["sync_wait_share"] = mean_of(
             [w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
         )
         summary["goodput"] = goodput(
@@ -444,138 +426,9 @@ class LocalRun:
         return summary
 
 
-def data_plane_metrics(d: dict[str, Any], train_seconds: float) -> dict[str, Any]:
-    """summary.json's data-plane numbers, from the coordinator's status detail.
-
-    data_tokens_per_s: tokens written into shards by all data workers per wall second of the run;
-    data_tokens_per_s_by_worker: each data worker's tokens per second of work on its chunks (its
-    speed, whatever share of the run it was busy); data_stall_by_learner: each learner's share of
-    its wall time spent waiting for data.
-    """
-    workers = d.get("workers", [])
-    return {
-        "data_tokens_per_s": round(d.get("tokens_prepared", 0) / max(train_seconds, 1e-9), 1),
-        "data_tokens_per_s_by_worker": {
-            w["worker_id"]: w.get("tokens_per_s", 0.0) for w in workers if w["role"] == "data"
-        },
-        "data_stall_by_learner": {
-            w["worker_id"]: round(w.get("data_stall_seconds", 0.0) / w["wall_seconds"], 4)
-            for w in workers
-            if w["role"] == "compute" and w.get("wall_seconds")
-        },
-    }
-
-
-def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, seq_len: int) -> float:
-    """What DDP moves per trained token with the same model, batch and workers: a ring all-reduce
-    of fp32 gradients every step, in which each of N ranks sends (and receives) 2(N−1)/N × 4 bytes
-    per parameter. Each byte is counted once, as diloco's wire bytes are (sent by one side,
-    received by the other)."""
-    if workers < 2:
-        return 0.0
-    per_step = workers * (2 * (workers - 1) / workers) * 4 * params
-    return per_step / (workers * batch_size * (seq_len + 1))
-
-
 def _param_shapes(cfg: RunConfig, vocab: int) -> list[tuple[int, ...]]:
     with torch.device("meta"):
         return [tuple(p.shape) for p in build_model(cfg.model, vocab, 0).parameters()]
-
-
-def goodput(
-    kept_busy_seconds: float, tokens_merged: int, tokens_pushed: int, learners: int, wall_s: float
-) -> float:
-    """The share of learner-seconds whose work was merged, over learners × wall time.
-
-    The work is time in inner steps, every life of every learner, that a kill did not lose: steps
-    whose rows rode on a push, or that were in the learner's local state on disk when it died
-    (each learner reports that figure, `kept_busy_seconds`, in its heartbeats). Of the pushed
-    work, the share of tokens that merged counts (refused or dropped pushes do not).
-
-    Merged tokens per second alone would hide what a failure costs on shared cores: a dead
-    learner's core goes to the others, who then train faster. Work lost to a kill and time spent
-    dead or restarting both count against goodput.
-    """
-    if learners <= 0 or wall_s <= 0 or tokens_pushed <= 0:
-        return 0.0
-    merged_share = min(1.0, tokens_merged / tokens_pushed)
-    return round(min(1.0, kept_busy_seconds * merged_share / (learners * wall_s)), 4)
-
-
-# Above this H, a run from a random init tends to end worse than it began (issue 6's note, and the
-# README's H = 500 figures): see cold_start_warning.
-COLD_START_MAX_H = 200
-
-
-def job_startup_seconds(log_dir: Path, started_at: float) -> float:
-    """Mean over learners of the time from the job's start to their first inner step (first life)."""
-    firsts = []
-    for log in sorted(log_dir.glob("learner-*.log")):
-        lives = read_startups(log.read_text(errors="replace"))
-        if lives:
-            firsts.append(max(0.0, lives[0].first_step_at - started_at))
-    return sum(firsts) / len(firsts) if firsts else 0.0
-
-
-def cold_start_warning(cfg: RunConfig) -> str | None:
-    """Why a large H from a random init is a bad idea, or None.
-
-    From a random init, a learner's first few hundred AdamW steps move it far from where it
-    started and into its own basin; the average of such far-apart models (what an outer step
-    takes) is no longer a good model, so each merge undoes much of what was learned. DiLoCo's
-    large H is meant for a warm start (the DiLoCo paper begins from a pretrained checkpoint).
-    """
-    if cfg.train.inner_steps <= COLD_START_MAX_H or cfg.model.init_from:
-        return None
-    return (
-        f"H = {cfg.train.inner_steps} from a random init: the first merges average models that moved far "
-        f"apart, and such runs have ended above where they began. Train a few thousand steps at H <= "
-        f"{COLD_START_MAX_H} first and start from that model (--set model.init_from=runs/<name>/model.safetensors)."
-    )
-
-
-def _mean(values: list[float]) -> float:
-    return round(sum(values) / len(values), 4) if values else 0.0
-
-
-def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
-    table = Table(title="result", show_header=False)
-    ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
-    table.add_row("eval loss", f"{ev:.4f} nats/token" if ev is not None else "- (no held-out data)")
-    table.add_row("unigram baseline", f"{base:.4f} nats/token" if base is not None else "-")
-    first = summary.get("first_loss")
-    table.add_row("first-step loss", f"{first:.4f}" if first else "-")
-    table.add_row("tokens trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
-    table.add_row("rounds", str(summary["rounds"]))
-    table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
-    ddp = summary.get("ddp_wire_bytes_per_token") or 0.0
-    ratio = (
-        f" (DDP: {ddp:,.0f}, {ddp / summary['wire_bytes_per_token']:,.0f}× more)"
-        if ddp and summary["wire_bytes_per_token"]
-        else ""
-    )
-    table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
-    steady = summary.get("steady_wire_bytes_per_token") or 0.0
-    if steady:
-        more = f" (DDP: {ddp / steady:,.0f}× more)" if ddp else ""
-        table.add_row("  after each learner's join", f"{steady:.1f}{more}")
-    table.add_row("learner utilization", f"{summary['utilization']:.1%}")
-    table.add_row(
-        "data",
-        f"{summary.get('data_tokens_per_s', 0.0):,.0f} tokens/s prepared, "
-        f"learners waited {summary.get('data_stall_share', 0.0):.1%} of the time",
-    )
-    table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
-    if summary.get("kills"):
-        table.add_row("chaos kills", ", ".join(f"{k} {v}" for k, v in sorted(summary["kills"].items())))
-    table.add_row(
-        "audit", "ok" if summary.get("audit_ok") else f"VIOLATIONS: {summary.get('audit_violations')}"
-    )
-    console.print(table)
-    if summary.get("sample"):
-        console.print("[bold]sample[/] (the trained model continues the prompt):")
-        console.print(summary["sample"], markup=False, highlight=False)
-    console.print(f"summary: {path}")
 
 
 def run_local(options: LocalRunOptions) -> dict[str, Any]:

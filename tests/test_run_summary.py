@@ -16,7 +16,7 @@ from diloco.coordinator.report import longest_merge_gap
 from diloco.coordinator.server import start_coordinator
 from diloco.data.shard import write_shard
 from diloco.data.worker import DataWorker
-from diloco.run import (
+from diloco.run_summary import (
     cold_start_warning,
     data_plane_metrics,
     ddp_wire_bytes_per_token,

@@ -1,0 +1,83 @@
+"""What a local run shows on the terminal: the live progress and the final result."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def progress_line(d: dict[str, Any], started: float) -> str:
+    """One line of progress (for a terminal that is not interactive)."""
+    loss = d.get("last_loss")
+    return (
+        f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
+        f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
+        f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
+        f"loss {f'{loss:.4f}' if loss else '-'}"
+    )
+
+
+def progress_table(d: dict[str, Any], started: float, name: str, minutes: float) -> Table:
+    """The live view of a local run."""
+    table = Table(title=f"diloco run {name}", show_header=False, min_width=60)
+    elapsed = time.monotonic() - started
+    budget = f" / {minutes:.1f} min" if minutes > 0 else ""
+    table.add_row("elapsed", f"{elapsed / 60:.1f} min{budget}")
+    table.add_row(
+        "chunks",
+        f"{d.get('chunks_done', 0)} / {d.get('chunks_total', 0)} "
+        f"({d.get('chunks_quarantined', 0)} quarantined)",
+    )
+    table.add_row("tokens prepared", f"{d.get('tokens_prepared', 0):,}")
+    table.add_row("tokens trained", f"{d.get('tokens_trained', 0):,}")
+    table.add_row("tokens merged", f"{d.get('tokens_merged', 0):,}")
+    table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
+    loss = d.get("last_loss")
+    table.add_row("loss", f"{loss:.4f}" if loss else "-")
+    learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
+    table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
+    return table
+
+
+def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
+    table = Table(title="result", show_header=False)
+    ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
+    table.add_row("eval loss", f"{ev:.4f} nats/token" if ev is not None else "- (no held-out data)")
+    table.add_row("unigram baseline", f"{base:.4f} nats/token" if base is not None else "-")
+    first = summary.get("first_loss")
+    table.add_row("first-step loss", f"{first:.4f}" if first else "-")
+    table.add_row("tokens trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
+    table.add_row("rounds", str(summary["rounds"]))
+    table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
+    ddp = summary.get("ddp_wire_bytes_per_token") or 0.0
+    ratio = (
+        f" (DDP: {ddp:,.0f}, {ddp / summary['wire_bytes_per_token']:,.0f}× more)"
+        if ddp and summary["wire_bytes_per_token"]
+        else ""
+    )
+    table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
+    steady = summary.get("steady_wire_bytes_per_token") or 0.0
+    if steady:
+        more = f" (DDP: {ddp / steady:,.0f}× more)" if ddp else ""
+        table.add_row("  after each learner's join", f"{steady:.1f}{more}")
+    table.add_row("learner utilization", f"{summary['utilization']:.1%}")
+    table.add_row(
+        "data",
+        f"{summary.get('data_tokens_per_s', 0.0):,.0f} tokens/s prepared, "
+        f"learners waited {summary.get('data_stall_share', 0.0):.1%} of the time",
+    )
+    table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
+    if summary.get("kills"):
+        table.add_row("chaos kills", ", ".join(f"{k} {v}" for k, v in sorted(summary["kills"].items())))
+    table.add_row(
+        "audit", "ok" if summary.get("audit_ok") else f"VIOLATIONS: {summary.get('audit_violations')}"
+    )
+    console.print(table)
+    if summary.get("sample"):
+        console.print("[bold]sample[/] (the trained model continues the prompt):")
+        console.print(summary["sample"], markup=False, highlight=False)
+    console.print(f"summary: {path}")
