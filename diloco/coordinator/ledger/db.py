@@ -1,0 +1,194 @@
+"""The ledger's file: its one path, the schema, transactions, metadata, the epoch and counters."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from diloco.data.types import ChunkSpec
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (
+  id INTEGER PRIMARY KEY, spec TEXT NOT NULL, split TEXT NOT NULL, nbytes INTEGER NOT NULL,
+  state TEXT NOT NULL DEFAULT 'pending',          -- pending | leased | done | quarantined
+  holder TEXT, lease_expires REAL, attempts INTEGER NOT NULL DEFAULT 0, error TEXT,
+  lease_order INTEGER NOT NULL DEFAULT 0          -- chunks (and their shards) are handed out in this order
+);
+CREATE TABLE IF NOT EXISTS shards (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, chunk_id INTEGER NOT NULL UNIQUE REFERENCES chunks(id),
+  completion_id TEXT NOT NULL UNIQUE, uri TEXT NOT NULL, split TEXT NOT NULL,
+  rows INTEGER NOT NULL, tokens INTEGER NOT NULL, checksum TEXT NOT NULL, nbytes INTEGER NOT NULL,
+  state TEXT NOT NULL DEFAULT 'ready',            -- ready | leased | consumed | corrupt
+  holder TEXT, lease_expires REAL, created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS workers (
+  id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL, joined REAL NOT NULL,
+  last_seen REAL NOT NULL, state TEXT NOT NULL, stats TEXT NOT NULL DEFAULT '{}'
+);
+CREATE TABLE IF NOT EXISTS pushes (
+  push_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, fragment INTEGER NOT NULL,
+  base_version INTEGER NOT NULL, steps INTEGER NOT NULL, tokens INTEGER NOT NULL,
+  state TEXT NOT NULL,                            -- pending | merged | dropped
+  merged_version INTEGER, reason TEXT, received REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS spans (
+  shard_id INTEGER NOT NULL REFERENCES shards(id), row_start INTEGER NOT NULL,
+  row_end INTEGER NOT NULL, push_id TEXT NOT NULL REFERENCES pushes(push_id)
+);
+CREATE INDEX IF NOT EXISTS spans_by_shard ON spans(shard_id);
+CREATE INDEX IF NOT EXISTS spans_by_push ON spans(push_id);
+CREATE TABLE IF NOT EXISTS rounds (
+  fragment INTEGER NOT NULL, version INTEGER NOT NULL, closed REAL NOT NULL,
+  pushes INTEGER NOT NULL, tokens INTEGER NOT NULL, steps INTEGER NOT NULL,
+  mean_loss REAL, reason TEXT, scale REAL NOT NULL DEFAULT 1.0, PRIMARY KEY (fragment, version)
+);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL);
+"""
+
+
+def ledger_path(workdir: str | Path) -> Path:
+    """The one place a run's ledger lives: <workdir>/state/ledger.sqlite."""
+    return Path(workdir) / "state" / "ledger.sqlite"
+
+
+class LedgerBase:
+    """The SQLite file and its plumbing; the tables' methods are in the mixins beside it."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.time):
+        self.path = path
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(SCHEMA)
+        self._positions: dict[int, int] | None = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self)
+
+    def _q(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        rows = self._q(sql, args)
+        return rows[0][0] if rows else None
+
+    # -- meta -----------------------------------------------------------------------------------
+
+    def get_meta(self, key: str, default: str | None = None) -> str | None:
+        value = self._one("SELECT value FROM meta WHERE key = ?", (key,))
+        return default if value is None else value
+
+    def set_meta(self, **values: str) -> None:
+        with self._tx() as db:
+            for key, value in values.items():
+                db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    @property
+    def initialized(self) -> bool:
+        return self.get_meta("dataset") is not None
+
+    def initialize(
+        self,
+        chunks: Iterable[ChunkSpec],
+        counters: dict[str, float] | None = None,
+        shuffle_seed: int | None = None,
+        **meta: str,
+    ) -> None:
+        """Record the dataset's chunks once (and starting counters); a restart keeps what is there.
+
+        With a shuffle seed, chunks and their shards are handed out in a seeded random order, not
+        in the dataset's (sorted) order: otherwise training walks the corpus file by file, and
+        whatever the run happens to end on (say, a directory of lookup tables) shapes the model.
+        """
+        chunks = list(chunks)
+        order = list(range(len(chunks)))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(order)
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM meta WHERE key = 'dataset'").fetchone():
+                return
+            for c, position in zip(chunks, order, strict=True):
+                db.execute(
+                    "INSERT INTO chunks(id, spec, split, nbytes, lease_order) VALUES (?, ?, ?, ?, ?)",
+                    (c.index + 1, c.to_json(), c.split, c.nbytes, position),
+                )
+            for name, value in (counters or {}).items():
+                _bump(db, name, value)
+            for key, value in meta.items():
+                db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def run_id(self) -> str:
+        """The run's identity: made on first use and kept for the ledger's life (restarts too)."""
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('run_id', ?)", (uuid.uuid4().hex,))
+            return str(db.execute("SELECT value FROM meta WHERE key = 'run_id'").fetchone()[0])
+
+    def next_epoch(self) -> int:
+        """A new coordinator epoch: pushes that were in flight in the last one are gone."""
+        with self._tx() as db:
+            epoch = (
+                int(
+                    db.execute("SELECT COALESCE((SELECT value FROM meta WHERE key='epoch'), 0)").fetchone()[0]
+                )
+                + 1
+            )
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('epoch', ?)", (str(epoch),))
+            db.execute(
+                "UPDATE pushes SET state = 'dropped', reason = 'coordinator restarted before merge' WHERE state = 'pending'"
+            )
+        return epoch
+
+    # -- counters ---------------------------------------------------------------------------------
+
+    def bump(self, name: str, by: float = 1) -> None:
+        with self._tx() as db:
+            _bump(db, name, by)
+
+    def counter(self, name: str) -> float:
+        return float(self._one("SELECT value FROM counters WHERE name = ?", (name,)) or 0)
+
+    def counters(self) -> dict[str, float]:
+        return {r["name"]: r["value"] for r in self._q("SELECT name, value FROM counters")}
+
+
+class _Transaction:
+    """`with ledger._tx() as db:` — BEGIN IMMEDIATE ... COMMIT, under the ledger's lock."""
+
+    def __init__(self, ledger: LedgerBase):
+        self.ledger = ledger
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.ledger._lock.acquire()
+        self.ledger._db.execute("BEGIN IMMEDIATE")
+        return self.ledger._db
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
+        finally:
+            self.ledger._lock.release()
+
+
+def _bump(db: sqlite3.Connection, name: str, by: float) -> None:
+    db.execute(
+        "INSERT INTO counters(name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + excluded.value",
+        (name, by),
+    )

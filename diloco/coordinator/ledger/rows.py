@@ -1,0 +1,180 @@
+"""Pushes and merges: each push's row spans, counted once, and the merges that count them."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+
+from diloco.coordinator import leases
+from diloco.coordinator.ledger.db import LedgerBase, _bump
+from diloco.coordinator.ledger.records import MergeRecord
+
+
+class PushesTable(LedgerBase):
+    def push_state(self, push_id: str) -> sqlite3.Row | None:
+        rows = self._q("SELECT * FROM pushes WHERE push_id = ?", (push_id,))
+        return rows[0] if rows else None
+
+    def record_push(
+        self,
+        push_id: str,
+        worker_id: str,
+        fragment: int,
+        base_version: int,
+        steps: int,
+        tokens: int,
+        spans: Sequence[tuple[int, int, int]],
+        released: Sequence[int],
+        state: str = "pending",
+        reason: str = "",
+    ) -> str | None:
+        """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
+
+        Spans must lie inside their shard and not overlap each other (else the push is malformed
+        and refused). Rows already merged or pending for someone else (a learner that lost its
+        lease, then came back) are cut out of the spans: the delta still merges, but those rows
+        are counted once, by whoever had them first. That is the guard against counting twice.
+        """
+        with self._tx() as db:
+            if state == "pending":
+                by_shard: dict[int, list[leases.Range]] = {}
+                for sid, a, b in spans:
+                    by_shard.setdefault(sid, []).append((a, b))
+                if any(leases.overlaps(ranges) for ranges in by_shard.values()):
+                    return "spans of this push overlap each other"
+                kept: list[tuple[int, int, int]] = []
+                for sid, a, b in spans:
+                    shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
+                    if shard is None or not 0 <= a < b <= shard["rows"]:
+                        return f"span {sid}:[{a},{b}) is not inside a known shard"
+                    fresh = leases.subtract((a, b), self._spans(db, sid, ("merged", "pending")))
+                    kept.extend((sid, x, y) for x, y in fresh)
+                    _bump(db, "rows_trained_twice", (b - a) - sum(y - x for x, y in fresh))
+                spans = kept
+            db.execute(
+                "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, received) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    push_id,
+                    worker_id,
+                    fragment,
+                    base_version,
+                    steps,
+                    tokens,
+                    state,
+                    reason or None,
+                    self.clock(),
+                ),
+            )
+            if state == "pending":
+                db.executemany(
+                    "INSERT INTO spans(shard_id, row_start, row_end, push_id) VALUES (?, ?, ?, ?)",
+                    [(sid, a, b, push_id) for sid, a, b in spans],
+                )
+            for sid in released:
+                db.execute(
+                    "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                    "WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (sid, worker_id),
+                )
+            # Trained tokens are counted from the rows the push names, not from its `tokens`
+            # field: with several fragments every fragment's push reports the same tokens.
+            _bump(db, "tokens_trained", self._span_tokens(db, spans))
+            _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
+        return None
+
+    def _span_tokens(self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]]) -> int:
+        total = 0
+        for sid, a, b in spans:
+            shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
+            if shard is not None and shard["rows"]:
+                total += (b - a) * (shard["tokens"] // shard["rows"])
+        return total
+
+    def commit_merge(
+        self,
+        fragment: int,
+        version: int,
+        push_ids: Sequence[str],
+        tokens: int,
+        steps: int,
+        mean_loss: float | None,
+        reason: str,
+        scale: float = 1.0,
+    ) -> None:
+        self.commit_merges(
+            fragment, [MergeRecord(version, tuple(push_ids), tokens, steps, mean_loss, reason, scale)]
+        )
+
+    def commit_merges(self, fragment: int, merges: Sequence[MergeRecord]) -> None:
+        """One transaction: the rounds, their pushes merged, their shards' rows counted, version on.
+
+        Several merges of one fragment may share a transaction (and one checkpoint file, that of
+        the last): the coordinator publishes merges in groups when merging outpaces the store.
+        """
+        if not merges:
+            return
+        with self._tx() as db:
+            for merge in merges:
+                self._commit_one_merge(db, fragment, merge)
+            db.execute(
+                "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
+                (f"fragment_version.{fragment}", str(merges[-1].version)),
+            )
+
+    def _commit_one_merge(self, db: sqlite3.Connection, fragment: int, merge: MergeRecord) -> None:
+        push_ids = merge.push_ids
+        marks = ",".join("?" * len(push_ids))
+        db.execute(
+            f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE state = 'pending' AND push_id IN ({marks})",
+            (merge.version, *push_ids),
+        )
+        db.execute(
+            "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason, scale) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                fragment,
+                merge.version,
+                self.clock(),
+                len(push_ids),
+                merge.tokens,
+                merge.steps,
+                merge.mean_loss,
+                merge.reason,
+                merge.scale,
+            ),
+        )
+        shard_ids = [
+            r[0]
+            for r in db.execute(
+                f"SELECT DISTINCT shard_id FROM spans WHERE push_id IN ({marks})", tuple(push_ids)
+            )
+        ]
+        merged_tokens = 0
+        for sid in shard_ids:
+            shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
+            per_row = shard["tokens"] // max(1, shard["rows"])
+            for a, b in db.execute(
+                f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})",
+                (sid, *push_ids),
+            ).fetchall():
+                merged_tokens += (b - a) * per_row
+            if leases.covered_rows(self._spans(db, sid, ("merged",))) >= shard["rows"]:
+                db.execute(
+                    "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?",
+                    (sid,),
+                )
+        _bump(db, "tokens_merged", merged_tokens)
+        _bump(db, "rounds", 1)
+
+    def drop_pushes(self, push_ids: Sequence[str], reason: str) -> None:
+        """Pushes that will never merge: their rows become trainable again."""
+        with self._tx() as db:
+            for pid in push_ids:
+                db.execute(
+                    "UPDATE pushes SET state = 'dropped', reason = ? WHERE push_id = ? AND state = 'pending'",
+                    (reason, pid),
+                )
+
+    def fragment_version(self, fragment: int) -> int:
+        return int(self.get_meta(f"fragment_version.{fragment}", "0") or 0)

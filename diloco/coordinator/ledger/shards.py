@@ -1,0 +1,118 @@
+"""Shards for learners: dealt leases of rows nobody has trained on, corruption, release."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Collection, Iterable, Sequence
+
+from diloco.coordinator import deal, leases
+from diloco.coordinator.ledger.db import LedgerBase, _bump
+from diloco.coordinator.ledger.records import ShardLease
+
+
+class ShardsTable(LedgerBase):
+    def _spans(self, db: sqlite3.Connection, shard_id: int, states: Sequence[str]) -> list[leases.Range]:
+        marks = ",".join("?" * len(states))
+        rows = db.execute(
+            f"SELECT s.row_start, s.row_end FROM spans s JOIN pushes p ON p.push_id = s.push_id "
+            f"WHERE s.shard_id = ? AND p.state IN ({marks})",
+            (shard_id, *states),
+        ).fetchall()
+        return [(r[0], r[1]) for r in rows]
+
+    def _todo(self, db: sqlite3.Connection, shard_id: int, rows: int) -> list[leases.Range]:
+        return leases.subtract((0, rows), self._spans(db, shard_id, ("merged", "pending")))
+
+    def train_positions(self) -> dict[int, int]:
+        """chunk id -> its place among the train chunks in lease order (what `deal` deals by).
+        Chunks never change split or order, so this is read once."""
+        if not self._positions:  # (empty until the ledger is initialized)
+            rows = self._q("SELECT id FROM chunks WHERE split = 'train' ORDER BY lease_order, id")
+            self._positions = {r["id"]: i for i, r in enumerate(rows)}
+        return self._positions
+
+    def lease_shard(
+        self,
+        worker_id: str,
+        ttl_s: float,
+        slot: int | None = None,
+        slots: int = 0,
+        vacant: Collection[int] = (),
+    ) -> ShardLease | str:
+        """A train shard with rows nobody has trained on, or "wait", or "done" ("wait-dealt":
+        wait, the learner's next dealt shard is being made).
+
+        With `slots` > 0 the shard is dealt to the learner's `slot` (deal.choose_shard); otherwise
+        the first in lease order."""
+        self.reclaim_expired(ttl_s)
+        positions = self.train_positions()
+        with self._tx() as db:
+            ready = db.execute(
+                "SELECT id, chunk_id, uri, checksum, rows FROM shards WHERE split = 'train' AND state = 'ready'"
+            ).fetchall()
+            by_id = {row["id"]: row for row in ready}
+            candidates = [deal.Candidate(row["id"], positions[row["chunk_id"]]) for row in ready]
+            own_work_coming = (
+                slots > 0
+                and slot is not None
+                and any(
+                    positions[r["id"]] % slots == slot
+                    for r in db.execute(
+                        "SELECT id FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
+                    ).fetchall()
+                )
+            )
+            while True:
+                choice = deal.choose_shard(candidates, slot, slots, vacant, own_work_coming)
+                if choice.shard_id is None:
+                    if own_work_coming:
+                        return "wait-dealt"
+                    break
+                row = by_id[choice.shard_id]
+                todo = self._todo(db, row["id"], row["rows"])
+                if not todo:  # every row is merged or in a pending push: not a candidate
+                    candidates = [c for c in candidates if c.shard_id != row["id"]]
+                    continue
+                db.execute(
+                    "UPDATE shards SET state = 'leased', holder = ?, lease_expires = ? WHERE id = ?",
+                    (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
+                )
+                return ShardLease(row["id"], row["uri"], row["checksum"], row["rows"], todo, slot)
+            unfinished_chunks = db.execute(
+                "SELECT COUNT(*) FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
+            ).fetchone()[0]
+            open_shards = db.execute(
+                "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state != 'consumed'"
+            ).fetchone()[0]
+            return "wait" if unfinished_chunks or open_shards else "done"
+
+    def report_corrupt_shard(self, shard_id: int, error: str) -> bool:
+        """A shard that failed its checksum: take it out of play and reprocess its raw chunk."""
+        with self._tx() as db:
+            shard = db.execute("SELECT chunk_id, state FROM shards WHERE id = ?", (shard_id,)).fetchone()
+            if shard is None or shard["state"] in ("corrupt", "consumed"):
+                return False
+            db.execute(
+                "UPDATE shards SET state = 'corrupt', holder = NULL, lease_expires = NULL WHERE id = ?",
+                (shard_id,),
+            )
+            db.execute(
+                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL, error = ? "
+                "WHERE id = ?",
+                (f"shard {shard_id} corrupt: {error}"[:2000], shard["chunk_id"]),
+            )
+            _bump(db, "shards_corrupt", 1)
+            return True
+
+    def release_shards(self, worker_id: str, shard_ids: Iterable[int]) -> None:
+        with self._tx() as db:
+            for sid in shard_ids:
+                db.execute(
+                    "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                    "WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (sid, worker_id),
+                )
+
+    def shard(self, shard_id: int) -> sqlite3.Row | None:
+        rows = self._q("SELECT * FROM shards WHERE id = ?", (shard_id,))
+        return rows[0] if rows else None

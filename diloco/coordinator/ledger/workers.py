@@ -1,0 +1,122 @@
+"""Workers: joins, heartbeats (with earlier lives' counts), lease renewal, leaving, expiry."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from diloco.coordinator import leases
+from diloco.coordinator.ledger.db import LedgerBase, _bump
+
+
+class WorkersTable(LedgerBase):
+    def join(self, worker_id: str, role: str, host: str) -> None:
+        now = self.clock()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO workers(id, role, host, joined, last_seen, state) VALUES (?, ?, ?, ?, ?, 'active') "
+                "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', host = excluded.host",
+                (worker_id, role, host, now, now),
+            )
+
+    def worker_role(self, worker_id: str) -> str | None:
+        role = self._one("SELECT role FROM workers WHERE id = ?", (worker_id,))
+        return None if role is None else str(role)
+
+    def known_worker(self, worker_id: str) -> bool:
+        return self._one("SELECT 1 FROM workers WHERE id = ? AND state = 'active'", (worker_id,)) is not None
+
+    def heartbeat(self, worker_id: str, stats: dict[str, Any]) -> None:
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute("SELECT stats FROM workers WHERE id = ?", (worker_id,)).fetchone()
+            previous = json.loads(row["stats"]) if row else {}
+            before = int(previous.get("tokens_trained", 0))
+            if int(stats.get("tokens_trained", 0)) < before:
+                # A restarted process under the same id counts from zero again: keep what its
+                # previous life reported, so killed learners' work still shows as trained (and
+                # its time in inner steps, for goodput).
+                _bump(db, "tokens_trained_by_earlier_lives", before)
+                _bump(db, "busy_seconds_by_earlier_lives", float(previous.get("busy_seconds", 0.0)))
+                _bump(db, "kept_busy_seconds_by_earlier_lives", float(previous.get("kept_busy_seconds", 0.0)))
+            db.execute(
+                "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?",
+                (now, json.dumps(stats), worker_id),
+            )
+
+    def renew(
+        self, worker_id: str, chunk_ids: Sequence[int], shard_ids: Sequence[int], ttl_s: float
+    ) -> tuple[list[int], list[int]]:
+        """Move the named leases' deadlines on; return those this worker no longer holds."""
+        deadline = leases.lease_deadline(self.clock(), ttl_s)
+        lost_chunks: list[int] = []
+        lost_shards: list[int] = []
+        with self._tx() as db:
+            for cid in chunk_ids:
+                n = db.execute(
+                    "UPDATE chunks SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (deadline, cid, worker_id),
+                ).rowcount
+                if not n:
+                    lost_chunks.append(cid)
+            for sid in shard_ids:
+                n = db.execute(
+                    "UPDATE shards SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",
+                    (deadline, sid, worker_id),
+                ).rowcount
+                if not n:
+                    lost_shards.append(sid)
+        return lost_chunks, lost_shards
+
+    def leave(self, worker_id: str, state: str = "left") -> None:
+        """The worker is gone: its leases go back to the pool at once."""
+        with self._tx() as db:
+            db.execute("UPDATE workers SET state = ? WHERE id = ?", (state, worker_id))
+            db.execute(
+                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL WHERE holder = ? AND state = 'leased'",
+                (worker_id,),
+            )
+            db.execute(
+                "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL WHERE holder = ? AND state = 'leased'",
+                (worker_id,),
+            )
+
+    def live_workers(self, role: str, ttl_s: float) -> list[str]:
+        now = self.clock()
+        rows = self._q("SELECT id, last_seen FROM workers WHERE role = ? AND state = 'active'", (role,))
+        return [r["id"] for r in rows if leases.is_live(r["last_seen"], now, ttl_s)]
+
+    def workers(self) -> list[sqlite3.Row]:
+        return self._q("SELECT * FROM workers ORDER BY joined")
+
+    def reclaim_expired(self, ttl_s: float, max_chunk_attempts: int = 0) -> dict[str, int]:
+        """Expired leases back to the pool; silent workers marked lost (and their leases freed).
+
+        A chunk whose lease ran out max_chunk_attempts times (its workers died or hung on it: a
+        poison chunk) is quarantined instead of handed out again.
+        """
+        now = self.clock()
+        with self._tx() as db:
+            if max_chunk_attempts > 0:
+                db.execute(
+                    "UPDATE chunks SET state = 'quarantined', holder = NULL, lease_expires = NULL, "
+                    "error = 'lease expired ' || attempts || ' times: the worker died or hung on this chunk' "
+                    "WHERE state = 'leased' AND lease_expires <= ? AND attempts >= ?",
+                    (now, max_chunk_attempts),
+                )
+            chunks = db.execute(
+                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL "
+                "WHERE state = 'leased' AND lease_expires <= ?",
+                (now,),
+            ).rowcount
+            shards = db.execute(
+                "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                "WHERE state = 'leased' AND lease_expires <= ?",
+                (now,),
+            ).rowcount
+            lost = db.execute(
+                "UPDATE workers SET state = 'lost' WHERE state = 'active' AND last_seen <= ?", (now - ttl_s,)
+            ).rowcount
+        return {"chunks": chunks, "shards": shards, "workers": lost}
