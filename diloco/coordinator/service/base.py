@@ -1,0 +1,195 @@
+"""The service's core: its state, life cycle (the merger, publisher and ticker threads), the
+parameters it loads at start, and the helpers every handler uses; the budget ticker."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import torch
+
+from diloco.config import RunConfig
+from diloco.coordinator import checkpoint, syncer
+from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.service.state import (
+    RUN_STATES,
+    FragmentState,
+    RoundSum,
+    log,
+    policy_of,
+)
+from diloco.coordinator.wirecount import WireCounter
+from diloco.fragments import assign_fragments
+from diloco.v1 import coordinator_pb2 as pb
+
+
+class ServiceBase:
+    def __init__(
+        self,
+        config: RunConfig,
+        ledger: Ledger,
+        checkpoint_root: str,
+        shard_root: str,
+        clock: Callable[[], float] = time.time,
+        tokenizer_hash: str = "",
+    ):
+        self.config = config
+        self.ledger = ledger
+        # Handed out at join; every worker refuses to work with a tokenizer that differs.
+        self.tokenizer_hash = tokenizer_hash
+        self.run_id = self.ledger.run_id()
+        self.checkpoint_root = checkpoint_root
+        self.shard_root = shard_root
+        self.clock = clock
+        self.policy = policy_of(config)
+        self.cond = threading.Condition(threading.RLock())
+        self.wire = WireCounter()
+        self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
+        self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
+        self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
+        self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
+        self.epoch = ledger.next_epoch()
+        self.run_state = ledger.get_meta("run_state", "running") or "running"
+        self.started_at = clock()
+        self.fragments: list[FragmentState] = []
+        self.specs: dict[str, pb.TensorSpec] = {}
+        self.step_time_s = 0.0  # EMA of learners' reported inner step time
+        self.sync_time_s = 0.0  # EMA of merge duration
+        self.publish_time_s = 0.0  # EMA of writing a checkpoint and committing its merges
+        self.last_loss = math.nan
+        self._load_parameters()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick_forever, name="syncer-tick", daemon=True)
+        self._publisher = threading.Thread(target=self._publish_forever, name="publisher", daemon=True)
+        self._merger = threading.Thread(target=self._merge_forever, name="merger", daemon=True)
+
+    # -- life cycle -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._ticker.start()
+        self._merger.start()
+        self._publisher.start()
+
+    def stop(self, publish_timeout_s: float = 60.0) -> None:
+        """Stop the clocks; merges already made are published first (bounded in time)."""
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        for thread in (self._ticker, self._merger):
+            if thread.is_alive():
+                thread.join(timeout=5)
+        if self._publisher.is_alive():
+            self._publisher.join(timeout=publish_timeout_s)
+
+    def wait_published(self, timeout_s: float = 30.0) -> bool:
+        """Until every push received so far is merged and published (for tools and tests)."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while any(f.pending or f.unpublished for f in self.fragments):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.25))
+        return True
+
+    def _load_parameters(self) -> None:
+        """After a restart: the global fragments at the versions the ledger last committed."""
+        raw = self.ledger.get_meta("param_specs")
+        if raw is None:
+            return
+        specs = [pb.TensorSpec(name=s["name"], dtype=s["dtype"], shape=s["shape"]) for s in json.loads(raw)]
+        self._install_specs(specs)
+        for p, names in enumerate(self._fragment_names(specs)):
+            version = self.ledger.fragment_version(p)
+            params, momentum = checkpoint.load_fragment(self.checkpoint_root, p, version)
+            self.fragments.append(self._fragment_state(p, names, params, momentum, version))
+        log.info("resumed fragments at versions %s", [f.version for f in self.fragments])
+
+    def _install_specs(self, specs: list[pb.TensorSpec]) -> None:
+        self.specs = {s.name: s for s in specs}
+
+    def _fragment_names(self, specs: list[pb.TensorSpec]) -> list[list[str]]:
+        sizes = [(s.name, math.prod(s.shape)) for s in specs]
+        return assign_fragments(sizes, self.config.sync.fragments)
+
+    def _fragment_state(
+        self,
+        p: int,
+        names: list[str],
+        params: dict[str, torch.Tensor],
+        momentum: dict[str, torch.Tensor],
+        version: int,
+    ) -> FragmentState:
+        round_ = syncer.RoundState(p, version, self.clock())
+        return FragmentState(
+            p, names, params, momentum, version, round_, self._new_sum(), published_version=version,
+            files=[version], broadcast=params,
+        )  # fmt: skip
+
+    def _new_sum(self) -> RoundSum:
+        return RoundSum(syncer.MergeAccumulator(self.policy.merge))
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _state_pb(self) -> int:
+        return RUN_STATES[self.run_state]
+
+    def _require_worker(self, worker_id: str, context: grpc.ServicerContext) -> None:
+        if not worker_id or not self.ledger.known_worker(worker_id):
+            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {worker_id!r}: join first")
+
+    def _role_of(self, worker_id: str) -> str:
+        role = self._roles.get(worker_id)
+        if role is None:
+            role = self.ledger.worker_role(worker_id) or "unknown"
+            self._roles[worker_id] = role
+        return role
+
+    def _live_learners(self) -> list[str]:
+        return self.ledger.live_workers("compute", self.config.coordinator.lease_ttl_s)
+
+    def _set_run_state(self, state: str, reason: str) -> None:
+        with self.cond:
+            if self.run_state == state or (self.run_state == "finished" and state != "finished"):
+                return
+            self.run_state = state
+            self.ledger.set_meta(run_state=state)
+            log.info("run %s (%s)", state, reason)
+            self.cond.notify_all()
+
+    def _tick_forever(self) -> None:
+        """Time-driven events: lease expiry, the token budget, the end of the run. (Grace windows
+        and learners found dead close rounds in the merger, which wakes at least every 0.25 s.)"""
+        while not self._stop.wait(0.25):
+            try:
+                self.tick()
+            except Exception:  # a bad tick must not kill the syncer; it is logged and retried
+                log.exception("syncer tick failed")
+
+    def tick(self) -> None:
+        self.ledger.reclaim_expired(
+            self.config.coordinator.lease_ttl_s, self.config.coordinator.max_chunk_attempts
+        )
+        budget = self.config.train.max_tokens
+        # The budget counts tokens merged into the model (the ledger's exact, durable count): work
+        # a kill or a restart throws away is not training, and a heartbeat counter restarts with
+        # its process.
+        if budget and self.run_state == "running" and self.ledger.counter("tokens_merged") >= budget:
+            self._set_run_state("finishing", f"token budget of {budget} reached")
+        if self.run_state == "finishing" and not self._live_learners():
+            with self.cond:
+                if not any(f.pending or f.unpublished for f in self.fragments):
+                    self._set_run_state("finished", "every learner has left")
+
+    def _tokens_reported(self) -> int:
+        """Tokens the learners say they trained: each one's latest count, plus the last counts of
+        earlier lives of restarted learners (work a kill threw away was still trained)."""
+        total = int(self.ledger.counter("tokens_trained_by_earlier_lives"))
+        for w in self.ledger.workers():
+            if w["role"] == "compute":
+                total += int(json.loads(w["stats"]).get("tokens_trained", 0))
+        return total

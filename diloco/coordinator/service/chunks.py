@@ -1,0 +1,114 @@
+"""The data workers' RPCs: lease, complete and fail raw chunks."""
+
+from __future__ import annotations
+
+import grpc
+
+from diloco import store
+from diloco.coordinator.ledger import ChunkLease
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    log,
+)
+from diloco.v1 import coordinator_pb2 as pb
+
+
+class ChunkRPCs(ServiceBase):
+    def LeaseChunk(self, request: pb.LeaseChunkRequest, context: grpc.ServicerContext) -> pb.LeaseChunkReply:
+        self.wire.unary_in("lease_chunk", request)
+        self._require_worker(request.worker_id, context)
+        ttl = self.config.coordinator.lease_ttl_s
+        if self.run_state != "running":
+            reply = pb.LeaseChunkReply(done=True, run_state=self._state_pb())
+        else:
+            lease = self.ledger.lease_chunk(
+                request.worker_id,
+                ttl,
+                self.config.coordinator.max_chunk_attempts,
+                self.config.data.max_ready_shards,
+                self.config.data.deal,
+            )
+            if isinstance(lease, ChunkLease):
+                shard_uri = store.join(self.shard_root, f"chunk-{lease.chunk_id:06d}-a{lease.attempt}.shard")
+                reply = pb.LeaseChunkReply(
+                    chunk_id=lease.chunk_id,
+                    split=lease.spec.split,
+                    shard_uri=shard_uri,
+                    lease_ttl_s=ttl,
+                    segments=[
+                        pb.Segment(
+                            uri=s.uri,
+                            start=s.start,
+                            end=s.end,
+                            file_end=s.file_end,
+                            unit=s.unit,
+                            nbytes=s.nbytes,
+                        )
+                        for s in lease.spec.segments
+                    ],
+                    run_state=self._state_pb(),
+                )
+            elif lease == "wait":
+                reply = pb.LeaseChunkReply(retry_after_s=1.0, run_state=self._state_pb())
+            else:
+                reply = pb.LeaseChunkReply(done=True, run_state=self._state_pb())
+        self.wire.add_out("lease_chunk", reply)
+        return reply
+
+    def CompleteChunk(
+        self, request: pb.CompleteChunkRequest, context: grpc.ServicerContext
+    ) -> pb.CompleteChunkReply:
+        self.wire.unary_in("complete_chunk", request)
+        self._require_worker(request.worker_id, context)
+        if not request.completion_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion_id is required")
+        if not request.shard_uri.startswith(self.shard_root.rstrip("/") + "/"):
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard_uri!r} is outside the shard store"
+            )
+        if request.rows and request.tokens % request.rows:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be a whole number of rows")
+        done = self.ledger.complete_chunk(
+            request.worker_id,
+            request.chunk_id,
+            request.completion_id,
+            request.shard_uri,
+            request.rows,
+            request.tokens,
+            request.checksum,
+            request.shard_bytes,
+            dict(request.record_stats),
+        )
+        if done.accepted and done.reason != "already recorded":  # a retried completion counts once
+            # Each data worker's throughput, for status and summary.json: tokens it wrote into
+            # recorded shards, and the seconds it spent on those chunks.
+            self.ledger.bump(f"data_tokens.{request.worker_id}", request.tokens)
+            self.ledger.bump(f"data_seconds.{request.worker_id}", request.seconds)
+        log.info(
+            "chunk %d complete worker=%s accepted=%s (%s) rows=%d",
+            request.chunk_id,
+            request.worker_id,
+            done.accepted,
+            done.reason,
+            request.rows,
+        )
+        reply = pb.CompleteChunkReply(accepted=done.accepted, reason=done.reason, shard_id=done.shard_id)
+        self.wire.add_out("complete_chunk", reply)
+        return reply
+
+    def FailChunk(self, request: pb.FailChunkRequest, context: grpc.ServicerContext) -> pb.FailChunkReply:
+        self.wire.unary_in("fail_chunk", request)
+        self._require_worker(request.worker_id, context)
+        quarantined = self.ledger.fail_chunk(
+            request.worker_id, request.chunk_id, request.error, self.config.coordinator.max_chunk_attempts
+        )
+        log.warning(
+            "chunk %d failed worker=%s quarantined=%s: %s",
+            request.chunk_id,
+            request.worker_id,
+            quarantined,
+            request.error.splitlines()[0] if request.error else "",
+        )
+        reply = pb.FailChunkReply(quarantined=quarantined)
+        self.wire.add_out("fail_chunk", reply)
+        return reply

@@ -1,0 +1,81 @@
+"""Join, Heartbeat, Leave: who is in the run."""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    ROLE_NAMES,
+    log,
+)
+from diloco.v1 import coordinator_pb2 as pb
+
+
+class MembershipRPCs(ServiceBase):
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        role = ROLE_NAMES.get(request.role)
+        self.wire.unary_in("join", request, role)
+        if role is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs a role")
+        worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        self.ledger.join(worker_id, role, request.host or "?")
+        self._roles[worker_id] = role
+        log.info("join worker=%s role=%s host=%s", worker_id, role, request.host)
+        reply = pb.JoinReply(
+            worker_id=worker_id,
+            config_json=self.config.to_json(),
+            coordinator_epoch=self.epoch,
+            needs_init=not self.fragments,
+            num_fragments=self.config.sync.fragments,
+            run_state=self._state_pb(),
+            heartbeat_s=self.config.coordinator.heartbeat_s,
+            tokenizer_hash=self.tokenizer_hash,
+            run_id=self.run_id,
+            fragment_versions=[f.version for f in self.fragments],
+        )
+        with self.cond:
+            self.cond.notify_all()
+        self.wire.add_out("join", reply, role)
+        return reply
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        role = self._role_of(request.worker_id)
+        self.wire.unary_in("heartbeat", request, role)
+        self._require_worker(request.worker_id, context)
+        stats = {
+            "inner_steps": request.inner_steps,
+            "tokens_trained": request.tokens_trained,
+            "last_loss": request.last_loss,
+            "busy_seconds": request.busy_seconds,
+            "kept_busy_seconds": request.kept_busy_seconds,
+            "wall_seconds": request.wall_seconds,
+            "data_stall_seconds": request.data_stall_seconds,
+            "sync_wait_seconds": request.sync_wait_seconds,
+        }
+        ttl = self.config.coordinator.lease_ttl_s
+        self.ledger.heartbeat(request.worker_id, stats)
+        lost_chunks, lost_shards = self.ledger.renew(
+            request.worker_id, request.chunk_leases, request.shard_leases, ttl
+        )
+        reply = pb.HeartbeatReply(
+            run_state=self._state_pb(),
+            coordinator_epoch=self.epoch,
+            lost_chunk_leases=lost_chunks,
+            lost_shard_leases=lost_shards,
+        )
+        self.wire.add_out("heartbeat", reply, role)
+        return reply
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
+        role = self._role_of(request.worker_id)
+        self.wire.unary_in("leave", request, role)
+        self.ledger.leave(request.worker_id)
+        log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
+        with self.cond:
+            self.cond.notify_all()  # one learner fewer: the merger may close a round now
+        reply = pb.LeaveReply()
+        self.wire.add_out("leave", reply, role)
+        return reply

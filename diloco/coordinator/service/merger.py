@@ -1,0 +1,112 @@
+"""The syncer's merger thread: rounds that are ready are sealed and merged (the outer step)."""
+
+from __future__ import annotations
+
+import time
+
+from diloco.coordinator import syncer
+from diloco.coordinator.ledger import MergeRecord
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    FragmentState,
+    log,
+)
+
+
+class Merger(ServiceBase):
+    def _merge_forever(self) -> None:
+        """Close rounds as pushes arrive. One thread merges, so pushes that arrive while a merge
+        runs wait in the next round and merge together: under load, one outer step takes many
+        deltas instead of each push paying for its own."""
+        with self.cond:
+            while not self._stop.is_set():
+                try:
+                    self._close_ready_rounds()
+                except Exception:  # a bad merge must not stop the syncer; it is tried again
+                    log.exception("merge failed")
+                self.cond.wait(0.25)  # pushes, leaves and finishing wake it; grace windows run out
+
+    def _close_ready_rounds(self) -> None:
+        """Merge every fragment whose round the pure decision says is ready (lock held)."""
+        if not self.fragments:
+            return
+        live = self._live_learners()
+        now = self.clock()
+        for frag in self.fragments:
+            decision = syncer.decide_close(
+                frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s + self.publish_time_s
+            )
+            if decision.close:
+                self._merge(frag, decision.reason)
+
+    def _merge(self, frag: FragmentState, reason: str) -> None:
+        p = frag.round.fragment
+        pending = frag.pending
+        if not pending:  # only "nothing this round" arrivals: reopen, the version stays
+            frag.round = syncer.RoundState(p, frag.version, self.clock())
+            return
+        started = time.monotonic()
+        # Seal the round: its last accepted pushes may still be adding into the sum.
+        frag.sealing = True
+        try:
+            while frag.sum.folding:
+                self.cond.wait(0.05)
+        finally:
+            frag.sealing = False
+        summed = frag.sum
+        if summed.lost:
+            # A fold that failed part-way leaves the sum untrusted: the whole round is dropped
+            # (its rows go back to the pool), never merged short of a push it recorded.
+            self.ledger.drop_pushes(
+                [q.push_id for q in pending], "lost while merging; train those rows again"
+            )
+            frag.pending, frag.sum = [], self._new_sum()
+            frag.round = syncer.RoundState(p, frag.version, self.clock())
+            return
+        contributors = {q.arrival.worker_id for q in pending}
+        scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
+        outer_grad = summed.acc.result(scale)
+        params, momentum = syncer.outer_step(
+            frag.params,
+            frag.momentum,
+            outer_grad,
+            self.policy.outer_lr,
+            self.policy.outer_momentum,
+            self.policy.nesterov,
+            fraction=scale,
+            consume=True,
+        )
+        version = frag.version + 1
+        tokens = sum(q.arrival.tokens for q in pending)
+        steps = sum(q.arrival.steps for q in pending)
+        losses = [q.mean_loss for q in pending if q.mean_loss > 0]
+        mean_loss = sum(losses) / len(losses) if losses else None
+        frag.unpublished.append(
+            MergeRecord(version, tuple(q.push_id for q in pending), tokens, steps, mean_loss, reason, scale)
+        )
+        frag.params, frag.momentum, frag.version = params, momentum, version
+        frag.previous_round = (min(q.arrival.arrived_at for q in pending), frozenset(contributors))
+        frag.pending, frag.sum = [], self._new_sum()
+        frag.round = syncer.RoundState(p, version, self.clock())
+        if mean_loss is not None:
+            self.last_loss = mean_loss
+        elapsed = time.monotonic() - started
+        self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
+        log.info(
+            "merge fragment=%d version=%d pushes=%d tokens=%d loss=%s (%s) in %.3fs",
+            p,
+            version,
+            len(pending),
+            tokens,
+            f"{mean_loss:.4f}" if mean_loss else "-",
+            reason,
+            elapsed,
+        )
+        self.cond.notify_all()  # the publisher
+
+    def _unpublished_merge_of(self, fragment: int, push_id: str) -> int | None:
+        with self.cond:
+            for merge in self.fragments[fragment].unpublished:
+                if push_id in merge.push_ids:
+                    return merge.version
+        return None

@@ -1,0 +1,116 @@
+"""The publisher thread: merged heads are checkpointed and committed; the pull codec's chain."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from diloco.coordinator import checkpoint
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    FragmentState,
+    log,
+)
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire import codecs
+
+
+class Publisher(ServiceBase):
+    def _publish_forever(self) -> None:
+        """Checkpoint and commit merges off the RPC threads, every waiting merge at once."""
+        failures = 0
+        while True:
+            with self.cond:
+                ready = [(f, f.params, f.momentum, f.version) for f in self.fragments if f.unpublished]
+                if not ready:
+                    if self._stop.is_set():
+                        return
+                    self.cond.wait(0.25)
+                    continue
+            try:
+                started = time.monotonic()
+                for frag, params, momentum, version in ready:
+                    self._publish(frag, params, momentum, version)
+                failures = 0
+                # Under a burst of merges, space the checkpoints out: the merges in between are
+                # published together, one file and one commit (ingest + merge ran 48% -> 55% of raw
+                # streaming in benchmarks/ingest.py). When merges are sparse this waits for nothing.
+                spacing = self.config.coordinator.min_publish_interval_s - (time.monotonic() - started)
+                if spacing > 0:
+                    self._stop.wait(spacing)
+            except Exception:  # a store hiccup: the merges stay in memory and are tried again
+                failures += 1
+                log.exception("publishing merges failed (%d in a row); retrying", failures)
+                if self._stop.is_set() and failures >= 5:
+                    log.error("giving up publishing at shutdown: the last merges are lost")
+                    return
+                time.sleep(min(5.0, 0.2 * 2**failures))
+
+    def _publish(
+        self,
+        frag: FragmentState,
+        params: dict[str, torch.Tensor],
+        momentum: dict[str, torch.Tensor],
+        version: int,
+    ) -> None:
+        started = time.monotonic()
+        p = frag.index
+        # The file is complete on the store before the ledger points at it.
+        checkpoint.save_fragment(self.checkpoint_root, p, version, params, momentum)
+        with self.cond:
+            merges = [m for m in frag.unpublished if m.version <= version]
+            self.ledger.commit_merges(p, merges)
+            frag.unpublished = [m for m in frag.unpublished if m.version > version]
+            self._extend_broadcast(frag, params, version)
+            frag.published_version = version
+            frag.files.append(version)
+            # The version before the published one stays as a fallback.
+            obsolete, frag.files = frag.files[:-2], frag.files[-2:]
+            self.cond.notify_all()
+        for old in obsolete:
+            checkpoint.remove_fragment(self.checkpoint_root, p, old)
+        elapsed = time.monotonic() - started
+        self.publish_time_s = (
+            elapsed if self.publish_time_s == 0 else 0.8 * self.publish_time_s + 0.2 * elapsed
+        )
+        if len(merges) > 1:
+            log.info("published fragment=%d version=%d (%d merges at once)", p, version, len(merges))
+
+    def _extend_broadcast(self, frag: FragmentState, params: dict[str, torch.Tensor], version: int) -> None:
+        """On publishing `version`: what learners will hold next, and the encoded step there."""
+        codec = self.config.sync.pull_codec
+        if codec == "fp32":
+            frag.broadcast = params
+            return
+        blobs, new = {}, {}
+        for name, theta in params.items():
+            blobs[name], new[name] = codecs.encode_step(
+                theta, frag.broadcast[name], codec, self.config.sync.codec_level
+            )
+        frag.broadcast = new
+        frag.chain[version] = (frag.published_version, blobs)
+        for old in sorted(frag.chain)[: -self.config.sync.pull_chain]:
+            del frag.chain[old]
+
+    def _pull_groups(self, p: int, have: int) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
+        """What a learner holding version `have` of fragment p needs: the encoded steps since, or
+        (no version held, or the steps are gone) the full fragment as learners hold it."""
+        frag = self.fragments[p]
+        codec = self.config.sync.pull_codec
+        if codec != "fp32" and have >= 0:
+            steps: list[tuple[int, dict[str, bytes]]] = []
+            v = frag.published_version
+            while v > have and v in frag.chain:  # walk the chain back to the version held
+                base, blobs = frag.chain[v]
+                steps.append((v, blobs))
+                v = base
+            if v == have:
+                return [
+                    (
+                        pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),
+                        {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in blobs.items()},
+                    )
+                    for v, blobs in reversed(steps)
+                ]
+        return [(pb.TensorHeader(fragment=p, version=frag.published_version, codec="fp32"), frag.broadcast)]

@@ -1,0 +1,215 @@
+"""Pushes: a learner's fragment delta streamed in, checked, accepted into its round and folded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import torch
+
+from diloco.coordinator import syncer
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    PUSH_SLOT_WAIT_S,
+    PendingPush,
+    RoundSum,
+    log,
+)
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire import codecs
+from diloco.wire.codecs import CodecError
+from diloco.wire.tensors import TensorAssembler, WireError
+
+
+class PushRPCs(ServiceBase):
+    def PushDelta(
+        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+    ) -> pb.PushReply:
+        # At most max_inflight_pushes deltas are held at once; the rest are told to come back
+        # (clients retry RESOURCE_EXHAUSTED with backoff), so memory does not grow with learners.
+        if not self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S):
+            self.ledger.bump("pushes_deferred")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pushes in flight; retry shortly")
+        try:
+            return self._push_delta(request_iterator, context)
+        finally:
+            self._push_slots.release()
+
+    def _push_delta(
+        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+    ) -> pb.PushReply:
+        self.wire.call("push")  # its messages are counted as gRPC reads them (CountRequestStreams)
+        messages = iter(request_iterator)
+        first = next(messages, None)
+        if first is None or first.WhichOneof("kind") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push stream must start with a header")
+        header = first.header
+        self._require_worker(header.worker_id, context)
+        if not header.push_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push_id is required")
+        if not self.fragments:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no parameters yet")
+        if header.fragment >= len(self.fragments):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment {header.fragment}")
+
+        prior = self.ledger.push_state(header.push_id)
+        if prior is not None:  # a retry after a lost reply: answer again, change nothing
+            for _ in messages:
+                pass
+            # A merged push answers with the version just before its merge, so the learner's
+            # "newer than" pull returns the merge that holds it at once.
+            merged_at = prior["merged_version"] or self._unpublished_merge_of(header.fragment, header.push_id)
+            reply = pb.PushReply(
+                accepted=prior["state"] != "dropped",
+                reason=prior["reason"] or f"already received ({prior['state']})",
+                version=merged_at - 1 if merged_at else self.fragments[header.fragment].version,
+            )
+            self.wire.add_out("push", reply)
+            return reply
+
+        frag = self.fragments[header.fragment]
+        empty = header.tokens == 0 and not header.tensors
+        tensors: dict[str, torch.Tensor] = {}
+        codec = header.codec or "fp32"
+        if codec != self.config.sync.codec:
+            self.ledger.bump("pushes_malformed")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"push uses codec {codec!r} but this run is configured for {self.config.sync.codec!r}",
+            )
+        if not empty:
+            try:
+                tensors = self._receive_delta(header, frag.names, codec, messages)
+            except (WireError, CodecError) as e:
+                self.ledger.bump("pushes_malformed")
+                log.warning("push refused worker=%s: %s", header.worker_id, e)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {e}")
+            if header.tokens == 0 or header.inner_steps == 0:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delta must report its steps and tokens")
+        else:
+            for _ in messages:
+                pass
+
+        with self.cond:
+            reply, fold = self._accept_push(header, tensors, empty)
+            self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
+        if fold is not None:
+            self._fold(header, tensors, *fold)
+        # Learners push every H/P steps but heartbeat every few seconds: told here, they stop
+        # within a push interval of the budget instead of training on for a heartbeat period.
+        reply.run_state = self._state_pb()
+        self.wire.add_out("push", reply)
+        return reply
+
+    def _fold(
+        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], into: RoundSum, weight: float
+    ) -> None:
+        """Add an accepted push into its round's sum, outside the service lock (pushes fold in
+        parallel with each other and with receiving); the merger waits for every fold of a round."""
+        try:
+            with into.lock:
+                into.acc.add(tensors, weight, consume=True)
+        except Exception:  # recorded as pending, not in the sum: the merge must drop it, not count it
+            log.exception("folding push %s failed; it will be dropped", header.push_id)
+            into.lost.append(header.push_id)
+        finally:
+            with self.cond:
+                into.folding -= 1
+                self.cond.notify_all()
+
+    def _receive_delta(
+        self,
+        header: pb.TensorHeader,
+        names: list[str],
+        codec: str,
+        messages: Iterator[pb.TensorStreamMessage],
+    ) -> dict[str, torch.Tensor]:
+        """The delta's fp32 tensors: raw for fp32, else one encoded blob per tensor, decoded here."""
+        if codec == "fp32":
+            expected = {n: self.specs[n] for n in names}
+        else:
+            expected = None
+            blobs = {s.name: s for s in header.tensors}
+            if set(blobs) != set(names) or any(
+                s.dtype != "uint8" or len(s.shape) != 1 for s in blobs.values()
+            ):
+                raise WireError(f"a {codec} push carries one 1-D uint8 blob per tensor of the fragment")
+        # fp32 values are checked for NaN/inf piece by piece; decoded codecs check their own output.
+        asm = TensorAssembler(header, self.config.coordinator.max_push_bytes, expected, finite=True)
+        for msg in messages:
+            if msg.WhichOneof("kind") != "piece":
+                raise WireError("only one header is allowed in a push")
+            asm.add(msg.piece)
+        received = asm.tensors()
+        if codec == "fp32":
+            return received
+        return {
+            n: codecs.decode(received[n].numpy().tobytes(), codec, tuple(self.specs[n].shape)) for n in names
+        }
+
+    def _accept_push(
+        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool
+    ) -> tuple[pb.PushReply, tuple[RoundSum, float] | None]:
+        """Record a push in its round (lock held); returns the reply, and for a delta to merge,
+        the round's sum to fold it into with its weight."""
+        frag = self.fragments[header.fragment]
+        while frag.sealing:  # the merger is closing this round: join the next one
+            self.cond.wait(0.05)
+        released = list(header.released_shards)
+        if empty:
+            # "Nothing this round" (a learner waiting for data): counts for closing, merges nothing.
+            self.ledger.release_shards(header.worker_id, released)
+            frag.round.arrivals[:] = [
+                a for a in frag.round.arrivals if not (a.worker_id == header.worker_id and a.tokens == 0)
+            ]
+            frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
+            return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version), None
+        spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
+        stale = syncer.staleness_refusal(self.policy, header.version, frag.version)
+        # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
+        refusal = (
+            self.ledger.record_push(
+                header.push_id,
+                header.worker_id,
+                header.fragment,
+                header.version,
+                header.inner_steps,
+                header.tokens,
+                spans,
+                released,
+                state="dropped" if stale else "pending",
+                reason=stale or "",
+            )
+            or stale
+        )
+        if refusal is not None:
+            log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
+            return pb.PushReply(accepted=False, reason=refusal, version=frag.version), None
+        now = self.clock()
+        missed = 0.0
+        if frag.previous_round is not None and not any(a.tokens for a in frag.round.arrivals):
+            missed = syncer.missed_round_by(
+                now,
+                *frag.previous_round,
+                header.worker_id,
+                self.config.train.inner_steps * header.step_time_s,
+            )
+        arrival = syncer.Arrival(
+            header.worker_id, header.tokens, header.inner_steps, now, header.version, header.step_time_s
+        )
+        frag.round.arrivals.append(arrival)
+        frag.pending.append(PendingPush(arrival, header.push_id, header.mean_loss, header.first_loss))
+        frag.sum.folding += 1
+        if header.step_time_s > 0:
+            self.step_time_s = (
+                header.step_time_s
+                if self.step_time_s == 0
+                else 0.8 * self.step_time_s + 0.2 * header.step_time_s
+            )
+        if header.first_loss and self.ledger.get_meta("first_loss") is None:
+            self.ledger.set_meta(first_loss=repr(header.first_loss))
+        weight = syncer.merge_weight(header.tokens, header.inner_steps, self.policy.merge)
+        reply = pb.PushReply(
+            accepted=True, reason="queued for merge", version=frag.version, missed_round_by_s=missed
+        )
+        return reply, (frag.sum, weight)

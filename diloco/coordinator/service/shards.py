@@ -1,0 +1,72 @@
+"""The learners' shard RPCs: a dealt lease of rows to train on; a corrupt shard reported."""
+
+from __future__ import annotations
+
+import grpc
+
+from diloco.coordinator import deal
+from diloco.coordinator.ledger import ShardLease
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    log,
+)
+from diloco.v1 import coordinator_pb2 as pb
+
+
+class ShardRPCs(ServiceBase):
+    def LeaseShard(self, request: pb.LeaseShardRequest, context: grpc.ServicerContext) -> pb.LeaseShardReply:
+        self.wire.unary_in("lease_shard", request)
+        self._require_worker(request.worker_id, context)
+        ttl = self.config.coordinator.lease_ttl_s
+        if self.run_state != "running":
+            reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())
+        else:
+            slots = self.config.data.deal
+            live = set(self._live_learners()) if slots else set()
+            with self.cond:  # the slot map is shared by every LeaseShard handler
+                slot = deal.take_slot(slots, self._deal_slots, live, request.worker_id) if slots else None
+                if slot is not None:
+                    self._deal_slots = {
+                        w: s for w, s in self._deal_slots.items() if s != slot or w == request.worker_id
+                    }
+                    self._deal_slots[request.worker_id] = slot
+                vacant = deal.vacant_slots(slots, self._deal_slots, live) if slots else set()
+            lease = self.ledger.lease_shard(request.worker_id, ttl, slot, slots, vacant)
+            if isinstance(lease, ShardLease):
+                reply = pb.LeaseShardReply(
+                    shard_id=lease.shard_id,
+                    uri=lease.uri,
+                    checksum=lease.checksum,
+                    rows=lease.rows,
+                    todo=[
+                        pb.ShardSpan(shard_id=lease.shard_id, row_start=a, row_end=b) for a, b in lease.todo
+                    ],
+                    lease_ttl_s=ttl,
+                    run_state=self._state_pb(),
+                    deal_slot=0 if lease.slot is None else lease.slot + 1,
+                )
+            elif lease in ("wait", "wait-dealt"):
+                reply = pb.LeaseShardReply(
+                    retry_after_s=0.5, run_state=self._state_pb(), dealt_shard_coming=lease == "wait-dealt"
+                )
+            else:
+                reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())
+        self.wire.add_out("lease_shard", reply)
+        return reply
+
+    def ReportShard(
+        self, request: pb.ReportShardRequest, context: grpc.ServicerContext
+    ) -> pb.ReportShardReply:
+        self.wire.unary_in("report_shard", request)
+        self._require_worker(request.worker_id, context)
+        again = self.ledger.report_corrupt_shard(request.shard_id, request.error)
+        log.warning(
+            "shard %d reported corrupt by %s (%s); reprocessing=%s",
+            request.shard_id,
+            request.worker_id,
+            request.error,
+            again,
+        )
+        reply = pb.ReportShardReply(reprocessing=again)
+        self.wire.add_out("report_shard", reply)
+        return reply

@@ -1,0 +1,92 @@
+"""The service's in-memory state: each fragment's head and open round, and the constants every
+handler shares."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from diloco.config import RunConfig
+from diloco.coordinator import syncer
+from diloco.coordinator.ledger import MergeRecord
+from diloco.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("diloco.coordinator")
+
+ROLE_NAMES = {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "compute", pb.ROLE_OBSERVER: "observer"}
+RUN_STATES = {
+    "running": pb.RUN_STATE_RUNNING,
+    "finishing": pb.RUN_STATE_FINISHING,
+    "finished": pb.RUN_STATE_FINISHED,
+}
+_SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# Client streams whose messages are counted as gRPC reads them (wirecount.CountRequestStreams).
+STREAMED_REQUEST_KINDS = {f"/{_SERVICE}/PushDelta": "push", f"/{_SERVICE}/InitParameters": "init"}
+MAX_PULL_WAIT_S = 30.0
+PUSH_SLOT_WAIT_S = 10.0
+
+
+@dataclass
+class PendingPush:
+    arrival: syncer.Arrival
+    push_id: str
+    mean_loss: float
+    first_loss: float
+
+
+@dataclass
+class RoundSum:
+    """The open round's deltas, folded in by the push handlers as they are accepted, so the
+    coordinator holds one fragment per round however many learners push (plus the pushes in
+    flight, which max_inflight_pushes bounds). `folding` handlers are still adding theirs."""
+
+    acc: syncer.MergeAccumulator
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    folding: int = 0
+    lost: list[str] = field(default_factory=list)  # push ids whose fold failed: the round is dropped
+
+
+@dataclass
+class FragmentState:
+    index: int
+    names: list[str]
+    # The head: the newest merge, in memory (published or not); the next merge builds on it.
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    version: int
+    round: syncer.RoundState
+    sum: RoundSum
+    pending: list[PendingPush] = field(default_factory=list)
+    sealing: bool = False  # the merger is waiting for the round's last folds: new pushes wait
+    # The last merged round's first push time and pushers: a push that opens the next round is
+    # told how late it was for that one (syncer.missed_round_by).
+    previous_round: tuple[float, frozenset[str]] | None = None
+    # Published: checkpointed and committed, so learners may hold it. Merges between the
+    # published version and the head wait for the publisher.
+    published_version: int = 0
+    unpublished: list[MergeRecord] = field(default_factory=list)
+    files: list[int] = field(default_factory=list)  # versions with a checkpoint file, oldest first
+    # What up-to-date learners hold: published Θ itself with fp32 pulls; with a pull codec, the
+    # sum of the encoded deltas sent so far. Θ − broadcast is the coordinator's error feedback: it
+    # goes out with the next delta, so the learners' copy never drifts from Θ.
+    broadcast: dict[str, torch.Tensor] = field(default_factory=dict)
+    # published version -> (the published version before it, the encoded blobs of the step
+    # between their broadcasts), the last few.
+    chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
+
+
+def policy_of(config: RunConfig) -> syncer.SyncPolicy:
+    s = config.sync
+    return syncer.SyncPolicy(
+        quorum=s.quorum,
+        merge=s.merge,
+        outer_lr=s.outer_lr,
+        outer_momentum=s.outer_momentum,
+        nesterov=s.nesterov,
+        max_staleness=s.max_staleness,
+        grace_factor=s.grace_factor,
+        overlap_steps=s.overlap_steps,
+    )

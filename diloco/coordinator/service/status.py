@@ -1,0 +1,135 @@
+"""Finish and Status: what operators ask and see."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import grpc
+
+from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.state import (
+    ROLE_NAMES,
+)
+from diloco.v1 import coordinator_pb2 as pb
+
+
+class StatusRPCs(ServiceBase):
+    def Finish(self, request: pb.FinishRequest, context: grpc.ServicerContext) -> pb.FinishReply:
+        self.wire.unary_in("finish", request)
+        self._set_run_state("finishing", request.reason or "asked to finish")  # wakes the merger
+        reply = pb.FinishReply(run_state=self._state_pb())
+        self.wire.add_out("finish", reply)
+        return reply
+
+    @staticmethod
+    def _data_worker_rates(worker_id: str, counters: dict[str, float]) -> dict[str, Any]:
+        tokens = int(counters.get(f"data_tokens.{worker_id}", 0))
+        seconds = float(counters.get(f"data_seconds.{worker_id}", 0.0))
+        return {
+            "tokens_prepared": tokens,
+            "prepare_seconds": round(seconds, 3),
+            # While working on chunks (read, tokenize, pack, compress, write): one process's speed.
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        }
+
+    def status_detail(self) -> dict[str, Any]:
+        summary = self.ledger.summary()
+        now = self.clock()
+        ttl = self.config.coordinator.lease_ttl_s
+        workers = []
+        for w in self.ledger.workers():
+            stats = json.loads(w["stats"])
+            workers.append(
+                {
+                    "worker_id": w["id"],
+                    "role": w["role"],
+                    "host": w["host"],
+                    "state": w["state"],
+                    "last_seen_s": round(now - w["last_seen"], 3),
+                    "alive": w["state"] == "active" and now - w["last_seen"] < ttl,
+                    **stats,
+                    **(self._data_worker_rates(w["id"], summary["counters"]) if w["role"] == "data" else {}),
+                }
+            )
+        wire_in, wire_out = self.wire.totals()
+        counters = summary.pop("counters")
+        first_loss = self.ledger.get_meta("first_loss")
+        return {
+            **summary,
+            "run_state": self.run_state,
+            "coordinator_epoch": self.epoch,
+            "fragment_versions": [f.published_version for f in self.fragments],
+            "tokens_merged": int(counters.get("tokens_merged", 0)),
+            "tokens_pushed": int(counters.get("tokens_trained", 0)),
+            # Heartbeats are current while learners run; pushes are exact once they have left.
+            "tokens_trained": max(self._tokens_reported(), int(counters.get("tokens_trained", 0))),
+            # Time in inner steps over every life of every learner (heartbeats; earlier lives kept).
+            "learner_busy_seconds": round(
+                counters.get("busy_seconds_by_earlier_lives", 0.0)
+                + sum(w.get("busy_seconds", 0.0) for w in workers if w["role"] == "compute"),
+                3,
+            ),
+            # Of it, the steps whose work survived: carried by pushes or saved on local disk.
+            "learner_kept_busy_seconds": round(
+                counters.get("kept_busy_seconds_by_earlier_lives", 0.0)
+                + sum(w.get("kept_busy_seconds", 0.0) for w in workers if w["role"] == "compute"),
+                3,
+            ),
+            "pushes_received": int(counters.get("pushes_received", 0)),
+            "pushes_refused": int(counters.get("pushes_refused", 0)),
+            "record_stats": {
+                k.split(".", 1)[1]: int(v) for k, v in counters.items() if k.startswith("records.")
+            },
+            "first_loss": float(first_loss) if first_loss else None,
+            "last_loss": None if math.isnan(self.last_loss) else self.last_loss,
+            "wire_bytes_in": wire_in,
+            "wire_bytes_out": wire_out,
+            "wire_by_rpc": self.wire.by_kind(),
+            "wire_by_role": self.wire.by_role(),
+            "workers": workers,
+            "uptime_s": round(now - self.started_at, 3),
+        }
+
+    def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
+        self.wire.unary_in("status", request)
+        d = self.status_detail()
+        reply = pb.StatusReply(
+            run_state=self._state_pb(),
+            coordinator_epoch=self.epoch,
+            chunks_total=d["chunks_total"],
+            chunks_done=d["chunks_done"],
+            chunks_quarantined=d["chunks_quarantined"],
+            shards_total=d["shards_total"],
+            shards_consumed=d["shards_consumed"],
+            tokens_prepared=d["tokens_prepared"],
+            tokens_merged=d["tokens_merged"],
+            tokens_trained=d["tokens_trained"],
+            rounds=d["rounds"],
+            fragment_versions=d["fragment_versions"],
+            last_loss=d["last_loss"] or 0.0,
+            first_loss=d["first_loss"] or 0.0,
+            wire_bytes_in=d["wire_bytes_in"],
+            wire_bytes_out=d["wire_bytes_out"],
+            pushes_accepted=d["pushes_received"],
+            pushes_refused=d["pushes_refused"],
+            workers=[
+                pb.WorkerStatus(
+                    worker_id=w["worker_id"],
+                    role=next(k for k, v in ROLE_NAMES.items() if v == w["role"]),
+                    host=w["host"],
+                    last_seen_s=w["last_seen_s"],
+                    alive=w["alive"],
+                    inner_steps=int(w.get("inner_steps", 0)),
+                    tokens_trained=int(w.get("tokens_trained", 0)),
+                    last_loss=float(w.get("last_loss", 0.0)),
+                    busy_seconds=float(w.get("busy_seconds", 0.0)),
+                    wall_seconds=float(w.get("wall_seconds", 0.0)),
+                )
+                for w in d["workers"]
+            ],
+            detail_json=json.dumps(d),
+        )
+        self.wire.add_out("status", reply)
+        return reply
