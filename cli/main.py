@@ -268,7 +268,7 @@ def status(
         raise DilocoError("give --coordinator HOST:PORT (or --audit --workdir DIR)")
     client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5)
     client.wait_ready(5)
-    detail = json.loads(client.call("Status", pb.StatusRequest(), timeout_s=10).detail_json)
+    detail = client.status()
     client.close()
     if as_json:
         typer.echo(json.dumps(detail, indent=2))

@@ -9,6 +9,7 @@ after a lost reply has no second effect.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import socket
@@ -135,6 +136,38 @@ class CoordinatorClient:
         if hasattr(request, "worker_id"):
             request.worker_id = self.worker_id
         return getattr(self.stub, method)(request, timeout=timeout_s)
+
+    # -- the unary RPCs, typed ------------------------------------------------------------------
+
+    def heartbeat(self, request: pb.HeartbeatRequest, timeout_s: float = 10.0) -> pb.HeartbeatReply:
+        return self.call("Heartbeat", request, timeout_s)
+
+    def last_heartbeat(self, request: pb.HeartbeatRequest, timeout_s: float = 5.0) -> pb.HeartbeatReply:
+        """Tried once: a stopping worker's final counters must not hold its exit up."""
+        return self.call_once("Heartbeat", request, timeout_s)
+
+    def lease_chunk(self) -> pb.LeaseChunkReply:
+        return self.call("LeaseChunk", pb.LeaseChunkRequest())
+
+    def complete_chunk(self, request: pb.CompleteChunkRequest) -> pb.CompleteChunkReply:
+        return self.call("CompleteChunk", request)
+
+    def fail_chunk(self, chunk_id: int, error: str) -> pb.FailChunkReply:
+        return self.call("FailChunk", pb.FailChunkRequest(chunk_id=chunk_id, error=error))
+
+    def lease_shard(self) -> pb.LeaseShardReply:
+        return self.call("LeaseShard", pb.LeaseShardRequest())
+
+    def report_shard(self, shard_id: int, error: str) -> pb.ReportShardReply:
+        return self.call("ReportShard", pb.ReportShardRequest(shard_id=shard_id, error=error))
+
+    def finish(self, reason: str, timeout_s: float = 30.0) -> pb.FinishReply:
+        return self.call("Finish", pb.FinishRequest(reason=reason), timeout_s)
+
+    def status(self, timeout_s: float = 10.0, once: bool = False) -> dict[str, Any]:
+        """The coordinator's status detail; `once`: no retries (a monitor that asks again anyway)."""
+        ask = self.call_once if once else self.call
+        return json.loads(ask("Status", pb.StatusRequest(), timeout_s).detail_json)
 
     # -- tensors --------------------------------------------------------------------------------
 

@@ -251,10 +251,9 @@ class LocalRun:
 
     def _status(self, observer: CoordinatorClient) -> dict[str, Any] | None:
         try:
-            reply = observer.stub.Status(pb.StatusRequest(), timeout=10)
+            return observer.status(once=True)
         except Exception:
             return None
-        return json.loads(reply.detail_json)
 
     def _watch(self, observer: CoordinatorClient, started: float) -> dict[str, Any]:
         """Show progress until every learner has exited; ask the coordinator to finish at the deadline."""
@@ -290,7 +289,7 @@ class LocalRun:
                     last_line = time.monotonic()
                     self.console.print(progress_line(detail, started), highlight=False, soft_wrap=True)
                 if not finish_sent and time.monotonic() >= deadline:
-                    observer.call("Finish", pb.FinishRequest(reason="time budget reached"))
+                    observer.finish("time budget reached")
                     finish_sent = True
                 time.sleep(0.5)
             if self.options.show_progress:
@@ -318,7 +317,7 @@ class LocalRun:
 
     def _wind_down(self, observer: CoordinatorClient) -> None:
         with contextlib.suppress(Exception):
-            observer.call("Finish", pb.FinishRequest(reason="learners finished"), timeout_s=10)
+            observer.finish("learners finished", timeout_s=10)
         self.group.wait(self.group.by_role("data"), timeout_s=30)
 
     # -- the result -----------------------------------------------------------------------------

@@ -315,7 +315,7 @@ class Learner(KeepsLocalState):
         )
 
     def _heartbeat(self) -> None:
-        reply = self.client.call("Heartbeat", self._heartbeat_request(), timeout_s=10.0)
+        reply = self.client.heartbeat(self._heartbeat_request())
         if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
             self.finishing.set()
         if reply.coordinator_epoch != self.epoch:
@@ -473,7 +473,7 @@ class Learner(KeepsLocalState):
             # The final counters, for status and utilization: tried once, like leave(), so a
             # coordinator that is gone does not hold the exit up.
             with contextlib.suppress(Exception):
-                self.client.call_once("Heartbeat", self._heartbeat_request(), timeout_s=FINAL_CALL_TIMEOUT_S)
+                self.client.last_heartbeat(self._heartbeat_request(), timeout_s=FINAL_CALL_TIMEOUT_S)
             self.client.leave(reason)
             self.client.close()
             # A thread still inside gRPC or torch when the interpreter exits can abort the

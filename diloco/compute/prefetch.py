@@ -186,7 +186,7 @@ class ShardPrefetcher:
 
     def _fetch_one(self) -> tuple[pb.LeaseShardReply, int, object] | object | None:
         """The next leased and decoded shard, DONE, or None (nothing this time)."""
-        lease = self.client.call("LeaseShard", pb.LeaseShardRequest())
+        lease = self.client.lease_shard()
         if lease.done:
             return DONE
         if lease.retry_after_s > 0:
@@ -209,7 +209,7 @@ class ShardPrefetcher:
             # The coordinator has the raw chunk reprocessed into a good shard.
             log.warning("shard %d unreadable (%s); reported for reprocessing", lease.shard_id, e)
             self.release(lease.shard_id)
-            self.client.call("ReportShard", pb.ReportShardRequest(shard_id=lease.shard_id, error=str(e)))
+            self.client.report_shard(lease.shard_id, str(e))
             return None
         return lease, number, shard.rows
 

@@ -51,7 +51,7 @@ class DataWorker:
             chunk_leases=held, tokens_trained=0, busy_seconds=self.busy_s,
             wall_seconds=time.monotonic() - self.started,
         )  # fmt: skip
-        self.client.call("Heartbeat", request, timeout_s=10.0)
+        self.client.heartbeat(request)
 
     def run(self) -> int:
         reply = self.client.join(self.connect_timeout_s)
@@ -62,7 +62,7 @@ class DataWorker:
         heartbeats = heartbeat_thread(self._heartbeat, reply.heartbeat_s, self.stop, log)
         try:
             while not self.stop.is_set():
-                lease = self.client.call("LeaseChunk", pb.LeaseChunkRequest())
+                lease = self.client.lease_chunk()
                 if lease.done:
                     log.info("nothing left to do (%d chunks, %d tokens)", self.chunks_done, self.tokens_out)
                     break
@@ -104,17 +104,13 @@ class DataWorker:
             )
         except Exception as e:  # any failure of this chunk is reported, never fatal to the worker
             log.warning("chunk %d failed: %s", lease.chunk_id, e)
-            self.client.call(
-                "FailChunk",
-                pb.FailChunkRequest(
-                    chunk_id=lease.chunk_id, error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
-                ),
+            self.client.fail_chunk(
+                lease.chunk_id, f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}"
             )
             self.current_chunk = None
             return
         seconds = time.monotonic() - started
-        done = self.client.call(
-            "CompleteChunk",
+        done = self.client.complete_chunk(
             pb.CompleteChunkRequest(
                 chunk_id=lease.chunk_id,
                 completion_id=uuid.uuid4().hex,
