@@ -602,3 +602,18 @@ def test_a_restarted_worker_keeps_its_earlier_lives_tokens(ledger) -> None:
     # Its time in inner steps too, and how much of it a kill did not lose (for goodput).
     assert ledger.counter("busy_seconds_by_earlier_lives") == 30.0
     assert ledger.counter("kept_busy_seconds_by_earlier_lives") == 24.0
+
+
+def test_the_round_that_made_a_version_is_known_after_a_restart(ledger, clock) -> None:
+    """A restarted coordinator tells the next round's first pusher how late it was for the last
+    one: who pushed into the round that made the current version, and when it opened."""
+    (sid,) = with_train_shard(ledger, ("train", "eval"))[:1]
+    ledger.lease_shard("L1", TTL)
+    start = clock.t
+    assert push(ledger, "p1", [(sid, 0, 4)], worker="L1") is None
+    clock.advance(2.0)
+    assert push(ledger, "p2", [(sid, 4, 6)], worker="L2") is None
+    assert ledger.round_pushers(0, 1) is None  # not merged yet
+    ledger.commit_merge(0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
+    assert ledger.round_pushers(0, 1) == (start, frozenset({"L1", "L2"}))
+    assert ledger.round_pushers(1, 1) is None

@@ -176,5 +176,15 @@ class PushesTable(LedgerBase):
                     (reason, pid),
                 )
 
+    def round_pushers(self, fragment: int, version: int) -> tuple[float, frozenset[str]] | None:
+        """The merged round that made `version`: when its first push arrived, and who pushed."""
+        rows = self._q(
+            "SELECT worker_id, received FROM pushes WHERE fragment = ? AND merged_version = ? AND state = 'merged'",
+            (fragment, version),
+        )
+        if not rows:
+            return None
+        return min(r["received"] for r in rows), frozenset(r["worker_id"] for r in rows)
+
     def fragment_version(self, fragment: int) -> int:
         return int(self.get_meta(f"fragment_version.{fragment}", "0") or 0)

@@ -125,9 +125,11 @@ class ServiceBase:
         version: int,
     ) -> FragmentState:
         round_ = syncer.RoundState(p, version, self.clock())
+        # After a restart too, a push that opens the next round hears how late it was for the
+        # last one (syncer.missed_round_by), so learners knocked out of step line up again.
         return FragmentState(
             p, names, params, momentum, version, round_, self._new_sum(), published_version=version,
-            files=[version], broadcast=params,
+            files=[version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
         )  # fmt: skip
 
     def _new_sum(self) -> RoundSum:
