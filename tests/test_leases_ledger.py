@@ -617,3 +617,27 @@ def test_the_round_that_made_a_version_is_known_after_a_restart(ledger, clock) -
     ledger.commit_merge(0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
     assert ledger.round_pushers(0, 1) == (start, frozenset({"L1", "L2"}))
     assert ledger.round_pushers(1, 1) is None
+
+
+def test_a_push_dropped_by_a_restart_is_taken_afresh_and_counted_once(tmp_path, clock) -> None:
+    """The coordinator restarts with a push in an open round: the push is dropped, its rows free.
+    Sent again, it is recorded anew; rows someone else pushed meanwhile are cut out of it."""
+    path = str(tmp_path / "ledger.sqlite")
+    first = Ledger(path, clock=clock)
+    (sid,) = with_train_shard(first, ("train", "eval"))[:1]
+    first.lease_shard("L1", TTL)
+    assert push(first, "p1", [(sid, 0, 6)]) is None
+    trained = first.counter("tokens_trained")
+    first.close()
+    ledger = Ledger(path, clock=clock)
+    ledger.next_epoch()
+    assert ledger.push_state("p1")["state"] == "dropped"
+    assert push(ledger, "p2", [(sid, 0, 2)], worker="L2") is None  # rows 0-2 trained again meanwhile
+    assert push(ledger, "p1", [(sid, 0, 6)]) is None  # sent again after the restart
+    assert ledger.push_state("p1")["state"] == "pending"
+    ledger.commit_merge(0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
+    assert ledger.counter("tokens_merged") == 6 * TOKENS_PER_ROW  # rows 0-2 once, by p2
+    assert ledger.counter("tokens_trained") == trained  # p1's first recording undone
+    assert ledger.counter("rows_trained_twice") == 2
+    assert ledger.counter("pushes_revived") == 1
+    ledger.close()

@@ -13,6 +13,10 @@ from typing import Any
 
 from diloco.data.types import ChunkSpec
 
+# Why the pushes of an open round are dropped when the coordinator restarts. Such a push never
+# merged: sent again (a learner asks again about each push it waited on), it is taken afresh.
+DROPPED_BY_RESTART = "coordinator restarted before merge"
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS chunks (
@@ -152,7 +156,8 @@ class LedgerBase:
             )
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('epoch', ?)", (str(epoch),))
             db.execute(
-                "UPDATE pushes SET state = 'dropped', reason = 'coordinator restarted before merge' WHERE state = 'pending'"
+                "UPDATE pushes SET state = 'dropped', reason = ? WHERE state = 'pending'",
+                (DROPPED_BY_RESTART,),
             )
         return epoch
 

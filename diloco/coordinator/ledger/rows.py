@@ -6,7 +6,7 @@ import sqlite3
 from collections.abc import Sequence
 
 from diloco.coordinator import leases
-from diloco.coordinator.ledger.db import LedgerBase, _bump
+from diloco.coordinator.ledger.db import DROPPED_BY_RESTART, LedgerBase, _bump
 from diloco.coordinator.ledger.records import MergeRecord
 
 
@@ -36,6 +36,21 @@ class PushesTable(LedgerBase):
         are counted once, by whoever had them first. That is the guard against counting twice.
         """
         with self._tx() as db:
+            # A push the last coordinator dropped with its open round is taken afresh: it never
+            # merged, and its rows are checked again below like any new push's.
+            revived = db.execute(
+                "SELECT 1 FROM pushes WHERE push_id = ? AND state = 'dropped' AND reason = ?",
+                (push_id, DROPPED_BY_RESTART),
+            ).fetchone()
+            if revived:  # its first recording's counts are undone: they are made again below
+                old = db.execute(
+                    "SELECT shard_id, row_start, row_end FROM spans WHERE push_id = ?", (push_id,)
+                ).fetchall()
+                _bump(db, "tokens_trained", -self._span_tokens(db, [tuple(r) for r in old]))
+                _bump(db, "pushes_received", -1)
+                _bump(db, "pushes_revived", 1)
+                db.execute("DELETE FROM spans WHERE push_id = ?", (push_id,))
+                db.execute("DELETE FROM pushes WHERE push_id = ?", (push_id,))
             if state == "pending":
                 by_shard: dict[int, list[leases.Range]] = {}
                 for sid, a, b in spans:

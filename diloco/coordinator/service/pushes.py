@@ -8,6 +8,7 @@ import grpc
 import torch
 
 from diloco.coordinator import syncer
+from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     PUSH_SLOT_WAIT_S,
@@ -53,6 +54,11 @@ class PushRPCs(ServiceBase):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment {header.fragment}")
 
         prior = self.ledger.push_state(header.push_id)
+        if prior is not None and prior["reason"] == DROPPED_BY_RESTART:
+            # Sent again after our restart dropped its round: the delta is whole (it is streamed
+            # in full again), so it is taken afresh instead of throwing the learner's work away.
+            log.info("push %s of %s: dropped by a restart, taken again", header.push_id[:8], header.worker_id)
+            prior = None
         if prior is not None:  # a retry after a lost reply: answer again, change nothing
             for _ in messages:
                 pass
