@@ -191,12 +191,13 @@ class FakeCoordinator:
         self.reported: list[int] = []
         self.lock = threading.Lock()
 
-    def call(self, name: str, request, timeout_s: float | None = None):
+    def report_shard(self, shard_id: int, error: str) -> pb.ReportShardReply:
         with self.lock:
-            if name == "ReportShard":
-                self.reported.append(request.shard_id)
-                return pb.ReportShardReply()
-            assert name == "LeaseShard"
+            self.reported.append(shard_id)
+            return pb.ReportShardReply()
+
+    def lease_shard(self) -> pb.LeaseShardReply:
+        with self.lock:
             if not self.shards:
                 if self.done_when_empty:
                     return pb.LeaseShardReply(done=True)
