@@ -5,7 +5,7 @@
 Synchronous DiLoCo, M learners, in one process, built from the library's own parts: each learner
 has its own AdamW and its own seeded stream of rows; its delta is encoded with error feedback
 (`codecs.encode_with_feedback`, as the learner does), decoded, merged (`syncer.merge_weights`,
-`merge_deltas`) and applied with the outer Nesterov step (`syncer.outer_step`), and the merged
+`syncer.merge`) and applied with the outer Nesterov step (`syncer.outer_step`), and the merged
 fragment goes back encoded against what the learners hold (`codecs.encode_step`, as the
 coordinator does). Within one seed every codec sees the very same rows in the very same order and
 starts from the same weights, so the difference between arms is the codec's alone. (An
@@ -96,7 +96,7 @@ def train_arm(
             tokens.append(t.inner_steps * t.batch_size * rows.shape[1])
             steps.append(t.inner_steps)
         weights = syncer.merge_weights(tokens, steps, s.merge)
-        outer_grad = syncer.merge_deltas(deltas, weights, s.merge, consume=True)
+        outer_grad = syncer.merge(deltas, weights, s.merge, consume=True)
         global_params, momentum = syncer.outer_step(
             global_params, momentum, outer_grad, s.outer_lr, s.outer_momentum, s.nesterov, consume=True
         )

@@ -15,6 +15,7 @@ eval loss at equal tokens (issue: Decoupled vs synchronous DiLoCo).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -110,8 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     steps_each = args.tokens // (M * tokens_per_step)
     vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
     train_rows, eval_rows = build_rows(cfg, vocab, steps_each * M * bs, 16 * bs)
-    policy = syncer.SyncPolicy(quorum=args.quorum, merge=cfg.sync.merge, outer_lr=cfg.sync.outer_lr,
-                               outer_momentum=cfg.sync.outer_momentum, nesterov=cfg.sync.nesterov)  # fmt: skip
+    policy = dataclasses.replace(cfg.sync, quorum=args.quorum)
 
     models = [build_model(cfg.model, vocab, cfg.train.seed) for _ in range(M)]
     optims = [make_inner_optimizer(m, cfg.train) for m in models]

@@ -7,21 +7,11 @@ from hypothesis import strategies as st
 from diloco.coordinator import leases
 from diloco.coordinator.ledger import ChunkLease, Ledger, ShardLease
 from diloco.data.chunks import ChunkSpec, Segment
+from tests.support import FakeClock, commit_merge, shard_row
 
 TTL = 10.0
 ROWS = 10
 TOKENS_PER_ROW = 8
-
-
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
 
 
 def spec(index, split="train"):
@@ -112,9 +102,6 @@ def test_overlaps():
 
 def test_deadlines_and_liveness():
     assert leases.lease_deadline(100.0, 10.0) == 110.0
-    assert not leases.is_expired(110.0, 109.9)
-    assert leases.is_expired(110.0, 110.0)
-    assert not leases.is_expired(None, 1e12)
     assert leases.is_live(100.0, 109.9, 10.0)
     assert not leases.is_live(100.0, 110.0, 10.0)
 
@@ -283,7 +270,7 @@ def test_lease_shard_gives_all_rows_of_a_fresh_shard(ledger):
     lease = ledger.lease_shard("L1", TTL)
     assert isinstance(lease, ShardLease)
     assert (lease.shard_id, lease.rows, lease.todo) == (sid, ROWS, [(0, ROWS)])
-    assert lease.uri == f"file:///shards/{ledger.shard(sid)['chunk_id']}.zst"
+    assert lease.uri == f"file:///shards/{shard_row(ledger, sid)['chunk_id']}.zst"
     assert ledger.lease_shard("L2", TTL) == "wait"  # leased by L1, not finished
 
 
@@ -308,7 +295,7 @@ def test_dealt_shards_go_to_their_slot_whatever_order_they_were_made_in(ledger):
     for slot in (0, 1, 0, 1):
         lease = ledger.lease_shard(f"L{slot}", TTL, slot=slot, slots=2)
         got.setdefault(slot, []).append(
-            lease if isinstance(lease, str) else positions[ledger.shard(lease.shard_id)["chunk_id"]]
+            lease if isinstance(lease, str) else positions[shard_row(ledger, lease.shard_id)["chunk_id"]]
         )
     assert got[1] == [1, 3]
     # Slot 0's position 2 is ready, position 0's chunk is not made yet: it waits for it, it
@@ -347,13 +334,13 @@ def test_push_then_merge_consumes_shard_and_counts_tokens(ledger):
     assert push(ledger, "p1", [(sid, 0, 4)]) is None
     assert push(ledger, "p2", [(sid, 4, 10)], released=[sid]) is None
     assert ledger.push_state("p1")["state"] == "pending"
-    ledger.commit_merge(0, 1, ["p1"], 4 * TOKENS_PER_ROW, 5, 2.5, "quorum")
+    commit_merge(ledger, 0, 1, ["p1"], 4 * TOKENS_PER_ROW, 5, 2.5, "quorum")
     assert ledger.push_state("p1")["state"] == "merged"
-    assert ledger.shard(sid)["state"] != "consumed"
+    assert shard_row(ledger, sid)["state"] != "consumed"
     assert ledger.counter("tokens_merged") == 4 * TOKENS_PER_ROW
     assert ledger.fragment_version(0) == 1
-    ledger.commit_merge(0, 2, ["p2"], 6 * TOKENS_PER_ROW, 5, 2.0, "quorum")
-    assert ledger.shard(sid)["state"] == "consumed"
+    commit_merge(ledger, 0, 2, ["p2"], 6 * TOKENS_PER_ROW, 5, 2.0, "quorum")
+    assert shard_row(ledger, sid)["state"] == "consumed"
     assert ledger.counter("tokens_merged") == ROWS * TOKENS_PER_ROW
     assert ledger.fragment_version(0) == 2
     summary = ledger.summary()
@@ -366,8 +353,8 @@ def test_one_merge_of_several_pushes_over_two_shards(ledger):
     s1, s2 = with_train_shard(ledger, ("train", "train"))
     assert push(ledger, "p1", [(s1, 0, 10), (s2, 0, 3)]) is None
     assert push(ledger, "p2", [(s2, 3, 10)], worker="L2") is None
-    ledger.commit_merge(0, 1, ["p1", "p2"], 0, 0, None, "all")
-    assert ledger.shard(s1)["state"] == ledger.shard(s2)["state"] == "consumed"
+    commit_merge(ledger, 0, 1, ["p1", "p2"], 0, 0, None, "all")
+    assert shard_row(ledger, s1)["state"] == shard_row(ledger, s2)["state"] == "consumed"
     assert ledger.counter("tokens_merged") == 2 * ROWS * TOKENS_PER_ROW
 
 
@@ -384,7 +371,7 @@ def test_dropped_push_rows_become_leasable_after_release(ledger):
     ledger.lease_shard("L1", TTL)
     assert push(ledger, "p1", [(sid, 0, 4)]) is None
     assert push(ledger, "p2", [(sid, 4, 7)]) is None
-    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
     ledger.drop_pushes(["p2"], "too stale")
     assert ledger.push_state("p2")["state"] == "dropped"
     assert ledger.push_state("p2")["reason"] == "too stale"
@@ -397,7 +384,7 @@ def test_dropped_push_rows_become_leasable_after_release(ledger):
 def test_drop_does_not_undo_a_merge(ledger):
     (sid,) = with_train_shard(ledger)
     assert push(ledger, "p1", [(sid, 0, 4)]) is None
-    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
     ledger.drop_pushes(["p1"], "late drop")
     assert ledger.push_state("p1")["state"] == "merged"
     assert ledger.lease_shard("L1", TTL).todo == [(4, ROWS)]
@@ -428,12 +415,12 @@ def test_rows_already_trained_by_another_push_are_counted_once(ledger):
     # rows 5..7 are credited to it; rows 3..5 stay p1's.
     assert push(ledger, "p2", [(sid, 3, 7)]) is None
     assert ledger.push_state("p2")["state"] == "pending"
-    ledger.commit_merge(0, 1, ["p1", "p2"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 1, ["p1", "p2"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
     assert ledger.counter("rows_trained_twice") == 2
     # Rows inside a merged span are not counted again either.
     assert push(ledger, "p3", [(sid, 4, 6)]) is None
-    ledger.commit_merge(0, 2, ["p3"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 2, ["p3"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
     assert ledger.lease_shard("L1", TTL).todo == [(7, ROWS)]
 
@@ -445,7 +432,7 @@ def test_record_push_refuses_spans_overlapping_each_other(ledger):
         assert "overlap" in reason
         assert ledger.push_state("p1") is None
     else:  # ...or accepted, but then each of rows 0..6 counts once
-        ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+        commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
         assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
 
 
@@ -460,9 +447,9 @@ def test_record_push_refuses_spans_outside_the_shard(ledger):
 def test_merged_tokens_counted_once_per_row(ledger):
     (sid,) = with_train_shard(ledger)
     assert push(ledger, "p1", [(sid, 0, 3)]) is None
-    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
     assert push(ledger, "p1b", [(sid, 0, 3)]) is None  # accepted, but none of its rows are new
-    ledger.commit_merge(0, 2, ["p1b"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 2, ["p1b"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 3 * TOKENS_PER_ROW
 
 
@@ -482,7 +469,7 @@ def test_next_epoch_drops_pending_pushes(ledger):
     (sid,) = with_train_shard(ledger)
     assert push(ledger, "p1", [(sid, 0, 4)]) is None
     assert push(ledger, "p2", [(sid, 4, 6)]) is None
-    ledger.commit_merge(0, 1, ["p1"], 0, 0, None, "quorum")
+    commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
     assert ledger.next_epoch() == 1
     assert ledger.push_state("p1")["state"] == "merged"
     assert ledger.push_state("p2")["state"] == "dropped"
@@ -495,7 +482,7 @@ def test_state_survives_reopen(tmp_path, clock):
     led = Ledger(path, clock=clock)
     (sid,) = with_train_shard(led)
     assert push(led, "p1", [(sid, 0, 4)]) is None
-    led.commit_merge(0, 3, ["p1"], 0, 0, 1.5, "quorum")
+    commit_merge(led, 0, 3, ["p1"], 0, 0, 1.5, "quorum")
     led.close()
     again = Ledger(path, clock=clock)
     try:
@@ -614,7 +601,7 @@ def test_the_round_that_made_a_version_is_known_after_a_restart(ledger, clock) -
     clock.advance(2.0)
     assert push(ledger, "p2", [(sid, 4, 6)], worker="L2") is None
     assert ledger.round_pushers(0, 1) is None  # not merged yet
-    ledger.commit_merge(0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
+    commit_merge(ledger, 0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
     assert ledger.round_pushers(0, 1) == (start, frozenset({"L1", "L2"}))
     assert ledger.round_pushers(1, 1) is None
 
@@ -635,7 +622,7 @@ def test_a_push_dropped_by_a_restart_is_taken_afresh_and_counted_once(tmp_path, 
     assert push(ledger, "p2", [(sid, 0, 2)], worker="L2") is None  # rows 0-2 trained again meanwhile
     assert push(ledger, "p1", [(sid, 0, 6)]) is None  # sent again after the restart
     assert ledger.push_state("p1")["state"] == "pending"
-    ledger.commit_merge(0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
+    commit_merge(ledger, 0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
     assert ledger.counter("tokens_merged") == 6 * TOKENS_PER_ROW  # rows 0-2 once, by p2
     assert ledger.counter("tokens_trained") == trained  # p1's first recording undone
     assert ledger.counter("rows_trained_twice") == 2

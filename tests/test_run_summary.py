@@ -25,6 +25,7 @@ from diloco.run_summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
+from tests.support import commit_merge
 
 
 def test_ddp_bytes_per_token_is_the_ring_all_reduce() -> None:
@@ -40,7 +41,7 @@ def test_longest_merge_gap_reads_the_rounds(tmp_path: Path) -> None:
     ledger = Ledger(str(tmp_path / "state" / "ledger.sqlite"), clock=lambda: now[0])
     for t, version in ((100.0, 1), (103.0, 2), (110.5, 3), (111.0, 4)):
         now[0] = t
-        ledger.commit_merge(0, version, [], 0, 0, None, "test")
+        commit_merge(ledger, 0, version, [], 0, 0, None, "test")
     ledger.close()
     assert longest_merge_gap(tmp_path) == 7.5
 

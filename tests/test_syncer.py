@@ -7,15 +7,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diloco.config import SyncConfig
 from diloco.coordinator.syncer import (
     Arrival,
     MergeAccumulator,
     RoundState,
-    SyncPolicy,
     coverage_scale,
     decide_close,
     grace_window,
-    merge_deltas,
+    merge,
     merge_weight,
     merge_weights,
     missed_round_by,
@@ -23,6 +23,35 @@ from diloco.coordinator.syncer import (
     quorum_needed,
     staleness_refusal,
 )
+
+
+def sync_config(**changes) -> SyncConfig:
+    """A SyncConfig that only does what a test asks: every live learner, no grace window, no
+    overlap, plain mean, no stale push."""
+    base = {"quorum": 0, "merge": "mean", "grace_factor": 0.0, "overlap_steps": 0, "max_staleness": 0}
+    return SyncConfig(**{**base, **changes})
+
+
+def formula_merge(deltas, weights, mode):
+    """The merge written as its formula, all deltas at once: the oracle the fold is checked against.
+
+    mean/token: Σ w·d. rda: the weighted mean of the norms times the direction of Σ w·d/‖d‖.
+    """
+    out = {}
+    for name in deltas[0]:
+        parts = [d[name].to(torch.float32) for d in deltas]
+        if mode == "rda":
+            norms = [p.norm() for p in parts]
+            direction = sum(
+                w * (p / n if n > 0 else p) for w, p, n in zip(weights, parts, norms, strict=True)
+            )
+            mean_norm = sum(w * n for w, n in zip(weights, norms, strict=True))
+            dnorm = direction.norm()
+            out[name] = direction * (mean_norm / dnorm) if dnorm > 0 else torch.zeros_like(parts[0])
+        else:
+            out[name] = sum(w * p for w, p in zip(weights, parts, strict=True))
+    return out
+
 
 # -- outer step -----------------------------------------------------------------------------------
 
@@ -130,26 +159,26 @@ def test_merge_weights_unknown_mode_refused():
         merge_weights([1], [1], "median")
 
 
-def test_merge_deltas_mean():
+def test_merge_mean():
     deltas = [
         {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([[4.0]])},
         {"a": torch.tensor([3.0, -2.0]), "b": torch.tensor([[0.0]])},
     ]
-    out = merge_deltas(deltas, merge_weights([1, 1], [1, 1], "mean"), "mean")
+    out = merge(deltas, merge_weights([1, 1], [1, 1], "mean"), "mean")
     assert torch.equal(out["a"], torch.tensor([2.0, 0.0]))
     assert torch.equal(out["b"], torch.tensor([[2.0]]))
 
 
-def test_merge_deltas_token_weighted():
+def test_merge_token_weighted():
     deltas = [{"a": torch.tensor([10.0])}, {"a": torch.tensor([0.0])}]
     weights = merge_weights([100, 200], [10, 10], "token")  # 0.2, 0.8
-    out = merge_deltas(deltas, weights, "token")
+    out = merge(deltas, weights, "token")
     assert out["a"].item() == pytest.approx(2.0)
 
 
-def test_merge_deltas_output_is_float32():
+def test_merge_output_is_float32():
     deltas = [{"a": torch.tensor([1.0, 2.0], dtype=torch.bfloat16)}] * 2
-    out = merge_deltas(deltas, [0.5, 0.5], "mean")
+    out = merge(deltas, [0.5, 0.5], "mean")
     assert out["a"].dtype == torch.float32
 
 
@@ -157,8 +186,8 @@ def test_rda_keeps_norm_where_mean_shrinks_it():
     e1 = {"a": torch.tensor([1.0, 0.0, 0.0])}
     e2 = {"a": torch.tensor([0.0, 1.0, 0.0])}
     w = [0.5, 0.5]
-    mean = merge_deltas([e1, e2], w, "mean")["a"]
-    rda = merge_deltas([e1, e2], w, "rda")["a"]
+    mean = merge([e1, e2], w, "mean")["a"]
+    rda = merge([e1, e2], w, "rda")["a"]
     assert mean.norm().item() == pytest.approx(1 / math.sqrt(2), abs=1e-6)
     assert rda.norm().item() == pytest.approx(1.0, abs=1e-6)
     # Same direction as the mean.
@@ -168,27 +197,27 @@ def test_rda_keeps_norm_where_mean_shrinks_it():
 def test_rda_norm_is_weighted_mean_of_norms():
     d1 = {"a": torch.tensor([3.0, 0.0])}  # norm 3
     d2 = {"a": torch.tensor([0.0, 1.0])}  # norm 1
-    out = merge_deltas([d1, d2], [0.25, 0.75], "rda")["a"]
+    out = merge([d1, d2], [0.25, 0.75], "rda")["a"]
     assert out.norm().item() == pytest.approx(0.25 * 3 + 0.75 * 1, abs=1e-6)
 
 
 def test_rda_of_identical_deltas_is_the_delta():
     d = {"a": torch.tensor([0.3, -1.2, 2.5]), "b": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}
-    out = merge_deltas([d, d, d], [0.2, 0.3, 0.5], "rda")
+    out = merge([d, d, d], [0.2, 0.3, 0.5], "rda")
     for k in d:
         torch.testing.assert_close(out[k], d[k])
 
 
 def test_rda_of_zero_deltas_is_zero():
     z = {"a": torch.zeros(3)}
-    out = merge_deltas([z, z], [0.5, 0.5], "rda")
+    out = merge([z, z], [0.5, 0.5], "rda")
     assert torch.equal(out["a"], torch.zeros(3))
     assert not torch.isnan(out["a"]).any()
 
 
-def test_merge_deltas_refuses_empty():
+def test_merge_refuses_empty():
     with pytest.raises(ValueError):
-        merge_deltas([], [], "mean")
+        merge([], [], "mean")
 
 
 # -- closing a round ------------------------------------------------------------------------------
@@ -202,20 +231,20 @@ LIVE3 = {"a", "b", "c"}
 
 
 def test_quorum_needed():
-    assert quorum_needed(SyncPolicy(quorum=0), 3) == 3
-    assert quorum_needed(SyncPolicy(quorum=1), 3) == 1
-    assert quorum_needed(SyncPolicy(quorum=5), 3) == 3  # never more than are alive
-    assert quorum_needed(SyncPolicy(quorum=0), 0) == 1
+    assert quorum_needed(sync_config(quorum=0), 3) == 3
+    assert quorum_needed(sync_config(quorum=1), 3) == 1
+    assert quorum_needed(sync_config(quorum=5), 3) == 3  # never more than are alive
+    assert quorum_needed(sync_config(quorum=0), 0) == 1
 
 
 def test_quorum_one_closes_on_first_push():
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0)])
-    decision = decide_close(state, now=1.0, policy=SyncPolicy(quorum=1), live_learners=LIVE3)
+    decision = decide_close(state, now=1.0, policy=sync_config(quorum=1), live_learners=LIVE3)
     assert decision.close
 
 
 def test_quorum_all_waits_for_every_live_learner():
-    policy = SyncPolicy(quorum=0)
+    policy = sync_config(quorum=0)
     state = RoundState(fragment=0, version=0, opened_at=0.0)
     state.arrivals.append(arrival("a", 1.0))
     assert not decide_close(state, 100.0, policy, LIVE3).close
@@ -228,14 +257,14 @@ def test_quorum_all_waits_for_every_live_learner():
 
 
 def test_quorum_two_counts_distinct_learners():
-    policy = SyncPolicy(quorum=2)
+    policy = sync_config(quorum=2)
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("a", 2.0)])
     assert not decide_close(state, 5.0, policy, LIVE3).close
     state.arrivals.append(arrival("b", 3.0))
     assert decide_close(state, 5.0, policy, LIVE3).close
 
 
-GRACE = SyncPolicy(quorum=1, grace_factor=0.5, overlap_steps=10)
+GRACE = sync_config(quorum=1, grace_factor=0.5, overlap_steps=10)
 
 
 def test_grace_window_keeps_round_open_until_quorum_plus_window():
@@ -260,7 +289,7 @@ def test_grace_window_shrinks_with_sync_time():
 
 def test_grace_window_spends_what_reaching_quorum_left():
     # K = 2: first push at 1, quorum at 3 -> time to quorum 2 s; slack = 10 - 2 = 8; window 4 -> close at 7.
-    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    policy = sync_config(quorum=2, grace_factor=0.5, overlap_steps=10)
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("a", 2.0)])
     assert decide_close(state, 2.5, policy, LIVE3, step_time_s=1.0).reason.startswith("1/2")
     state.arrivals.append(arrival("b", 3.0))
@@ -284,15 +313,15 @@ def test_every_live_learner_pushed_closes_inside_grace_window():
 def test_no_grace_window_without_factor_or_overlap():
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 2.0)])
     for policy in (
-        SyncPolicy(quorum=1, grace_factor=0.0, overlap_steps=10),
-        SyncPolicy(quorum=1, grace_factor=1.0),
+        sync_config(quorum=1, grace_factor=0.0, overlap_steps=10),
+        sync_config(quorum=1, grace_factor=1.0),
     ):
         assert decide_close(state, 2.0, policy, LIVE3, step_time_s=1.0).close
 
 
 def test_dead_learner_is_not_waited_for():
     # "c" was in the run but is no longer live: a synchronous round closes with a and b.
-    policy = SyncPolicy(quorum=0)
+    policy = sync_config(quorum=0)
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("b", 2.0)])
     assert not decide_close(state, 2.0, policy, LIVE3).close
     assert decide_close(state, 2.0, policy, {"a", "b"}).close
@@ -301,12 +330,12 @@ def test_dead_learner_is_not_waited_for():
 def test_push_from_learner_that_died_still_counts_for_quorum():
     # a pushed, then died; b is the only live one and has not pushed: with K = 1 the round closes.
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0)])
-    assert decide_close(state, 1.0, SyncPolicy(quorum=1), {"b"}).close
+    assert decide_close(state, 1.0, sync_config(quorum=1), {"b"}).close
 
 
 def test_empty_round_never_closes():
     state = RoundState(fragment=0, version=0, opened_at=0.0)
-    for policy in (SyncPolicy(quorum=1), SyncPolicy(quorum=0), GRACE):
+    for policy in (sync_config(quorum=1), sync_config(quorum=0), GRACE):
         for live in (set(), LIVE3):
             d = decide_close(state, 1e9, policy, live, step_time_s=1.0)
             assert not d.close
@@ -318,33 +347,33 @@ def test_empty_round_never_closes():
     [(1.0, 0, 1.0, 5.0, 0.0), (0.5, 2, 1.0, 10.0, 3.0), (2.0, 1, 0.0, 0.0, 1.0), (0.0, 100, 1.0, 0.0, 0.0)],
 )
 def test_grace_window_never_negative(factor, overlap, step, ttq, sync):
-    w = grace_window(SyncPolicy(grace_factor=factor, overlap_steps=overlap), step, ttq, sync)
+    w = grace_window(sync_config(grace_factor=factor, overlap_steps=overlap), step, ttq, sync)
     assert w >= 0.0
 
 
 def test_grace_window_value():
-    assert grace_window(SyncPolicy(grace_factor=0.5, overlap_steps=10), 2.0, 4.0, 6.0) == pytest.approx(5.0)
+    assert grace_window(sync_config(grace_factor=0.5, overlap_steps=10), 2.0, 4.0, 6.0) == pytest.approx(5.0)
 
 
 # -- staleness ------------------------------------------------------------------------------------
 
 
 def test_zero_staleness_refuses_older_base():
-    policy = SyncPolicy(max_staleness=0)
-    assert staleness_refusal(policy, 5, 5) is None
-    reason = staleness_refusal(policy, 4, 5)
+    policy = sync_config(max_staleness=0)
+    assert staleness_refusal(policy.max_staleness, 5, 5) is None
+    reason = staleness_refusal(policy.max_staleness, 4, 5)
     assert reason is not None and "stale" in reason
 
 
 def test_staleness_within_bound_accepted():
-    policy = SyncPolicy(max_staleness=2)
-    assert staleness_refusal(policy, 3, 5) is None
-    assert staleness_refusal(policy, 4, 5) is None
-    assert staleness_refusal(policy, 2, 5) is not None
+    policy = sync_config(max_staleness=2)
+    assert staleness_refusal(policy.max_staleness, 3, 5) is None
+    assert staleness_refusal(policy.max_staleness, 4, 5) is None
+    assert staleness_refusal(policy.max_staleness, 2, 5) is not None
 
 
 def test_base_newer_than_current_refused():
-    reason = staleness_refusal(SyncPolicy(max_staleness=10), 6, 5)
+    reason = staleness_refusal(10, 6, 5)
     assert reason is not None and "newer" in reason
 
 
@@ -378,7 +407,7 @@ def apply_rounds(theta0, rounds, lr):
     params = {"w": theta0.clone()}
     momentum = {"w": torch.zeros_like(theta0)}
     for deltas, live in rounds:
-        merged = merge_deltas([{"w": d} for d in deltas], [1 / len(deltas)] * len(deltas), "mean")
+        merged = merge([{"w": d} for d in deltas], [1 / len(deltas)] * len(deltas), "mean")
         scale = coverage_scale(len(deltas), live)
         grad = {"w": merged["w"] * scale}
         params, momentum = outer_step(params, momentum, grad, lr=lr, mu=0.0, nesterov=True)
@@ -419,10 +448,10 @@ def test_straggler_late_push_accepted_within_staleness(max_staleness):
     # version 3 (it will produce version 4). A straggler's push based on version 2 arrives now:
     # it is one version stale.
     closed = RoundState(fragment=0, version=2, opened_at=0.0, arrivals=[arrival("a", 1.0, base=2)])
-    assert decide_close(closed, 1.0, SyncPolicy(quorum=1), LIVE3).close
+    assert decide_close(closed, 1.0, sync_config(quorum=1), LIVE3).close
     current = closed.version + 1
-    policy = SyncPolicy(quorum=1, max_staleness=max_staleness, grace_factor=0.0)
-    assert staleness_refusal(policy, 2, current) is None
+    policy = sync_config(quorum=1, max_staleness=max_staleness, grace_factor=0.0)
+    assert staleness_refusal(policy.max_staleness, 2, current) is None
 
     late = arrival("b", 5.0, base=2)
     new_round = RoundState(fragment=0, version=current, opened_at=1.0, arrivals=[late])
@@ -432,8 +461,8 @@ def test_straggler_late_push_accepted_within_staleness(max_staleness):
 
 
 def test_straggler_late_push_refused_without_staleness():
-    policy = SyncPolicy(quorum=1, max_staleness=0)
-    reason = staleness_refusal(policy, 2, 3)
+    policy = sync_config(quorum=1, max_staleness=0)
+    reason = staleness_refusal(policy.max_staleness, 2, 3)
     assert reason is not None
     assert "stale" in reason
     assert "2" in reason and "3" in reason
@@ -450,7 +479,7 @@ def test_straggler_late_push_refused_without_staleness():
     ],
 )
 def test_staleness_is_the_version_difference(base, current, max_staleness, accepted):
-    reason = staleness_refusal(SyncPolicy(max_staleness=max_staleness), base, current)
+    reason = staleness_refusal(max_staleness, base, current)
     assert (reason is None) == accepted
     if not accepted:
         assert "stale" in reason
@@ -460,7 +489,7 @@ def test_staleness_is_the_version_difference(base, current, max_staleness, accep
 
 
 def test_two_pushes_from_one_worker_do_not_make_quorum_two():
-    policy = SyncPolicy(quorum=2)
+    policy = sync_config(quorum=2)
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=[arrival("a", 1.0), arrival("a", 1.5)])
     d = decide_close(state, 100.0, policy, LIVE3)
     assert not d.close
@@ -473,7 +502,7 @@ def test_two_pushes_from_one_worker_do_not_make_quorum_two():
 def test_grace_window_quorum_time_is_needed_th_distinct_learner():
     # K = 2, gamma 0.5, tau 10 steps of 1 s. "a" pushes twice early (1.0, 1.5); "b" first at 4.0.
     # Quorum is reached at 4.0 (time to quorum 3 s), not 1.5: slack 10 - 3 = 7, window 3.5 -> 7.5.
-    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    policy = sync_config(quorum=2, grace_factor=0.5, overlap_steps=10)
     state = RoundState(
         fragment=0,
         version=0,
@@ -489,7 +518,7 @@ def test_grace_window_quorum_time_is_needed_th_distinct_learner():
 
 def test_grace_window_quorum_time_uses_each_learners_first_push():
     # a at 1, b at 2, a again at 3: quorum at 2 (b's first), not 3. slack 10 - 1 = 9 -> window 4.5 -> 6.5.
-    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    policy = sync_config(quorum=2, grace_factor=0.5, overlap_steps=10)
     arrivals = [arrival("a", 1.0), arrival("b", 2.0), arrival("a", 3.0)]
     state = RoundState(fragment=0, version=0, opened_at=0.0, arrivals=arrivals)
     assert decide_close(state, 3.0, policy, LIVE3, step_time_s=1.0).recheck_at == pytest.approx(6.5)
@@ -509,7 +538,7 @@ def timed(worker, at, step_time_s):
 
 def test_grace_window_uses_first_pushers_step_time_not_a_later_ones():
     # K = 2; first pusher a (0.5 s/step) at 1, b (3 s/step) at 2. slack = 10*0.5 - 1 = 4 -> window 2 -> 4.
-    policy = SyncPolicy(quorum=2, grace_factor=0.5, overlap_steps=10)
+    policy = sync_config(quorum=2, grace_factor=0.5, overlap_steps=10)
     state = RoundState(
         fragment=0, version=0, opened_at=0.0, arrivals=[timed("b", 2.0, 3.0), timed("a", 1.0, 0.5)]
     )
@@ -560,9 +589,9 @@ def test_consuming_merge_and_step_give_the_same_numbers(mode: str, nesterov: boo
     deltas = [{"w": torch.randn(50, generator=gen)} for _ in range(3)]
     params, momentum = {"w": torch.randn(50, generator=gen)}, {"w": torch.randn(50, generator=gen)}
     weights = merge_weights([100, 200, 50], [10, 10, 5], "token")
-    pure = merge_deltas(deltas, weights, mode)
+    pure = formula_merge(deltas, weights, mode)
     kept = {"w": deltas[1]["w"].clone()}
-    consumed = merge_deltas([{"w": d["w"].clone()} for d in deltas], weights, mode, consume=True)
+    consumed = merge([{"w": d["w"].clone()} for d in deltas], weights, mode, consume=True)
     torch.testing.assert_close(consumed["w"], pure["w"])
     assert torch.equal(deltas[1]["w"], kept["w"])  # without `consume` nothing is touched
     expected = outer_step(params, momentum, pure, 0.7, 0.9, nesterov, fraction=0.5)
@@ -586,7 +615,7 @@ def test_folding_deltas_one_by_one_merges_what_merging_them_all_at_once_does(mod
         deltas[1]["b"] = torch.zeros(3)  # a zero part (rda divides by norms)
     tokens, steps = [t for t, _ in counts], [s for _, s in counts]
     weights = merge_weights(tokens, steps, mode)
-    expected = merge_deltas(
+    expected = formula_merge(
         [{n: t.clone() for n, t in d.items()} for d in deltas], [w * scale for w in weights], mode
     )
     acc = MergeAccumulator(mode)

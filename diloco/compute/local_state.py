@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from diloco.compute.held import AwaitingCover, HeldFragment, Unpushed
-from diloco.coordinator.syncer import SyncPolicy, staleness_refusal
+from diloco.coordinator.syncer import staleness_refusal
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.local_state")
@@ -95,9 +95,8 @@ def resume_decision(
         return ResumeDecision(
             False, f"local state has {len(state.fragments)} fragment(s), the run {len(current_versions)}"
         )
-    policy = SyncPolicy(max_staleness=max_staleness)
     for p, (f, now) in enumerate(zip(state.fragments, current_versions, strict=True)):
-        if refusal := staleness_refusal(policy, f.version, now):
+        if refusal := staleness_refusal(max_staleness, f.version, now):
             return ResumeDecision(False, f"fragment {p}: {refusal}")
     age = time.time() - state.written_at
     versions = [f.version for f in state.fragments]

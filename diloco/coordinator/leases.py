@@ -16,10 +16,6 @@ def lease_deadline(now: float, ttl_s: float) -> float:
     return now + ttl_s
 
 
-def is_expired(deadline: float | None, now: float) -> bool:
-    return deadline is not None and now >= deadline
-
-
 def is_live(last_seen: float, now: float, ttl_s: float) -> bool:
     return now - last_seen < ttl_s
 

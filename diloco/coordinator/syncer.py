@@ -12,20 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class SyncPolicy:
-    """The part of SyncConfig the decisions read."""
-
-    quorum: int = 0  # 0: every live learner (synchronous DiLoCo)
-    merge: str = "mean"
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    nesterov: bool = True
-    max_staleness: int = 0
-    # Adaptive grace window factor γ and overlap τ (inner steps); γ = 0 disables the window.
-    grace_factor: float = 0.0
-    overlap_steps: int = 0
+from diloco.config import SyncConfig
 
 
 @dataclass(frozen=True)
@@ -61,7 +48,7 @@ class CloseDecision:
     recheck_at: float | None = None
 
 
-def quorum_needed(policy: SyncPolicy, live_learners: int) -> int:
+def quorum_needed(policy: SyncConfig, live_learners: int) -> int:
     """Pushes a round needs. K = 0 means all live learners; never more than are alive."""
     if policy.quorum <= 0:
         return max(1, live_learners)
@@ -69,7 +56,7 @@ def quorum_needed(policy: SyncPolicy, live_learners: int) -> int:
 
 
 def grace_window(
-    policy: SyncPolicy, step_time_s: float, time_to_quorum_s: float, sync_time_s: float
+    policy: SyncConfig, step_time_s: float, time_to_quorum_s: float, sync_time_s: float
 ) -> float:
     """How long to wait past quorum for more pushes: γ·(τ·step_time − time_to_quorum − sync_time).
 
@@ -85,7 +72,7 @@ def grace_window(
 def decide_close(
     state: RoundState,
     now: float,
-    policy: SyncPolicy,
+    policy: SyncConfig,
     live_learners: Collection[str],
     step_time_s: float = 0.0,
     sync_time_s: float = 0.0,
@@ -137,13 +124,13 @@ def missed_round_by(
     return late if 0.0 < late < period_s / 2 else 0.0
 
 
-def staleness_refusal(policy: SyncPolicy, base_version: int, current_version: int) -> str | None:
+def staleness_refusal(max_staleness: int, base_version: int, current_version: int) -> str | None:
     """Why a push based on `base_version` cannot join the round at `current_version`, or None."""
     if base_version > current_version:
         return f"push is based on version {base_version}, newer than the syncer's {current_version}"
     lag = current_version - base_version
-    if lag > policy.max_staleness:
-        return f"push is {lag} version(s) stale (based on {base_version}, now {current_version}; max staleness {policy.max_staleness})"
+    if lag > max_staleness:
+        return f"push is {lag} version(s) stale (based on {base_version}, now {current_version}; max staleness {max_staleness})"
     return None
 
 
@@ -180,39 +167,20 @@ def coverage_scale(contributors: int, live_learners: int) -> float:
     return min(1.0, contributors / max(contributors, live_learners))
 
 
-def merge_deltas(
-    deltas: Sequence[dict[str, torch.Tensor]], weights: Sequence[float], mode: str, consume: bool = False
+def merge(
+    deltas: Sequence[dict[str, torch.Tensor]],
+    weights: Sequence[float],
+    mode: str,
+    scale: float = 1.0,
+    consume: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The outer gradient: a weighted combination of the deltas, per tensor, in fp32.
-
-    `rda` (radial-directional averaging) merges each tensor's norm and direction separately: the
-    weighted mean of the norms times the direction of the weighted mean of the unit vectors, so
-    near-orthogonal deltas do not shrink the step the way a plain mean does.
-
-    With `consume`, the first delta's fp32 tensors may be overwritten with the result (a caller
-    that drops the deltas after merging saves a fragment-sized allocation and pass).
-    """
-    if not deltas:
-        raise ValueError("no deltas to merge")
-    out: dict[str, torch.Tensor] = {}
-    for name in deltas[0]:
-        parts = [d[name].to(torch.float32) for d in deltas]
-        if mode == "rda":
-            norms = [p.norm() for p in parts]
-            direction = sum(
-                w * (p / n if n > 0 else p) for w, p, n in zip(weights, parts, norms, strict=True)
-            )
-            mean_norm = sum(w * n for w, n in zip(weights, norms, strict=True))
-            dnorm = direction.norm()
-            out[name] = direction * (mean_norm / dnorm) if dnorm > 0 else torch.zeros_like(parts[0])
-        else:
-            first = parts[0]
-            owned = consume and first.data_ptr() == deltas[0][name].data_ptr()
-            total = first.mul_(weights[0]) if owned else first * weights[0]
-            for w, p in zip(weights[1:], parts[1:], strict=True):
-                total.add_(p, alpha=w)
-            out[name] = total
-    return out
+    """The outer gradient of deltas that are all at hand (benchmarks, simulations): the
+    accumulator's fold, so there is one merge arithmetic. With `consume`, the deltas' fp32
+    tensors may become the result."""
+    acc = MergeAccumulator(mode)
+    for delta, weight in zip(deltas, weights, strict=True):
+        acc.add(delta, weight, consume=consume)
+    return acc.result(scale)
 
 
 class MergeAccumulator:
@@ -220,9 +188,13 @@ class MergeAccumulator:
     tensors however many learners push, where keeping every delta until the round closes holds
     one per learner.
 
+    `rda` (radial-directional averaging) merges each tensor's norm and direction separately: the
+    weighted mean of the norms times the direction of the weighted mean of the unit vectors, so
+    near-orthogonal deltas do not shrink the step the way a plain mean does.
+
     Each merge mode is a weighted sum of per-delta terms (the delta itself; for `rda` its unit
     vector, and its norm), so the normalising total can wait until `result`, which equals
-    merge_deltas(deltas, normalised weights × scale) up to rounding. Not thread-safe: callers
+    the weighted combination of all the deltas at once up to rounding. Not thread-safe: callers
     that fold from several threads hold a lock.
     """
 

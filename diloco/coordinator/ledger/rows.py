@@ -106,21 +106,6 @@ class PushesTable(LedgerBase):
                 total += (b - a) * (shard["tokens"] // shard["rows"])
         return total
 
-    def commit_merge(
-        self,
-        fragment: int,
-        version: int,
-        push_ids: Sequence[str],
-        tokens: int,
-        steps: int,
-        mean_loss: float | None,
-        reason: str,
-        scale: float = 1.0,
-    ) -> None:
-        self.commit_merges(
-            fragment, [MergeRecord(version, tuple(push_ids), tokens, steps, mean_loss, reason, scale)]
-        )
-
     def commit_merges(self, fragment: int, merges: Sequence[MergeRecord]) -> None:
         """One transaction: the rounds, their pushes merged, their shards' rows counted, version on.
 

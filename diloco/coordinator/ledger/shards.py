@@ -112,7 +112,3 @@ class ShardsTable(LedgerBase):
                     "WHERE id = ? AND holder = ? AND state = 'leased'",
                     (sid, worker_id),
                 )
-
-    def shard(self, shard_id: int) -> sqlite3.Row | None:
-        rows = self._q("SELECT * FROM shards WHERE id = ?", (shard_id,))
-        return rows[0] if rows else None

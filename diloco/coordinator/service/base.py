@@ -7,7 +7,6 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable
 
 import grpc
 import torch
@@ -20,7 +19,6 @@ from diloco.coordinator.service.state import (
     FragmentState,
     RoundSum,
     log,
-    policy_of,
 )
 from diloco.coordinator.wirecount import WireCounter
 from diloco.fragments import assign_fragments
@@ -34,7 +32,6 @@ class ServiceBase:
         ledger: Ledger,
         checkpoint_root: str,
         shard_root: str,
-        clock: Callable[[], float] = time.time,
         tokenizer_hash: str = "",
     ):
         self.config = config
@@ -44,8 +41,8 @@ class ServiceBase:
         self.run_id = self.ledger.run_id()
         self.checkpoint_root = checkpoint_root
         self.shard_root = shard_root
-        self.clock = clock
-        self.policy = policy_of(config)
+        self.clock = ledger.clock  # one clock for the coordinator: tests move the ledger's
+        self.policy = config.sync  # what the syncer's decisions read
         self.cond = threading.Condition(threading.RLock())
         self.wire = WireCounter()
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
@@ -54,7 +51,7 @@ class ServiceBase:
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"
-        self.started_at = clock()
+        self.started_at = self.clock()
         self.fragments: list[FragmentState] = []
         self.specs: dict[str, pb.TensorSpec] = {}
         self.step_time_s = 0.0  # EMA of learners' reported inner step time

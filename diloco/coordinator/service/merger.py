@@ -12,6 +12,17 @@ from diloco.coordinator.service.state import (
     log,
 )
 
+# The merger also wakes this often with nothing to wake it: a learner found dead is an event no
+# RPC announces.
+MERGER_POLL_S = 0.25
+
+
+def wake_in(now: float, recheck_at: float | None, poll_s: float) -> float:
+    """Seconds the merger sleeps: until the earliest grace window runs out, at most poll_s."""
+    if recheck_at is None:
+        return poll_s
+    return min(poll_s, max(0.005, recheck_at - now))
+
 
 class Merger(ServiceBase):
     def _merge_forever(self) -> None:
@@ -20,24 +31,31 @@ class Merger(ServiceBase):
         deltas instead of each push paying for its own."""
         with self.cond:
             while not self._stop.is_set():
+                recheck_at = None
                 try:
-                    self._close_ready_rounds()
+                    recheck_at = self._close_ready_rounds()
                 except Exception:  # a bad merge must not stop the syncer; it is tried again
                     log.exception("merge failed")
-                self.cond.wait(0.25)  # pushes, leaves and finishing wake it; grace windows run out
+                # Pushes, leaves and finishing wake it; a grace window wakes it when it runs out.
+                self.cond.wait(wake_in(self.clock(), recheck_at, MERGER_POLL_S))
 
-    def _close_ready_rounds(self) -> None:
-        """Merge every fragment whose round the pure decision says is ready (lock held)."""
+    def _close_ready_rounds(self) -> float | None:
+        """Merge every fragment whose round the pure decision says is ready (lock held). Returns
+        the earliest time a round still open may close with nothing else happening (None: none)."""
         if not self.fragments:
-            return
+            return None
         live = self._live_learners()
         now = self.clock()
+        recheck: list[float] = []
         for frag in self.fragments:
             decision = syncer.decide_close(
                 frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s + self.publish_time_s
             )
             if decision.close:
                 self._merge(frag, decision.reason)
+            elif decision.recheck_at is not None:
+                recheck.append(decision.recheck_at)
+        return min(recheck, default=None)
 
     def _merge(self, frag: FragmentState, reason: str) -> None:
         p = frag.round.fragment

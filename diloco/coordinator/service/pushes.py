@@ -171,7 +171,7 @@ class PushRPCs(ServiceBase):
             frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
             return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version), None
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
-        stale = syncer.staleness_refusal(self.policy, header.version, frag.version)
+        stale = syncer.staleness_refusal(self.policy.max_staleness, header.version, frag.version)
         # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
         refusal = (
             self.ledger.record_push(

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.config import RunConfig
 from diloco.coordinator import syncer
 from diloco.coordinator.ledger import MergeRecord
 from diloco.v1 import coordinator_pb2 as pb
@@ -76,17 +75,3 @@ class FragmentState:
     # published version -> (the published version before it, the encoded blobs of the step
     # between their broadcasts), the last few.
     chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
-
-
-def policy_of(config: RunConfig) -> syncer.SyncPolicy:
-    s = config.sync
-    return syncer.SyncPolicy(
-        quorum=s.quorum,
-        merge=s.merge,
-        outer_lr=s.outer_lr,
-        outer_momentum=s.outer_momentum,
-        nesterov=s.nesterov,
-        max_staleness=s.max_staleness,
-        grace_factor=s.grace_factor,
-        overlap_steps=s.overlap_steps,
-    )
