@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from diloco.config import RunConfig
-from diloco.coordinator import checkpoint, syncer
+from diloco.coordinator import checkpoint, lifecycle, syncer
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.service.state import (
     RUN_STATES,
@@ -153,7 +153,7 @@ class ServiceBase:
 
     def _set_run_state(self, state: str, reason: str) -> None:
         with self.cond:
-            if self.run_state == state or (self.run_state == "finished" and state != "finished"):
+            if not lifecycle.may_enter(self.run_state, state):
                 return
             self.run_state = state
             self.ledger.set_meta(run_state=state)
@@ -173,16 +173,19 @@ class ServiceBase:
         self.ledger.reclaim_expired(
             self.config.coordinator.lease_ttl_s, self.config.coordinator.max_chunk_attempts
         )
-        budget = self.config.train.max_tokens
-        # The budget counts tokens merged into the model (the ledger's exact, durable count): work
-        # a kill or a restart throws away is not training, and a heartbeat counter restarts with
-        # its process.
-        if budget and self.run_state == "running" and self.ledger.counter("tokens_merged") >= budget:
-            self._set_run_state("finishing", f"token budget of {budget} reached")
-        if self.run_state == "finishing" and not self._live_learners():
+        for _ in range(2):  # running → finishing → finished may both happen in one tick
             with self.cond:
-                if not any(f.pending or f.unpublished for f in self.fragments):
-                    self._set_run_state("finished", "every learner has left")
+                unpublished = any(f.pending or f.unpublished for f in self.fragments)
+            change = lifecycle.next_run_state(
+                self.run_state,
+                tokens_merged=int(self.ledger.counter("tokens_merged")),
+                budget=self.config.train.max_tokens,
+                live_learners=len(self._live_learners()),
+                work_unpublished=unpublished,
+            )
+            if change.state is None:
+                return
+            self._set_run_state(change.state, change.reason)
 
     def _tokens_reported(self) -> int:
         """Tokens the learners say they trained: each one's latest count, plus the last counts of

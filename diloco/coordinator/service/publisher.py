@@ -15,6 +15,26 @@ from diloco.coordinator.service.state import (
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 
+GIVE_UP_AT_SHUTDOWN_AFTER = 5  # failures in a row
+
+
+def publish_pause(started: float, now: float, min_interval_s: float) -> float:
+    """Seconds to wait before the next publish began at `started` may start.
+
+    Under a burst of merges the checkpoints are spaced out: the merges in between are published
+    together, one file and one commit (ingest + merge ran 48% -> 55% of raw streaming in
+    benchmarks/ingest.py). When merges are sparse this waits for nothing.
+    """
+    return max(0.0, min_interval_s - (now - started))
+
+
+def publish_retry(failures: int, *, stopping: bool) -> float | None:
+    """Seconds before trying again after `failures` failed publishes in a row (exponential, at
+    most 5 s); None: give up, which happens only at shutdown, never while the run goes on."""
+    if stopping and failures >= GIVE_UP_AT_SHUTDOWN_AFTER:
+        return None
+    return min(5.0, 0.2 * 2**failures)
+
 
 class Publisher(ServiceBase):
     def _publish_forever(self) -> None:
@@ -33,19 +53,19 @@ class Publisher(ServiceBase):
                 for frag, params, momentum, version in ready:
                     self._publish(frag, params, momentum, version)
                 failures = 0
-                # Under a burst of merges, space the checkpoints out: the merges in between are
-                # published together, one file and one commit (ingest + merge ran 48% -> 55% of raw
-                # streaming in benchmarks/ingest.py). When merges are sparse this waits for nothing.
-                spacing = self.config.coordinator.min_publish_interval_s - (time.monotonic() - started)
-                if spacing > 0:
-                    self._stop.wait(spacing)
+                pause = publish_pause(
+                    started, time.monotonic(), self.config.coordinator.min_publish_interval_s
+                )
+                if pause > 0:
+                    self._stop.wait(pause)
             except Exception:  # a store hiccup: the merges stay in memory and are tried again
                 failures += 1
                 log.exception("publishing merges failed (%d in a row); retrying", failures)
-                if self._stop.is_set() and failures >= 5:
+                retry = publish_retry(failures, stopping=self._stop.is_set())
+                if retry is None:
                     log.error("giving up publishing at shutdown: the last merges are lost")
                     return
-                time.sleep(min(5.0, 0.2 * 2**failures))
+                time.sleep(retry)
 
     def _publish(
         self,
