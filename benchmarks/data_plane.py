@@ -43,7 +43,7 @@ from diloco.corpus import stdlib_files  # noqa: E402
 from diloco.data.chunks import ChunkSpec, partition  # noqa: E402
 from diloco.data.process import process_chunk  # noqa: E402
 from diloco.data.shard import encode_shard, read_shard, write_shard  # noqa: E402
-from diloco.run import default_run_config  # noqa: E402
+from diloco.local.launch import default_run_config  # noqa: E402
 from diloco.tokenizer import load_tokenizer  # noqa: E402
 
 # -- (a) data-worker tokens/s per core -----------------------------------------------------------

@@ -31,8 +31,8 @@ from diloco.config import parse_assignments  # noqa: E402
 from diloco.coordinator import syncer  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
+from diloco.local.launch import default_run_config  # noqa: E402
 from diloco.model import build_model, lr_at, make_inner_optimizer  # noqa: E402
-from diloco.run import default_run_config  # noqa: E402
 from diloco.tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -192,7 +192,7 @@ def run(
     no_progress: Annotated[bool, typer.Option("--no-progress", help="no live progress display")] = False,
 ) -> None:
     """Run a whole job on this machine: coordinator, data workers and learners as processes."""
-    from diloco.run import LocalRunOptions, default_run_config, run_local
+    from diloco.local.launch import LocalRunOptions, default_run_config, run_local
 
     if learners < 1 or data_workers < 1:
         raise DilocoError("--learners and --data-workers must be at least 1")
@@ -251,6 +251,7 @@ def status(
     """Show a running coordinator's state, or (--audit --workdir DIR) prove its ledger's promises."""
     from diloco.client import CoordinatorClient
     from diloco.v1 import coordinator_pb2 as pb
+    from diloco.views import status_lines
 
     if audit:
         from diloco.coordinator.audit import audit as audit_ledger
@@ -273,39 +274,8 @@ def status(
     if as_json:
         typer.echo(json.dumps(detail, indent=2))
         return
-    typer.echo(f"run {detail['run_state']} epoch {detail['coordinator_epoch']}")
-    typer.echo(
-        f"chunks {detail['chunks_done']}/{detail['chunks_total']} done, {detail['chunks_quarantined']} quarantined"
-    )
-    typer.echo(
-        f"shards {detail['shards_total']} ({detail['shards_consumed']} consumed), tokens prepared {detail['tokens_prepared']:,}"
-    )
-    typer.echo(
-        f"tokens trained {detail['tokens_trained']:,}, merged {detail['tokens_merged']:,}, rounds {detail['rounds']}"
-    )
-    typer.echo(f"fragment versions {detail['fragment_versions']}, last loss {detail['last_loss']}")
-    typer.echo(records_line(detail.get("record_stats", {})))
-    for w in detail["workers"]:
-        typer.echo(worker_line(w))
-
-
-def worker_line(w: dict) -> str:
-    """One worker in `diloco status`: a learner's progress and data stall, a data worker's tokens/s."""
-    line = f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
-    if w["role"] == "data":
-        return line + f"tokens={w.get('tokens_prepared', 0)} tokens/s={w.get('tokens_per_s', 0.0):,.0f}"
-    line += f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
-    if w["role"] == "compute" and w.get("wall_seconds"):
-        line += f" data-stall={w.get('data_stall_seconds', 0.0) / w['wall_seconds']:.1%}"
-    return line
-
-
-def records_line(stats: dict) -> str:
-    """The bad-input summary in `diloco status`: records read, and what was skipped or repaired, by reason."""
-    bad = ", ".join(
-        f"{k.removeprefix('skipped_')} {v:,}" for k, v in sorted(stats.items()) if k != "records" and v
-    )
-    return f"records {stats.get('records', 0):,}" + (f"; bad input: {bad}" if bad else "; no bad input")
+    for line in status_lines(detail):
+        typer.echo(line)
 
 
 tokenizer_app = typer.Typer(help="Tokenizers for `data.tokenizer`.", no_args_is_help=True)
@@ -352,7 +322,7 @@ def standby(
 ) -> None:
     """A warm spare (started by `diloco run` under chaos): import everything, then wait on stdin for
     the command line of a process that died, and run it here."""
-    from diloco.spare import await_assignment, take_over, warm_up
+    from diloco.local.spare import await_assignment, take_over, warm_up
 
     warm_up(role)
     assignment = await_assignment(sys.stdin)

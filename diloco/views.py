@@ -1,4 +1,4 @@
-"""What a local run shows on the terminal: the live progress and the final result."""
+"""What goes to the terminal: a local run's live progress and final result, and `diloco status`."""
 
 from __future__ import annotations
 
@@ -81,3 +81,36 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
         console.print("[bold]sample[/] (the trained model continues the prompt):")
         console.print(summary["sample"], markup=False, highlight=False)
     console.print(f"summary: {path}")
+
+
+def status_lines(detail: dict[str, Any]) -> list[str]:
+    """`diloco status`: the run, its data, its training, and one line per worker."""
+    d = detail
+    return [
+        f"run {d['run_state']} epoch {d['coordinator_epoch']}",
+        f"chunks {d['chunks_done']}/{d['chunks_total']} done, {d['chunks_quarantined']} quarantined",
+        f"shards {d['shards_total']} ({d['shards_consumed']} consumed), tokens prepared {d['tokens_prepared']:,}",
+        f"tokens trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}, rounds {d['rounds']}",
+        f"fragment versions {d['fragment_versions']}, last loss {d['last_loss']}",
+        records_line(d.get("record_stats", {})),
+        *(worker_line(w) for w in d["workers"]),
+    ]
+
+
+def worker_line(w: dict) -> str:
+    """One worker in `diloco status`: a learner's progress and data stall, a data worker's tokens/s."""
+    line = f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
+    if w["role"] == "data":
+        return line + f"tokens={w.get('tokens_prepared', 0)} tokens/s={w.get('tokens_per_s', 0.0):,.0f}"
+    line += f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
+    if w["role"] == "compute" and w.get("wall_seconds"):
+        line += f" data-stall={w.get('data_stall_seconds', 0.0) / w['wall_seconds']:.1%}"
+    return line
+
+
+def records_line(stats: dict) -> str:
+    """The bad-input summary in `diloco status`: records read, and what was skipped or repaired, by reason."""
+    bad = ", ".join(
+        f"{k.removeprefix('skipped_')} {v:,}" for k, v in sorted(stats.items()) if k != "records" and v
+    )
+    return f"records {stats.get('records', 0):,}" + (f"; bad input: {bad}" if bad else "; no bad input")

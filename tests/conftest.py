@@ -19,7 +19,7 @@ import pytest
 from diloco.client import CoordinatorClient
 from diloco.coordinator.ledger import ledger_path
 from diloco.corpus import stdlib_files
-from diloco.procs import Child, ProcessGroup
+from diloco.local.procs import Child, ProcessGroup
 from diloco.v1 import coordinator_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent

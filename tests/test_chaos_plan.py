@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from diloco.chaos import ChaosPlan
+from diloco.local.chaos import ChaosPlan
 
 
 def test_every_cycle_hits_each_live_role_once() -> None:

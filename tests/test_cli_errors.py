@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.procs import ProcessGroup
+from diloco.local.procs import ProcessGroup
 from tests.conftest import run_cli, start_coordinator, wait_for
 
 

@@ -47,7 +47,7 @@ def train(learner: Learner, by: float, shard: int) -> None:
     for f in learner.frags:
         f.steps += 1
         f.tokens += 12
-    learner.unpushed.add(Batch(rows, rows, shard, 0, 4, False))
+    learner.rows.trained(Batch(rows, rows, shard, 0, 4, False))
 
 
 def test_the_steps_since_the_push_stay_on_top_of_the_merge() -> None:
@@ -62,8 +62,8 @@ def test_the_steps_since_the_push_stay_on_top_of_the_merge() -> None:
     assert (f.version, f.steps, f.tokens) == (1, 1, 12)  # the overlap step is its next push's
     assert torch.allclose(f.base["w"], torch.full((4,), 0.8))
     # Shard 2's rows are in w's kept progress: they still wait for fragment 0's next push.
-    assert [(g.rows.spans, g.waiting) for g in learner.awaiting] == [([(2, 0, 4)], {0})]
-    assert not learner.resolved.spans
+    assert [(g.rows.spans, g.waiting) for g in learner.rows.awaiting] == [([(2, 0, 4)], {0})]
+    assert not learner.rows.resolved.spans
 
 
 def test_without_keep_the_overlap_is_overwritten() -> None:
@@ -77,4 +77,4 @@ def test_without_keep_the_overlap_is_overwritten() -> None:
     assert (learner.frags[0].steps, learner.frags[0].tokens) == (0, 0)
     # Overwritten: what fragment 0 held of shard 2's rows is as far as they get; they ride on
     # the next push.
-    assert not learner.awaiting and learner.resolved.spans == [(2, 0, 4)]
+    assert not learner.rows.awaiting and learner.rows.resolved.spans == [(2, 0, 4)]

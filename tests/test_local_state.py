@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from diloco.compute import local_state
-from diloco.compute.held import AwaitingCover, HeldFragment, Unpushed
+from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, StateWriter, resume_decision, state_path
+from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
 from diloco.config import RunConfig
+from diloco.local.procs import ProcessGroup
 from diloco.model.gpt import build_model, make_inner_optimizer
-from diloco.procs import ProcessGroup
 from diloco.v1 import coordinator_pb2 as pb
 from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
 
@@ -52,9 +53,7 @@ def a_state(tmp_steps: int = 7) -> tuple[LocalState, torch.optim.Optimizer]:
         fragments=frags,
         pushes={0: frags[0].push},
         residual={names[0]: torch.full((2,), 0.25)},
-        unpushed=unpushed,
-        awaiting=[AwaitingCover(Unpushed([(5, 0, 8)]), {1})],
-        resolved=Unpushed(),
+        rows=RowBook(unpushed, [AwaitingCover(Unpushed([(5, 0, 8)]), {1})], Unpushed()),
         held_shards=[5, 7],
     )
     return state, optimizer
@@ -80,7 +79,7 @@ def test_the_file_round_trips_everything_but_released_shards(tmp_path: Path) -> 
         and torch.equal(next(iter(blobs.values())), torch.ones(3))
     )
     assert back.row_spans() == [(7, 16, 24), (5, 0, 8)]
-    assert back.unpushed.released == []  # the old leases are given back at resume, not by a push
+    assert back.rows.unpushed.released == []  # the old leases are given back at resume, not by a push
     assert back.held_shards == [5, 7]
     # The optimizer state loads into a fresh optimizer of the same model.
     optimizer.load_state_dict(back.optimizer)

@@ -16,3 +16,10 @@ def test_a_window_that_ends_sooner_than_the_poll_wakes_the_merger_then():
 
 def test_a_window_already_over_wakes_it_at_once_without_spinning():
     assert 0 < wake_in(100.0, 99.0, 0.25) <= 0.01
+
+
+def test_the_syncers_timings_are_moving_averages_that_start_at_the_first_sample():
+    from diloco.coordinator.service.state import moving_average
+
+    assert moving_average(0.0, 3.0) == 3.0
+    assert moving_average(1.0, 2.0) == pytest.approx(1.2)

@@ -19,7 +19,7 @@ import pytest
 
 from diloco.compute import local_state
 from diloco.compute.local_state import state_path
-from diloco.procs import ProcessGroup
+from diloco.local.procs import ProcessGroup
 from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e

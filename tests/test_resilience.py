@@ -14,8 +14,8 @@ from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator as start_in_process
 from diloco.data.worker import DataWorker
+from diloco.local.procs import ProcessGroup
 from diloco.model.gpt import build_model
-from diloco.procs import ProcessGroup
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.conftest import ledger_rows, run_cli, start_coordinator, status, wait_for, worker_id_of

@@ -7,7 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.main import worker_line
 from diloco.client import CoordinatorClient
 from diloco.compute.startup import breakdown, describe, read_startups
 from diloco.config import RunConfig
@@ -16,7 +15,7 @@ from diloco.coordinator.report import longest_merge_gap
 from diloco.coordinator.server import start_coordinator
 from diloco.data.shard import write_shard
 from diloco.data.worker import DataWorker
-from diloco.run_summary import (
+from diloco.local.summary import (
     cold_start_warning,
     data_plane_metrics,
     ddp_wire_bytes_per_token,
@@ -25,6 +24,7 @@ from diloco.run_summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
+from diloco.views import worker_line
 from tests.support import commit_merge
 
 

@@ -16,7 +16,7 @@ import s3fs
 
 from diloco import store
 from diloco.data.shard import ShardCorrupt, read_shard, write_shard
-from diloco.procs import ProcessGroup
+from diloco.local.procs import ProcessGroup
 from diloco.testing.seaweed import SeaweedS3
 from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
 

@@ -4,6 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from diloco.compute import schedule
+from diloco.compute.held import HeldFragment
+from diloco.compute.inner import straggle_s
 from diloco.compute.schedule import (
     apply_due,
     catch_up_steps,
@@ -175,3 +178,48 @@ def test_a_token_share_only_for_synchronous_dealt_budgeted_runs():
     assert token_share(cfg.with_overrides({"train.max_tokens": 0})) == 0
     decoupled = cfg.with_overrides({"sync.overlap_steps": 10})
     assert token_share(decoupled) == 0 and not share_done(10**9, decoupled)
+
+
+# -- the end game -------------------------------------------------------------------------------
+
+
+def held(steps: int = 0, in_flight: bool = False) -> HeldFragment:
+    f = HeldFragment(["w"])
+    f.steps, f.in_flight = steps, in_flight
+    return f
+
+
+def test_hand_in_pushes_what_holds_steps_and_is_not_in_flight():
+    plan = schedule.hand_in([held(5), held(5, in_flight=True), held(0)])
+    assert plan.push == [0] and not plan.give_back
+
+
+def test_hand_in_waits_for_pushes_in_flight_before_giving_rows_back():
+    plan = schedule.hand_in([held(0), held(3, in_flight=True)])
+    assert plan.push == [] and not plan.give_back and "in flight" in plan.reason
+
+
+def test_hand_in_gives_rows_back_once_everything_is_pushed_and_merged():
+    plan = schedule.hand_in([held(0), held(0)])
+    assert plan.push == [] and plan.give_back
+
+
+def test_a_starved_learner_says_so_once_a_period():
+    assert schedule.empty_push_due(now=10.0, last_empty_push=0.0, period_s=2.0)
+    assert not schedule.empty_push_due(now=11.9, last_empty_push=10.0, period_s=2.0)
+    assert schedule.empty_push_due(now=12.0, last_empty_push=10.0, period_s=2.0)
+
+
+def test_the_loop_ends_for_the_first_reason_that_holds():
+    quiet = {"stopped": False, "finishing": False, "no_more_data": False, "share_done": False}
+    assert schedule.loop_end(**quiet) is None
+    assert schedule.loop_end(**{**quiet, "share_done": True}) == "token share trained"
+    assert schedule.loop_end(**{**quiet, "no_more_data": True, "share_done": True}) == "no more data"
+    assert schedule.loop_end(**{**quiet, "finishing": True, "no_more_data": True}) == "run finishing"
+    assert schedule.loop_end(**{**quiet, "stopped": True, "finishing": True}) == "stopped"
+
+
+def test_a_straggler_sleeps_in_proportion_to_its_step():
+    assert straggle_s(0.2, slow_factor=3.0, step_delay_s=0.0) == pytest.approx(0.4)
+    assert straggle_s(0.2, slow_factor=1.0, step_delay_s=0.05) == 0.05
+    assert straggle_s(0.2, slow_factor=1.0, step_delay_s=0.0) == 0.0

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from diloco.procs import ProcessGroup
-from diloco.spare import Assignment
+from diloco.local.procs import ProcessGroup
+from diloco.local.spare import Assignment
 
 
 def test_an_assignment_round_trips_through_one_line() -> None:

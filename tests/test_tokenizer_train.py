@@ -14,7 +14,6 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from cli.main import records_line
 from diloco.compute.learner import Learner
 from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
@@ -22,6 +21,7 @@ from diloco.data.worker import DataWorker
 from diloco.errors import DilocoError
 from diloco.tokenizer import TokenizerMismatch, load_tokenizer
 from diloco.tokenizer_train import train_tokenizer
+from diloco.views import records_line
 from tests.conftest import ledger_rows, run_cli
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compute.held import Unpushed, release_fragment, rows_to_carry
 from diloco.compute.prefetch import Batch
+from diloco.compute.rows import RowBook, Unpushed, release_fragment, rows_to_carry
 
 
 def batch(shard: int, start: int, end: int, last: bool = False) -> Batch:
@@ -76,3 +76,26 @@ def test_an_overwritten_fragment_stops_waiting_and_the_rows_ride_on_the_next_pus
     _, awaiting = rows_to_carry([], rows((6, 0, 8)), pushed=0, fragments=2)
     done, awaiting = release_fragment(awaiting, 0)
     assert done.spans == [] and [g.waiting for g in awaiting] == [{1}]
+
+
+def test_the_row_book_carries_rows_once_every_fragment_is_pushed_after_them() -> None:
+    book = RowBook()
+    book.trained(batch(3, 0, 8))
+    assert book.carry(0, 2).spans == [] and not book.all_carried()
+    book.trained(batch(3, 8, 16))
+    assert book.carry(1, 2).spans == [(3, 0, 8)]  # fragment 1's push completes the first rows
+    book.overwritten(0)  # fragment 0's merge overwrote what it held of the later rows
+    assert book.all_carried() and book.resolved.spans == [(3, 8, 16)]
+    assert book.carry(1, 2).spans == [(3, 8, 16)] and not book.resolved.spans
+
+
+def test_the_row_book_gives_everything_back_at_the_end_and_its_copies_stand_apart() -> None:
+    book = RowBook()
+    book.trained(batch(4, 0, 8, last=True))
+    book.carry(0, 2)  # waits for fragment 1
+    book.trained(batch(5, 0, 8))
+    copy = book.copy()
+    back = book.take_all()
+    assert sorted(back.spans) == [(4, 0, 8), (5, 0, 8)] and back.released == [4]
+    assert book.spans() == [] and book.all_carried()
+    assert sorted(copy.spans()) == [(4, 0, 8), (5, 0, 8)]  # the copy kept what the book held

@@ -18,60 +18,35 @@ import math
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import outer, schedule
+from diloco.compute.endgame import EndGame
 from diloco.compute.handshake import join_run, pull_everything
-from diloco.compute.held import (
-    AwaitingCover,
-    HeldFragment,
-    Unpushed,
-    release_fragment,
-    rows_to_carry,
-)
+from diloco.compute.held import HeldFragment
+from diloco.compute.inner import inner_step, straggle_s
 from diloco.compute.local_state import LocalState, StateWriter
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
+from diloco.compute.progress import Progress
 from diloco.compute.resume import KeepsLocalState
+from diloco.compute.rows import RowBook, Unpushed
 from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache
-from diloco.model.gpt import lr_at
 from diloco.role import heartbeat_thread
 from diloco.v1 import coordinator_pb2 as pb
+from diloco.wire import steps
 
 log = logging.getLogger("diloco.learner")
 
-FINAL_MERGE_WAIT_S = 60.0
 FINAL_CALL_TIMEOUT_S = 5.0
-EMPTY_PUSH_PERIOD_S = 2.0
 
 
-@dataclass
-class Progress:
-    """What the learner reports in heartbeats (and what utilization is computed from)."""
-
-    inner_steps: int = 0
-    tokens_trained: int = 0
-    last_loss: float = math.nan
-    first_loss: float = math.nan
-    busy_s: float = 0.0  # time inside inner steps
-    kept_busy_s: float = 0.0  # of it, the steps a kill would not lose (pushed, or saved locally)
-    stall_s: float = 0.0  # time waiting for data
-    sync_wait_s: float = 0.0  # time waiting for the syncer
-    started: float = field(default_factory=time.monotonic)
-
-    ended: float | None = None  # the training loop's end: the final flush is not training time
-
-    def wall_s(self) -> float:
-        return (self.ended or time.monotonic()) - self.started
-
-
-class Learner(KeepsLocalState):
+class Learner(KeepsLocalState, EndGame):
     def __init__(
         self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
     ):
@@ -87,9 +62,7 @@ class Learner(KeepsLocalState):
         self.stop = stop or threading.Event()
         self.finishing = threading.Event()
         self.progress = Progress()
-        self.unpushed = Unpushed()
-        self.awaiting: list[AwaitingCover] = []
-        self.resolved = Unpushed()  # rows that wait for nothing more: they ride on the next push
+        self.rows = RowBook()  # the shard rows trained on that no merge has counted yet
         self.frags: list[HeldFragment] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
         # Steps the push schedule runs ahead of the step count: moved on when our pushes keep
@@ -160,15 +133,13 @@ class Learner(KeepsLocalState):
         else:
             f.steps = f.tokens = 0
             f.loss_sum = 0.0
-            # Overwritten: this fragment no longer holds any waiting rows up; they ride on the next push.
-            done, self.awaiting = release_fragment(self.awaiting, merged.fragment)
-            self.resolved.extend(done)
+            self.rows.overwritten(merged.fragment)  # its waiting rows ride on the next push
         f.at_push = {}
 
     def _merged_value(self, f: HeldFragment, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
         """The fragment's new value and version; steps that do not follow what we hold are not
         applied: the fragment is pulled whole instead."""
-        value = outer.decode(f.base, f.version, merged.parts)
+        value = steps.decode_steps(f.base, f.version, merged.parts)
         if value is not None:
             return value, merged.version
         log.warning(
@@ -199,7 +170,7 @@ class Learner(KeepsLocalState):
             tokens=0 if empty else f.tokens,
             mean_loss=f.loss_sum / f.steps if f.steps and not empty else 0.0,
             first_loss=0.0 if math.isnan(self.progress.first_loss) else self.progress.first_loss,
-            step_time_s=self.progress.busy_s / max(1, self.progress.inner_steps),
+            step_time_s=self.progress.step_time_s(),
             push_id=uuid.uuid4().hex,  # here, not in the client: the local state keeps it
         )
         tensors: dict[str, torch.Tensor] = {}
@@ -223,35 +194,10 @@ class Learner(KeepsLocalState):
 
     def _covered_by(self, p: int) -> Unpushed:
         """The rows whose effect is in every fragment once fragment p is pushed now."""
-        carried, self.awaiting = rows_to_carry(self.awaiting, self.unpushed, p, len(self.frags))
-        self.unpushed = Unpushed()
-        self.resolved.extend(carried)
-        carried, self.resolved = self.resolved, Unpushed()
-        if not self.awaiting:  # every step so far rides on a push: a kill now loses none of it
+        carried = self.rows.carry(p, len(self.frags))
+        if self.rows.all_carried():  # every step so far rides on a push: a kill now loses none of it
             self.progress.kept_busy_s = self.progress.busy_s
         return carried
-
-    def _return_unpushed(self) -> None:
-        """Give back rows whose effect no delta carries any more.
-
-        Rows trained after a fragment's last push and before its merged value overwrote it leave
-        no trace in any future delta when no fragment has steps left to push. They are not
-        counted as trained-and-merged: the shards are released and those rows go back to the pool.
-        """
-        for group in self.awaiting:  # no push will complete them now
-            self.unpushed.extend(group.rows)
-        self.awaiting = []
-        self.unpushed.extend(self.resolved)
-        self.resolved = Unpushed()
-        if not self.unpushed.spans:
-            return
-        header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
-        header.released_shards.extend(self.unpushed.released)
-        for shard_id in self.unpushed.released:
-            self.prefetcher.release(shard_id)
-        log.info("returning %d unmerged row span(s) to the pool", len(self.unpushed.spans))
-        self.unpushed = Unpushed()
-        self.channel.submit(header, {})
 
     def _push_due(self) -> None:
         p = schedule.fragment_due(
@@ -262,8 +208,8 @@ class Learner(KeepsLocalState):
         # At a push: the next one is a whole interval away, so bringing the schedule forward by
         # less than that skips none.
         interval = schedule.push_interval(self.cfg.train.inner_steps, len(self.frags))
-        step_time = self.progress.busy_s / max(1, self.progress.inner_steps)
-        shift = schedule.catch_up_steps(self.channel.take_missed(self.shifted_after), step_time, interval)
+        missed = self.channel.take_missed(self.shifted_after)
+        shift = schedule.catch_up_steps(missed, self.progress.step_time_s(), interval)
         if shift:
             log.info("pushes missed the others' rounds: pushing %d step(s) earlier from now on", shift)
             self.schedule_shift += shift
@@ -278,19 +224,6 @@ class Learner(KeepsLocalState):
             return  # received this very step: nothing of ours in it yet
         self._push(p)
 
-    def _wait_for_merges(self, timeout_s: float | None = None) -> None:
-        """Block until every in-flight fragment is applied: synchronous mode, and the final flush."""
-        started = time.monotonic()
-        deadline = started + (timeout_s if timeout_s is not None else math.inf)
-        while any(f.in_flight for f in self.frags) and not self.stop.is_set() and time.monotonic() < deadline:
-            for p, f in enumerate(self.frags):
-                merged = self.channel.take(p) if f.in_flight else None
-                if merged is not None:
-                    self._apply(merged)
-            if any(f.in_flight for f in self.frags):
-                self.channel.wait_any(0.2)
-        self.progress.sync_wait_s += time.monotonic() - started
-
     def _wait_if_unreachable(self) -> None:
         started = time.monotonic()
         while schedule.must_block(self.channel.unreachable_for(), self.cfg.sync.max_unreachable_s):
@@ -300,22 +233,8 @@ class Learner(KeepsLocalState):
 
     # -- background -----------------------------------------------------------------------------
 
-    def _heartbeat_request(self) -> pb.HeartbeatRequest:
-        p = self.progress
-        return pb.HeartbeatRequest(
-            shard_leases=self.prefetcher.held_shards(),
-            inner_steps=p.inner_steps,
-            tokens_trained=p.tokens_trained,
-            last_loss=0.0 if math.isnan(p.last_loss) else p.last_loss,
-            busy_seconds=p.busy_s,
-            kept_busy_seconds=p.kept_busy_s,
-            wall_seconds=p.wall_s(),
-            data_stall_seconds=p.stall_s,
-            sync_wait_seconds=p.sync_wait_s,
-        )
-
     def _heartbeat(self) -> None:
-        reply = self.client.heartbeat(self._heartbeat_request())
+        reply = self.client.heartbeat(self.progress.heartbeat(self.prefetcher.held_shards()))
         if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
             self.finishing.set()
         if reply.coordinator_epoch != self.epoch:
@@ -330,87 +249,74 @@ class Learner(KeepsLocalState):
 
     def _inner_step(self, batch: Batch) -> None:
         started = time.monotonic()
-        lr = lr_at(self.progress.inner_steps, self.cfg.train)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        x, y = batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True)
-        _, loss = self.model(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-        self.optimizer.step()
-        value = loss.item()
-        compute_s = time.monotonic() - started
-        if self.overrides.slow_factor > 1.0:  # an injected straggler, for experiments
-            time.sleep((self.overrides.slow_factor - 1.0) * compute_s)
-        elif self.cfg.train.step_delay_s > 0:
-            time.sleep(self.cfg.train.step_delay_s)
-        p = self.progress
-        p.busy_s += time.monotonic() - started
-        p.inner_steps += 1
-        p.tokens_trained += batch.tokens
-        p.last_loss = value
-        if math.isnan(p.first_loss):
-            p.first_loss = value
+        loss = inner_step(
+            self.model, self.optimizer, batch,
+            step=self.progress.inner_steps, train=self.cfg.train, device=self.device,
+        )  # fmt: skip
+        o = self.overrides
+        pause = straggle_s(
+            time.monotonic() - started, slow_factor=o.slow_factor, step_delay_s=self.cfg.train.step_delay_s
+        )
+        if pause:
+            time.sleep(pause)
+        self.progress.stepped(time.monotonic() - started, batch.tokens, loss)
         for f in self.frags:
             f.steps += 1
             f.tokens += batch.tokens
-            f.loss_sum += value
-        self.unpushed.add(batch)
+            f.loss_sum += loss
+        self.rows.trained(batch)
 
-    def _hand_in(self) -> bool:
-        """Push every fragment with unpushed steps (the unpushed rows ride along). False: none had any."""
-        pending = [p for p, f in enumerate(self.frags) if f.steps and not f.in_flight]
-        for p in pending:
-            self._push(p)
-        if not pending and not any(f.in_flight for f in self.frags):
-            self._return_unpushed()
-        return bool(pending)
+    def _next_batch(self) -> Batch | object | None:
+        """The next batch (DONE: no more data; None: none yet), time stalled on data counted."""
+        ready = self.prefetcher.ready()
+        waited = time.monotonic()
+        item = self.prefetcher.get(timeout_s=0.5)
+        if not ready:  # a stall is waiting with no batch ready, not a thread hand-off
+            self.progress.stall_s += time.monotonic() - waited
+        return item
 
-    def _on_starved(self, last_empty_push: float) -> float:
-        """No data anywhere for now: hand in finished work, and let quorum rounds go on without us.
-
-        Unpushed work holds shard leases (its rows are in no push yet): handing it in is what lets
-        those rows be merged and the shards finish, so a starved learner never sits on them.
-        """
-        # No steps are taken while starved, so τ never runs out: take merged fragments now.
-        for p, f in enumerate(self.frags):
-            merged = self.channel.take(p) if f.in_flight else None
-            if merged is not None:
-                self._apply(merged)
-        if self._hand_in():
-            if self.cfg.sync.synchronous:
+    def _train(self) -> str:
+        """The loop: step on each batch, push and apply fragments when due. Returns why it ended."""
+        cfg, last_empty_push = self.cfg, 0.0
+        item: Batch | object | None = None
+        while True:
+            reason = schedule.loop_end(
+                stopped=self.stop.is_set(),
+                finishing=self.finishing.is_set() or self.channel.finishing.is_set(),
+                no_more_data=item is DONE,
+                share_done=schedule.share_done(self.progress.tokens_trained, cfg),
+            )
+            if reason is not None:
+                return reason
+            item = self._next_batch()
+            if item is None:  # none ready yet
+                if self.prefetcher.starved.is_set():
+                    last_empty_push = self._on_starved(last_empty_push)
+                self._apply_due()
+                continue
+            if not isinstance(item, Batch):
+                continue  # DONE: the loop ends above
+            first = not self.progress.tokens_trained  # this life's first step (a resume goes on counting)
+            if first:
+                self.startup.mark("first_batch")
+            self._inner_step(item)
+            if first:
+                self.startup.mark("first_step")
+                log.info("%s", describe(breakdown(self.startup.marks)))
+            self._apply_due()
+            self._push_due()
+            if cfg.sync.synchronous:
                 self._wait_for_merges()
-            return last_empty_push
-        if time.monotonic() - last_empty_push < EMPTY_PUSH_PERIOD_S:
-            return last_empty_push
-        for p, f in enumerate(self.frags):
-            if not f.in_flight:
-                self._push(p, empty=True)
-        return time.monotonic()
-
-    def _flush(self) -> None:
-        """At the end: push every fragment's unpushed progress and wait (bounded) for the merges."""
-        self._wait_for_merges(FINAL_MERGE_WAIT_S)
-        self._hand_in()
-        self._wait_for_merges(FINAL_MERGE_WAIT_S)
-        self._return_unpushed()
-        deadline = time.monotonic() + 10.0
-        while not self.channel.idle() and time.monotonic() < deadline:  # the last give-back lands
-            time.sleep(0.05)
+            self._keep_local_state()
+            self._wait_if_unreachable()
 
     def run(self) -> int:
         cfg = self._setup()
         self.prefetcher = ShardPrefetcher(
-            self.client,
-            cfg.train.batch_size,
-            cfg.data.prefetch_batches,
-            self.stop,
-            cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes),
-            mix=cfg.data.mix_shards,
+            self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop,
+            cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes), mix=cfg.data.mix_shards,
             seed=cfg.train.seed,
-        )
+        )  # fmt: skip
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
         )
@@ -421,44 +327,8 @@ class Learner(KeepsLocalState):
         heartbeats = heartbeat_thread(self._heartbeat, cfg.coordinator.heartbeat_s, self.stop, log)
         self.progress.started = time.monotonic()
         reason = "stopped"
-        last_empty_push = 0.0
         try:
-            while not self.stop.is_set():
-                if self.finishing.is_set() or self.channel.finishing.is_set():
-                    reason = "run finishing"
-                    break
-                ready = self.prefetcher.ready()
-                waited = time.monotonic()
-                item = self.prefetcher.get(timeout_s=0.5)
-                if not ready:  # a stall is waiting with no batch ready, not a thread hand-off
-                    self.progress.stall_s += time.monotonic() - waited
-                if item is DONE:
-                    reason = "no more data"
-                    break
-                if item is None:
-                    if self.prefetcher.starved.is_set():
-                        last_empty_push = self._on_starved(last_empty_push)
-                    self._apply_due()
-                    continue
-                assert isinstance(item, Batch)
-                first = (
-                    not self.progress.tokens_trained
-                )  # this life's first step (a resume goes on counting steps)
-                if first:
-                    self.startup.mark("first_batch")
-                self._inner_step(item)
-                if first:
-                    self.startup.mark("first_step")
-                    log.info("%s", describe(breakdown(self.startup.marks)))
-                self._apply_due()
-                self._push_due()
-                if cfg.sync.synchronous:
-                    self._wait_for_merges()
-                self._keep_local_state()
-                if schedule.share_done(self.progress.tokens_trained, cfg):
-                    reason = "token share trained"
-                    break
-                self._wait_if_unreachable()
+            reason = self._train()
             self.progress.ended = time.monotonic()
             if not self.stop.is_set():
                 # Finished work is not thrown away: what was not pushed yet is pushed and merged.
@@ -467,37 +337,31 @@ class Learner(KeepsLocalState):
                 if self.state_writer is not None:
                     self.state_writer.discard()  # nothing is left to resume
         finally:
-            self.stop.set()
-            if self.state_writer is not None:
-                self.state_writer.close()
-            # The final counters, for status and utilization: tried once, like leave(), so a
-            # coordinator that is gone does not hold the exit up.
-            with contextlib.suppress(Exception):
-                self.client.last_heartbeat(self._heartbeat_request(), timeout_s=FINAL_CALL_TIMEOUT_S)
-            self.client.leave(reason)
-            self.client.close()
-            # A thread still inside gRPC or torch when the interpreter exits can abort the
-            # process ("terminate called without an active exception"): wait for all of them.
-            deadline = time.monotonic() + 10.0
-            self.channel.join(max(0.0, deadline - time.monotonic()))
-            self.prefetcher.join(max(0.0, deadline - time.monotonic()))
-            heartbeats.join(max(0.0, deadline - time.monotonic()))
-        p = self.progress
+            self._leave(reason, heartbeats)
         log.info(
-            "learner done (%s): steps=%d tokens=%d busy=%.1fs wall=%.1fs data stall=%.1fs sync wait=%.1fs refused=%d",
-            reason,
-            p.inner_steps,
-            p.tokens_trained,
-            p.busy_s,
-            p.wall_s(),
-            p.stall_s,
-            p.sync_wait_s,
-            self.channel.pushes_refused,
+            "learner done (%s): %s refused=%d", reason, self.progress.summary(), self.channel.pushes_refused
         )
         cache = self.prefetcher.cache
         if cache is not None and (cache.stats.hits or cache.stats.misses):
             log.info("shard cache %s: %s", cache.directory, cache.stats.as_dict())
         return 0
+
+    def _leave(self, reason: str, heartbeats: threading.Thread) -> None:
+        self.stop.set()
+        if self.state_writer is not None:
+            self.state_writer.close()
+        # The final counters, for status and utilization: tried once, like leave(), so a
+        # coordinator that is gone does not hold the exit up.
+        with contextlib.suppress(Exception):
+            final = self.progress.heartbeat(self.prefetcher.held_shards())
+            self.client.last_heartbeat(final, timeout_s=FINAL_CALL_TIMEOUT_S)
+        self.client.leave(reason)
+        self.client.close()
+        # A thread still inside gRPC or torch when the interpreter exits can abort the
+        # process ("terminate called without an active exception"): wait for all of them.
+        deadline = time.monotonic() + 10.0
+        for thread in (self.channel, self.prefetcher, heartbeats):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_learner(

@@ -31,7 +31,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from diloco.compute.held import AwaitingCover, HeldFragment, Unpushed
+from diloco.compute.held import HeldFragment
+from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
 from diloco.coordinator.syncer import staleness_refusal
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -55,15 +56,13 @@ class LocalState:
     fragments: list[HeldFragment]
     pushes: dict[int, tuple[pb.TensorHeader, dict[str, torch.Tensor]]]  # fragment -> push in flight
     residual: dict[str, torch.Tensor]
-    unpushed: Unpushed
-    awaiting: list[AwaitingCover]
-    resolved: Unpushed
+    rows: RowBook
     held_shards: list[int]
     written_at: float = field(default_factory=time.time)
 
     def row_spans(self) -> list[tuple[int, int, int]]:
         """Every row trained on that no merge has counted: they ride on the resumed learner's pushes."""
-        return [*self.unpushed.spans, *(s for g in self.awaiting for s in g.rows.spans), *self.resolved.spans]
+        return self.rows.spans()
 
 
 @dataclass(frozen=True)
@@ -167,9 +166,11 @@ def save(path: Path, state: LocalState) -> None:
         "optimizer_groups": state.optimizer["param_groups"],
         "fragments": frags,
         "pushes": pushes,
-        "unpushed": _spans_json(state.unpushed),
-        "awaiting": [{"spans": _spans_json(g.rows), "waiting": sorted(g.waiting)} for g in state.awaiting],
-        "resolved": _spans_json(state.resolved),
+        "unpushed": _spans_json(state.rows.unpushed),
+        "awaiting": [
+            {"spans": _spans_json(g.rows), "waiting": sorted(g.waiting)} for g in state.rows.awaiting
+        ],
+        "resolved": _spans_json(state.rows.resolved),
         "held_shards": state.held_shards,
         "written_at": state.written_at,
     }
@@ -235,9 +236,11 @@ def _from_file(meta: dict[str, Any], tensors: dict[str, torch.Tensor], names: li
         fragments=frags,
         pushes=pushes,
         residual=_section(tensors, "residual/"),
-        unpushed=_spans(meta["unpushed"]),
-        awaiting=[AwaitingCover(_spans(g["spans"]), set(g["waiting"])) for g in meta["awaiting"]],
-        resolved=_spans(meta["resolved"]),
+        rows=RowBook(
+            _spans(meta["unpushed"]),
+            [AwaitingCover(_spans(g["spans"]), set(g["waiting"])) for g in meta["awaiting"]],
+            _spans(meta["resolved"]),
+        ),
         held_shards=[int(s) for s in meta["held_shards"]],
         written_at=float(meta["written_at"]),
     )

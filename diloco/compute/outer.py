@@ -2,8 +2,9 @@
 
 delta    Δ_p = Θ_p(base) − θ_p: the outer gradient a learner proposes for fragment p
 encode   quantize + zstd each tensor, keeping what was dropped for the next push (error feedback)
-decode   a merged fragment's value: sent whole, or the held base plus each encoded step since
 take     θ_p ← α·θ_p + (1−α)·Θ_p; or Θ_p plus the steps taken since the push (keep_overlap)
+
+A merged fragment's value is decoded by diloco.wire.steps, next to the coordinator's encoding.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import torch
 
 from diloco.compute import schedule
 from diloco.config import SyncConfig
-from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 
 
@@ -39,25 +39,6 @@ def encode(
             blob = codecs.encode(value, sync.codec, sync.codec_level)
         out[name] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     return out
-
-
-def decode(
-    base: dict[str, torch.Tensor],
-    held_version: int,
-    parts: list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]],
-) -> dict[str, torch.Tensor] | None:
-    """The merged value from what was sent: the last part when sent whole, else the held base plus
-    each encoded step. None when the steps do not start right after the version held."""
-    first = parts[0][0]
-    if not first.delta:
-        return parts[-1][1]
-    if first.version != held_version + 1:
-        return None
-    value = {n: t.clone() for n, t in base.items()}
-    for header, blobs in parts:
-        for name, blob in blobs.items():
-            value[name] += codecs.decode(blob.numpy().tobytes(), header.codec, tuple(value[name].shape))
-    return value
 
 
 def take(

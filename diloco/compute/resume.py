@@ -13,10 +13,11 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.compute import local_state
-from diloco.compute.held import AwaitingCover, HeldFragment, Unpushed, copy_rows
+from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, StateWriter, state_path
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import ShardPrefetcher
+from diloco.compute.rows import RowBook
 from diloco.compute.sync_channel import SyncChannel
 from diloco.config import RunConfig
 from diloco.v1 import coordinator_pb2 as pb
@@ -34,9 +35,7 @@ class KeepsLocalState:
     optimizer: torch.optim.Optimizer
     frags: list[HeldFragment]
     residual: dict[str, torch.Tensor]
-    unpushed: Unpushed
-    awaiting: list[AwaitingCover]
-    resolved: Unpushed
+    rows: RowBook
     schedule_shift: int
     run_id: str
     prefetcher: ShardPrefetcher
@@ -69,7 +68,7 @@ class KeepsLocalState:
         self.optimizer.load_state_dict(state.optimizer)
         self.frags = state.fragments
         self.residual = state.residual
-        self.unpushed, self.awaiting, self.resolved = state.unpushed, state.awaiting, state.resolved
+        self.rows = state.rows
         self.progress.inner_steps = state.inner_steps
         self.progress.first_loss = state.first_loss
         self.schedule_shift = state.schedule_shift
@@ -116,9 +115,7 @@ class KeepsLocalState:
                 fragments=frags,
                 pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
                 residual=dict(self.residual),
-                unpushed=copy_rows(self.unpushed),
-                awaiting=[AwaitingCover(copy_rows(g.rows), set(g.waiting)) for g in self.awaiting],
-                resolved=copy_rows(self.resolved),
+                rows=self.rows.copy(),
                 held_shards=self.prefetcher.held_shards(),
             )
         )

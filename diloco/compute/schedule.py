@@ -7,8 +7,11 @@ steps, round-robin, so each fragment is pushed every H steps. The merged result 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
+from diloco.compute.held import HeldFragment
 from diloco.config import RunConfig
 
 T = TypeVar("T")
@@ -71,3 +74,43 @@ def token_share(cfg: RunConfig) -> int:
 def share_done(tokens_trained: int, cfg: RunConfig) -> bool:
     share = token_share(cfg)
     return share > 0 and tokens_trained >= share
+
+
+# -- the end game ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HandIn:
+    """What a learner does with its work when it stops training or runs out of data."""
+
+    push: list[int]  # fragments to push now: they hold steps, and no push of theirs is in flight
+    give_back: bool  # nothing left to push or wait for: rows no push carries go back to the pool
+    reason: str
+
+
+def hand_in(frags: Sequence[HeldFragment]) -> HandIn:
+    pending = [p for p, f in enumerate(frags) if f.steps and not f.in_flight]
+    if pending:
+        return HandIn(pending, False, f"fragment(s) {pending} hold unpushed steps")
+    if any(f.in_flight for f in frags):
+        return HandIn([], False, "pushes in flight: their merges come first")
+    return HandIn([], True, "every step is pushed and merged")
+
+
+def empty_push_due(now: float, last_empty_push: float, period_s: float) -> bool:
+    """A starved learner with nothing to push says so every period_s (an empty push): quorum rounds
+    then go on without it instead of waiting for its grace window."""
+    return now - last_empty_push >= period_s
+
+
+def loop_end(*, stopped: bool, finishing: bool, no_more_data: bool, share_done: bool) -> str | None:
+    """Why the training loop ends now, or None: it goes on."""
+    if stopped:
+        return "stopped"
+    if finishing:
+        return "run finishing"
+    if no_more_data:
+        return "no more data"
+    if share_done:
+        return "token share trained"
+    return None

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 
-# Set by a supervisor when it spawns the process (diloco.procs), and by `python -m cli` as its
+# Set by a supervisor when it spawns the process (diloco.local.procs), and by `python -m cli` as its
 # first statement: the two ends of "process start" (the interpreter coming up).
 SPAWNED_AT_ENV = "DILOCO_SPAWNED_AT"
 MAIN_AT_ENV = "DILOCO_MAIN_AT"

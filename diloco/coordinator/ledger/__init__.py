@@ -13,13 +13,22 @@ from __future__ import annotations
 
 from diloco.coordinator.ledger.chunks import ChunksTable
 from diloco.coordinator.ledger.db import SCHEMA, LedgerBase, ledger_path
-from diloco.coordinator.ledger.records import ChunkLease, Completion, MergeRecord, ShardLease
+from diloco.coordinator.ledger.records import ChunkLease, Completion, MergeRecord, NoLease, ShardLease
 from diloco.coordinator.ledger.report import ReportTable
 from diloco.coordinator.ledger.rows import PushesTable
 from diloco.coordinator.ledger.shards import ShardsTable
 from diloco.coordinator.ledger.workers import WorkersTable
 
-__all__ = ["SCHEMA", "ChunkLease", "Completion", "Ledger", "MergeRecord", "ShardLease", "ledger_path"]
+__all__ = [
+    "SCHEMA",
+    "ChunkLease",
+    "Completion",
+    "Ledger",
+    "MergeRecord",
+    "NoLease",
+    "ShardLease",
+    "ledger_path",
+]
 
 
 class Ledger(WorkersTable, ChunksTable, ShardsTable, PushesTable, ReportTable, LedgerBase):

@@ -6,14 +6,14 @@ import sqlite3
 
 from diloco.coordinator import leases
 from diloco.coordinator.ledger.db import LedgerBase, _bump
-from diloco.coordinator.ledger.records import ChunkLease, Completion
+from diloco.coordinator.ledger.records import ChunkLease, Completion, NoLease
 from diloco.data.types import ChunkSpec
 
 
 class ChunksTable(LedgerBase):
     def lease_chunk(
         self, worker_id: str, ttl_s: float, max_attempts: int = 0, max_ready: int = 0, slots: int = 0
-    ) -> ChunkLease | str:
+    ) -> ChunkLease | NoLease:
         """A pending chunk, or "wait" (others hold the rest, or enough are made ahead), or "done".
 
         With `max_ready` > 0, a train chunk waits while that many train shards are made (or being
@@ -41,7 +41,7 @@ class ChunksTable(LedgerBase):
                 waiting = db.execute(
                     "SELECT COUNT(*) FROM chunks WHERE state IN ('leased', 'pending')"
                 ).fetchone()[0]
-                return "wait" if waiting else "done"
+                return NoLease.WAIT if waiting else NoLease.DONE
             db.execute(
                 "UPDATE chunks SET state = 'leased', holder = ?, lease_expires = ?, attempts = attempts + 1 WHERE id = ?",
                 (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),

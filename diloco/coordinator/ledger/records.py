@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from diloco.coordinator import leases
 from diloco.data.types import ChunkSpec
+
+
+class NoLease(enum.StrEnum):
+    """Why a lease request got no lease."""
+
+    WAIT = "wait"  # none free now: ask again soon
+    WAIT_DEALT = "wait-dealt"  # wait: the learner's own next dealt shard is being made
+    DONE = "done"  # none will come
 
 
 @dataclass(frozen=True)

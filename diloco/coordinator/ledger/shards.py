@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from diloco.coordinator import deal, leases
 from diloco.coordinator.ledger.db import LedgerBase, _bump
-from diloco.coordinator.ledger.records import ShardLease
+from diloco.coordinator.ledger.records import NoLease, ShardLease
 
 
 class ShardsTable(LedgerBase):
@@ -38,9 +38,8 @@ class ShardsTable(LedgerBase):
         slot: int | None = None,
         slots: int = 0,
         vacant: Collection[int] = (),
-    ) -> ShardLease | str:
-        """A train shard with rows nobody has trained on, or "wait", or "done" ("wait-dealt":
-        wait, the learner's next dealt shard is being made).
+    ) -> ShardLease | NoLease:
+        """A train shard with rows nobody has trained on, or why there is none (NoLease).
 
         With `slots` > 0 the shard is dealt to the learner's `slot` (deal.choose_shard); otherwise
         the first in lease order."""
@@ -66,7 +65,7 @@ class ShardsTable(LedgerBase):
                 choice = deal.choose_shard(candidates, slot, slots, vacant, own_work_coming)
                 if choice.shard_id is None:
                     if own_work_coming:
-                        return "wait-dealt"
+                        return NoLease.WAIT_DEALT
                     break
                 row = by_id[choice.shard_id]
                 todo = self._todo(db, row["id"], row["rows"])
@@ -84,7 +83,7 @@ class ShardsTable(LedgerBase):
             open_shards = db.execute(
                 "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state != 'consumed'"
             ).fetchone()[0]
-            return "wait" if unfinished_chunks or open_shards else "done"
+            return NoLease.WAIT if unfinished_chunks or open_shards else NoLease.DONE
 
     def report_corrupt_shard(self, shard_id: int, error: str) -> bool:
         """A shard that failed its checksum: take it out of play and reprocess its raw chunk."""

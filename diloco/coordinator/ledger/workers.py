@@ -51,23 +51,9 @@ class WorkersTable(LedgerBase):
     ) -> tuple[list[int], list[int]]:
         """Move the named leases' deadlines on; return those this worker no longer holds."""
         deadline = leases.lease_deadline(self.clock(), ttl_s)
-        lost_chunks: list[int] = []
-        lost_shards: list[int] = []
         with self._tx() as db:
-            for cid in chunk_ids:
-                n = db.execute(
-                    "UPDATE chunks SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",
-                    (deadline, cid, worker_id),
-                ).rowcount
-                if not n:
-                    lost_chunks.append(cid)
-            for sid in shard_ids:
-                n = db.execute(
-                    "UPDATE shards SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",
-                    (deadline, sid, worker_id),
-                ).rowcount
-                if not n:
-                    lost_shards.append(sid)
+            lost_chunks = _renew(db, "chunks", chunk_ids, worker_id, deadline)
+            lost_shards = _renew(db, "shards", shard_ids, worker_id, deadline)
         return lost_chunks, lost_shards
 
     def leave(self, worker_id: str, state: str = "left") -> None:
@@ -120,3 +106,19 @@ class WorkersTable(LedgerBase):
                 "UPDATE workers SET state = 'lost' WHERE state = 'active' AND last_seen <= ?", (now - ttl_s,)
             ).rowcount
         return {"chunks": chunks, "shards": shards, "workers": lost}
+
+
+def _renew(
+    db: sqlite3.Connection, table: str, ids: Sequence[int], worker_id: str, deadline: float
+) -> list[int]:
+    """Move the leases on `table`'s rows `ids` held by `worker_id` to `deadline`; the ids it no
+    longer holds. (`table` is one of this module's own names, never input.)"""
+    lost = []
+    for row_id in ids:
+        n = db.execute(
+            f"UPDATE {table} SET lease_expires = ? WHERE id = ? AND holder = ? AND state = 'leased'",  # noqa: S608
+            (deadline, row_id, worker_id),
+        ).rowcount
+        if not n:
+            lost.append(row_id)
+    return lost

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from diloco import store
-from diloco.coordinator.ledger import ChunkLease
+from diloco.coordinator.ledger import ChunkLease, NoLease
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     log,
@@ -48,7 +48,7 @@ class ChunkRPCs(ServiceBase):
                     ],
                     run_state=self._state_pb(),
                 )
-            elif lease == "wait":
+            elif lease is NoLease.WAIT:
                 reply = pb.LeaseChunkReply(retry_after_s=1.0, run_state=self._state_pb())
             else:
                 reply = pb.LeaseChunkReply(done=True, run_state=self._state_pb())

@@ -10,6 +10,7 @@ from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     FragmentState,
     log,
+    moving_average,
 )
 
 # The merger also wakes this often with nothing to wake it: a learner found dead is an event no
@@ -109,7 +110,7 @@ class Merger(ServiceBase):
         if mean_loss is not None:
             self.last_loss = mean_loss
         elapsed = time.monotonic() - started
-        self.sync_time_s = elapsed if self.sync_time_s == 0 else 0.8 * self.sync_time_s + 0.2 * elapsed
+        self.sync_time_s = moving_average(self.sync_time_s, elapsed)
         log.info(
             "merge fragment=%d version=%d pushes=%d tokens=%d loss=%s (%s) in %.3fs",
             p,

@@ -15,6 +15,7 @@ from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     MAX_PULL_WAIT_S,
     log,
+    stream_header,
 )
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire.tensors import WireError, receive_one, spec_of, stream_many
@@ -25,10 +26,9 @@ class ParameterRPCs(ServiceBase):
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.InitParametersReply:
         self.wire.call("init")  # its messages are counted as gRPC reads them (CountRequestStreams)
-        messages = iter(request_iterator)
-        first = next(messages, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad init stream: it must start with a header")
+        first, messages = stream_header(
+            request_iterator, context, "bad init stream: it must start with a header"
+        )
         with self.cond:
             # Learners that join together all offer their parameters; one is taken. The others
             # are answered at the header, before their megabytes are sent, and pull instead.

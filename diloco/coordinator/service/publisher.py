@@ -11,9 +11,10 @@ from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     FragmentState,
     log,
+    moving_average,
 )
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.wire import codecs
+from diloco.wire import steps
 
 GIVE_UP_AT_SHUTDOWN_AFTER = 5  # failures in a row
 
@@ -91,9 +92,7 @@ class Publisher(ServiceBase):
         for old in obsolete:
             checkpoint.remove_fragment(self.checkpoint_root, p, old)
         elapsed = time.monotonic() - started
-        self.publish_time_s = (
-            elapsed if self.publish_time_s == 0 else 0.8 * self.publish_time_s + 0.2 * elapsed
-        )
+        self.publish_time_s = moving_average(self.publish_time_s, elapsed)
         if len(merges) > 1:
             log.info("published fragment=%d version=%d (%d merges at once)", p, version, len(merges))
 
@@ -103,12 +102,9 @@ class Publisher(ServiceBase):
         if codec == "fp32":
             frag.broadcast = params
             return
-        blobs, new = {}, {}
-        for name, theta in params.items():
-            blobs[name], new[name] = codecs.encode_step(
-                theta, frag.broadcast[name], codec, self.config.sync.codec_level
-            )
-        frag.broadcast = new
+        blobs, frag.broadcast = steps.encode_steps(
+            params, frag.broadcast, codec, self.config.sync.codec_level
+        )
         frag.chain[version] = (frag.published_version, blobs)
         for old in sorted(frag.chain)[: -self.config.sync.pull_chain]:
             del frag.chain[old]
@@ -118,19 +114,17 @@ class Publisher(ServiceBase):
         (no version held, or the steps are gone) the full fragment as learners hold it."""
         frag = self.fragments[p]
         codec = self.config.sync.pull_codec
-        if codec != "fp32" and have >= 0:
-            steps: list[tuple[int, dict[str, bytes]]] = []
-            v = frag.published_version
-            while v > have and v in frag.chain:  # walk the chain back to the version held
-                base, blobs = frag.chain[v]
-                steps.append((v, blobs))
-                v = base
-            if v == have:
-                return [
-                    (
-                        pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),
-                        {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in blobs.items()},
-                    )
-                    for v, blobs in reversed(steps)
-                ]
+        chain = (
+            steps.steps_since(frag.chain, frag.published_version, have)
+            if codec != "fp32" and have >= 0
+            else None
+        )
+        if chain is not None:
+            return [
+                (
+                    pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),
+                    {n: torch.frombuffer(bytearray(b), dtype=torch.uint8) for n, b in blobs.items()},
+                )
+                for v, blobs in chain
+            ]
         return [(pb.TensorHeader(fragment=p, version=frag.published_version, codec="fp32"), frag.broadcast)]

@@ -15,6 +15,8 @@ from diloco.coordinator.service.state import (
     PendingPush,
     RoundSum,
     log,
+    moving_average,
+    stream_header,
 )
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
@@ -40,10 +42,7 @@ class PushRPCs(ServiceBase):
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.PushReply:
         self.wire.call("push")  # its messages are counted as gRPC reads them (CountRequestStreams)
-        messages = iter(request_iterator)
-        first = next(messages, None)
-        if first is None or first.WhichOneof("kind") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push stream must start with a header")
+        first, messages = stream_header(request_iterator, context, "push stream must start with a header")
         header = first.header
         self._require_worker(header.worker_id, context)
         if not header.push_id:
@@ -207,11 +206,7 @@ class PushRPCs(ServiceBase):
         frag.pending.append(PendingPush(arrival, header.push_id, header.mean_loss, header.first_loss))
         frag.sum.folding += 1
         if header.step_time_s > 0:
-            self.step_time_s = (
-                header.step_time_s
-                if self.step_time_s == 0
-                else 0.8 * self.step_time_s + 0.2 * header.step_time_s
-            )
+            self.step_time_s = moving_average(self.step_time_s, header.step_time_s)
         if header.first_loss and self.ledger.get_meta("first_loss") is None:
             self.ledger.set_meta(first_loss=repr(header.first_loss))
         weight = syncer.merge_weight(header.tokens, header.inner_steps, self.policy.merge)

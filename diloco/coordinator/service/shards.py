@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 
 from diloco.coordinator import deal
-from diloco.coordinator.ledger import ShardLease
+from diloco.coordinator.ledger import NoLease, ShardLease
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     log,
@@ -45,9 +45,11 @@ class ShardRPCs(ServiceBase):
                     run_state=self._state_pb(),
                     deal_slot=0 if lease.slot is None else lease.slot + 1,
                 )
-            elif lease in ("wait", "wait-dealt"):
+            elif lease in (NoLease.WAIT, NoLease.WAIT_DEALT):
                 reply = pb.LeaseShardReply(
-                    retry_after_s=0.5, run_state=self._state_pb(), dealt_shard_coming=lease == "wait-dealt"
+                    retry_after_s=0.5,
+                    run_state=self._state_pb(),
+                    dealt_shard_coming=lease is NoLease.WAIT_DEALT,
                 )
             else:
                 reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from diloco.coordinator import syncer
@@ -75,3 +77,20 @@ class FragmentState:
     # published version -> (the published version before it, the encoded blobs of the step
     # between their broadcasts), the last few.
     chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
+
+
+def moving_average(current: float, sample: float, weight: float = 0.2) -> float:
+    """An exponential moving average: the syncer's step, merge and publish times. The first
+    sample (current 0) is taken as it is."""
+    return sample if current == 0 else (1 - weight) * current + weight * sample
+
+
+def stream_header(
+    request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext, error: str
+) -> tuple[pb.TensorStreamMessage, Iterator[pb.TensorStreamMessage]]:
+    """A tensor stream's first message, which must be its header, and the rest of the stream."""
+    messages = iter(request_iterator)
+    first = next(messages, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
+    return first, messages

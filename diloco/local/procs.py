@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.compute.startup import SPAWNED_AT_ENV
-from diloco.spare import Assignment
+from diloco.local.spare import Assignment
 
 
 @dataclass
@@ -104,7 +104,7 @@ class ProcessGroup:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def keep_spares(self, roles: list[str], per_role: int | None = None) -> None:
-        """From now on keep `per_role` warm spares (diloco.spare) of each role for respawn to hand a
+        """From now on keep `per_role` warm spares (diloco.local.spare) of each role for respawn to hand a
         role to: more than one, so that kills in quick succession still find one warmed up."""
         self.spares_per_role = per_role if per_role is not None else self.spares_per_role
         for role in roles:

@@ -20,40 +20,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from rich.console import Console
 from rich.live import Live
 
-from diloco import store
-from diloco.chaos import ChaosPlan
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
-from diloco.coordinator.audit import audit
-from diloco.coordinator.checkpoint import load_model_params
-from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes, split_sizes
-from diloco.coordinator.server import check_same_dataset, dataset_files, recorded_dataset, store_root
-from diloco.data.shard import read_shard
+from diloco.coordinator.report import split_sizes
+from diloco.coordinator.server import check_same_dataset, dataset_files, recorded_dataset
 from diloco.errors import DilocoError
-from diloco.evaluate import eval_loss, sample_text, unigram_entropy
-from diloco.model.gpt import build_model
-from diloco.model.weights import save_weights
-from diloco.procs import Child, ProcessGroup
-from diloco.run_summary import (
-    cold_start_warning,
-    data_plane_metrics,
-    ddp_wire_bytes_per_token,
-    goodput,
-    job_startup_seconds,
-    mean_of,
-)
-from diloco.tokenizer import load_tokenizer
+from diloco.local.chaos import ChaosPlan
+from diloco.local.procs import Child, ProcessGroup
+from diloco.local.summary import cold_start_warning, job_report, summarize
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.views import print_summary, progress_line, progress_table
 
-SAMPLE_PROMPT = "def "
-EVAL_MAX_BATCHES = 64
-MODEL_FILE = "model.safetensors"
 # How long a child may take to stop on SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
 
@@ -202,7 +182,7 @@ class LocalRun:
             self._start_workers(address)
             if self.options.chaos_interval:
                 # A supervisor that expects deaths keeps a warm spare per role it will restart:
-                # the replacement skips the interpreter's start and the imports (diloco.spare).
+                # the replacement skips the interpreter's start and the imports (diloco.local.spare).
                 roles = list(self.options.chaos_roles or ("coordinator", "data", "learner"))
                 self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
@@ -213,27 +193,24 @@ class LocalRun:
             observer.close()
         finally:
             self._stop_children()
-        summary = self._summarize(detail, train_seconds, time.monotonic() - started)
-        # Where the machine's time went: learners' arithmetic, or the parts around it.
-        summary["cpu_seconds_by_role"] = self.group.cpu_seconds_by_role()
-        report = audit(self.workdir)
+        o = self.options
+        summary = summarize(
+            detail, self.config, name=self.name, workdir=self.workdir, learners=o.learners,
+            data_workers=o.data_workers, slow_learner=o.slow_learner, train_seconds=train_seconds,
+            total_seconds=time.monotonic() - started,
+        )  # fmt: skip
         summary.update(
+            job_report(
+                detail,
+                summary,
+                workdir=self.workdir,
+                learners=o.learners,
+                train_seconds=train_seconds,
+                started_at=started_at,
+            ),  # fmt: skip
             kills=self.kills,
-            audit_ok=report.ok,
-            audit_violations=report.violations,
-            longest_merge_gap_s=longest_merge_gap(self.workdir),
-            rounds_by_pushes=rounds_by_pushes(self.workdir),
-        )
-        # The job's own start-up (every learner's first life, up to its first step) is paid once
-        # per job, not per failure: goodput after it is what a long run converges to.
-        job_startup = job_startup_seconds(self.workdir / "logs", started_at)
-        summary["job_startup_seconds"] = round(job_startup, 2)
-        summary["goodput_after_start"] = goodput(
-            detail.get("learner_kept_busy_seconds", 0.0),
-            summary["tokens_merged"],
-            detail.get("tokens_pushed", 0),
-            self.options.learners,
-            max(1e-9, train_seconds - job_startup),
+            # Where the machine's time went: learners' arithmetic, or the parts around it.
+            cpu_seconds_by_role=self.group.cpu_seconds_by_role(),
         )
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
@@ -319,115 +296,6 @@ class LocalRun:
         with contextlib.suppress(Exception):
             observer.finish("learners finished", timeout_s=10)
         self.group.wait(self.group.by_role("data"), timeout_s=30)
-
-    # -- the result -----------------------------------------------------------------------------
-
-    def _summarize(self, d: dict[str, Any], train_seconds: float, total_seconds: float) -> dict[str, Any]:
-        cfg = self.config
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-        vocab = cfg.model.vocab_size or tokenizer.vocab_size
-        versions = d.get("fragment_versions") or []
-        eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
-        summary: dict[str, Any] = {
-            "name": self.name,
-            "workdir": str(self.workdir),
-            "learners": self.options.learners,
-            "data_workers": self.options.data_workers,
-            "tokens_trained": d.get("tokens_trained", 0),
-            "tokens_merged": d.get("tokens_merged", 0),
-            "rounds": d.get("rounds", 0),
-            "fragment_versions": versions,
-            "chunks": d.get("chunks_total", 0),
-            "chunks_done": d.get("chunks_done", 0),
-            "chunks_quarantined": d.get("chunks_quarantined", 0),
-            "shards": d.get("shards_total", 0),
-            "tokens_prepared": d.get("tokens_prepared", 0),
-            "first_loss": d.get("first_loss"),
-            "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
-            "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
-            "wire_bytes_by_role": d.get("wire_by_role", {}),
-            "wall_seconds": round(train_seconds, 2),
-            "total_seconds": round(total_seconds, 2),
-            "pushes_refused": d.get("pushes_refused", 0),
-            "record_stats": d.get("record_stats", {}),
-        }
-        trained = max(1, summary["tokens_trained"])
-        summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
-        # Each learner's one-time join (the initial parameters offered, its first full pull)
-        # amortizes over a long run; what goes on per token after it is the steady-state cost.
-        by_rpc = summary["wire_bytes_by_rpc"]
-        joining = sum(by_rpc.get(k, {}).get("received", 0) + by_rpc.get(k, {}).get("sent", 0)
-                      for k in ("init", "pull_join"))  # fmt: skip
-        summary["steady_wire_bytes_per_token"] = (summary["wire_bytes"] - joining) / trained
-        params = sum(math.prod(s) for s in _param_shapes(cfg, vocab))
-        summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
-            params, self.options.learners, cfg.train.batch_size, cfg.model.seq_len
-        )
-        summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
-        summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
-        learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
-        per_learner = [
-            w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in learners if w.get("wall_seconds")
-        ]
-        summary["utilization_per_learner"] = [round(u, 4) for u in per_learner]
-        summary["utilization_by_learner"] = {
-            w["worker_id"]: round(w.get("busy_seconds", 0.0) / w["wall_seconds"], 4)
-            for w in learners
-            if w.get("wall_seconds")
-        }
-        slow = f"learner-{self.options.learners - 1}" if self.options.slow_learner > 1.0 else None
-        summary["slow_learner"] = slow
-        others = [u for wid, u in summary["utilization_by_learner"].items() if wid != slow]
-        summary["utilization_min_others"] = min(others) if others else 0.0
-        summary["utilization"] = round(sum(per_learner) / len(per_learner), 4) if per_learner else 0.0
-        timed = [w for w in learners if w.get("wall_seconds")]
-        summary["data_stall_share"] = mean_of(
-            [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
-        )
-        summary.update(data_plane_metrics(d, train_seconds))
-        summary["sync_wait_share"] = mean_of(
-            [w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
-        )
-        summary["goodput"] = goodput(
-            d.get("learner_kept_busy_seconds", 0.0),
-            summary["tokens_merged"],
-            d.get("tokens_pushed", 0),
-            self.options.learners,
-            train_seconds,
-        )
-        # Each learner's tokens over its own training time (first inner step to its last), summed:
-        # what a peer's loop timed from its start barrier measures, without the job's start-up.
-        summary["learner_tokens_per_s"] = round(
-            sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
-        )
-        if versions and eval_rows:
-            rows = np.concatenate(eval_rows)
-            model = build_model(cfg.model, vocab, cfg.train.seed)
-            params = load_model_params(
-                store.join(store_root(cfg, str(self.workdir)), "checkpoints"), versions
-            )
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    p.copy_(params[name])
-            # The trained model in one file: what a later run can start from (model.init_from).
-            save_weights(str(self.workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
-            summary["model"] = str(self.workdir / MODEL_FILE)
-            summary["eval_loss"] = eval_loss(
-                model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES
-            )
-            used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
-            summary["baseline_loss"] = unigram_entropy([used], vocab)
-            summary["eval_tokens"] = int(used.size)
-            summary["sample"] = sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed)
-        else:
-            summary.update(eval_loss=None, baseline_loss=None, eval_tokens=0, sample="")
-        summary["config"] = cfg.to_dict()
-        return summary
-
-
-def _param_shapes(cfg: RunConfig, vocab: int) -> list[tuple[int, ...]]:
-    with torch.device("meta"):
-        return [tuple(p.shape) for p in build_model(cfg.model, vocab, 0).parameters()]
 
 
 def run_local(options: LocalRunOptions) -> dict[str, Any]:

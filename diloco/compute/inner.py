@@ -1,0 +1,40 @@
+"""One inner step: plain PyTorch, nothing of the outer loop (nanoGPT's training step)."""
+
+from __future__ import annotations
+
+import torch
+
+from diloco.compute.prefetch import Batch
+from diloco.config import TrainConfig
+from diloco.model.gpt import lr_at
+
+
+def inner_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    *,
+    step: int,
+    train: TrainConfig,
+    device: torch.device,
+) -> float:
+    """Forward, backward, clip, AdamW: returns the batch's loss."""
+    lr = lr_at(step, train)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = batch.x.to(device, non_blocking=True), batch.y.to(device, non_blocking=True)
+    _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if train.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
+def straggle_s(compute_s: float, *, slow_factor: float, step_delay_s: float) -> float:
+    """The sleep after a step that an experiment asks for: a straggler `slow_factor` times slower
+    (its sleep scales with the step), or a fixed delay per step."""
+    if slow_factor > 1.0:
+        return (slow_factor - 1.0) * compute_s
+    return max(0.0, step_delay_s)

@@ -1,0 +1,58 @@
+"""What a learner has done so far: its counters, reported in heartbeats (utilization and goodput
+are computed from them)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from diloco.v1 import coordinator_pb2 as pb
+
+
+@dataclass
+class Progress:
+    inner_steps: int = 0
+    tokens_trained: int = 0
+    last_loss: float = math.nan
+    first_loss: float = math.nan
+    busy_s: float = 0.0  # time inside inner steps
+    kept_busy_s: float = 0.0  # of it, the steps a kill would not lose (pushed, or saved locally)
+    stall_s: float = 0.0  # time waiting for data
+    sync_wait_s: float = 0.0  # time waiting for the syncer
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None  # the training loop's end: the final flush is not training time
+
+    def wall_s(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    def stepped(self, busy_s: float, tokens: int, loss: float) -> None:
+        """One inner step done."""
+        self.busy_s += busy_s
+        self.inner_steps += 1
+        self.tokens_trained += tokens
+        self.last_loss = loss
+        if math.isnan(self.first_loss):
+            self.first_loss = loss
+
+    def step_time_s(self) -> float:
+        return self.busy_s / max(1, self.inner_steps)
+
+    def heartbeat(self, shard_leases: list[int]) -> pb.HeartbeatRequest:
+        return pb.HeartbeatRequest(
+            shard_leases=shard_leases,
+            inner_steps=self.inner_steps,
+            tokens_trained=self.tokens_trained,
+            last_loss=0.0 if math.isnan(self.last_loss) else self.last_loss,
+            busy_seconds=self.busy_s,
+            kept_busy_seconds=self.kept_busy_s,
+            wall_seconds=self.wall_s(),
+            data_stall_seconds=self.stall_s,
+            sync_wait_seconds=self.sync_wait_s,
+        )
+
+    def summary(self) -> str:
+        return (
+            f"steps={self.inner_steps} tokens={self.tokens_trained} busy={self.busy_s:.1f}s "
+            f"wall={self.wall_s():.1f}s data stall={self.stall_s:.1f}s sync wait={self.sync_wait_s:.1f}s"
+        )

@@ -1,0 +1,139 @@
+"""The shard rows a learner trained on that no merge has counted yet: pure bookkeeping.
+
+Each inner step changes every fragment, so a row's effect reaches the global model only once each
+fragment has been pushed after it. Rows wait in three places: `unpushed` (trained since the last
+push), `awaiting` (pushed with some fragments, waiting for the others) and `resolved` (waiting for
+nothing more: they ride on the next push, whatever fragment). Plain data, kept on local disk with
+the rest of the learner's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.compute.prefetch import Batch
+
+
+@dataclass
+class Unpushed:
+    """Shard rows trained on since the last push: they ride on the next push, whatever fragment."""
+
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    _last: dict[int, int] = field(default_factory=dict)  # shard id -> index of its latest span
+
+    def add(self, batch: Batch) -> None:
+        # Batches of several shards interleave: extend the shard's own latest span when the rows follow on.
+        k = self._last.get(batch.shard_id)
+        if k is not None and self.spans[k][2] == batch.row_start:
+            self.spans[k] = (batch.shard_id, self.spans[k][1], batch.row_end)
+        else:
+            self._last[batch.shard_id] = len(self.spans)
+            self.spans.append((batch.shard_id, batch.row_start, batch.row_end))
+        if batch.last_of_shard:
+            self.released.append(batch.shard_id)
+
+    def extend(self, other: Unpushed) -> None:
+        for span in other.spans:
+            self._last[span[0]] = len(self.spans)
+            self.spans.append(span)
+        self.released.extend(other.released)
+
+
+@dataclass
+class AwaitingCover:
+    """Rows trained before a push, waiting for every other fragment's push to carry them too.
+
+    Each inner step changes every fragment, so a row's effect reaches the global model only once
+    each fragment has been pushed after it. Its span rides on the push that completes that set:
+    a learner that dies in between leaves the rows unmerged (back to the pool), instead of
+    counting them as trained while most of the model never saw them.
+    """
+
+    rows: Unpushed
+    waiting: set[int]
+
+
+def release_fragment(awaiting: list[AwaitingCover], fragment: int) -> tuple[Unpushed, list[AwaitingCover]]:
+    """The groups stop waiting for `fragment` (it was just pushed, or just overwritten by its merge:
+    what it held of the rows is then as far as they get, as for any row in the τ overlap).
+    Returns the rows that now wait for nothing and the groups still waiting."""
+    done = Unpushed()
+    for group in awaiting:
+        group.waiting.discard(fragment)
+        if not group.waiting:
+            done.extend(group.rows)
+    return done, [g for g in awaiting if g.waiting]
+
+
+def rows_to_carry(
+    awaiting: list[AwaitingCover], fresh: Unpushed, pushed: int, fragments: int
+) -> tuple[Unpushed, list[AwaitingCover]]:
+    """Fragment `pushed` is pushed now: the rows its push carries, and the groups still waiting.
+
+    `fresh` holds the rows trained since the previous push; from now on they wait for every
+    fragment's push, this one included. Groups complete in the order they were made.
+    """
+    groups = (
+        [*awaiting, AwaitingCover(fresh, set(range(fragments)))]
+        if fresh.spans or fresh.released
+        else awaiting
+    )
+    return release_fragment(groups, pushed)
+
+
+def copy_rows(rows: Unpushed) -> Unpushed:
+    """A copy that later `add`s to the original do not change."""
+    return Unpushed(list(rows.spans), list(rows.released), dict(rows._last))
+
+
+@dataclass
+class RowBook:
+    """Where each trained row waits (see the module docstring)."""
+
+    unpushed: Unpushed = field(default_factory=Unpushed)
+    awaiting: list[AwaitingCover] = field(default_factory=list)
+    resolved: Unpushed = field(default_factory=Unpushed)
+
+    def trained(self, batch: Batch) -> None:
+        self.unpushed.add(batch)
+
+    def carry(self, pushed: int, fragments: int) -> Unpushed:
+        """Fragment `pushed` is pushed now: the rows its push carries (their effect is in every
+        fragment once it is sent)."""
+        carried, self.awaiting = rows_to_carry(self.awaiting, self.unpushed, pushed, fragments)
+        self.unpushed = Unpushed()
+        self.resolved.extend(carried)
+        carried, self.resolved = self.resolved, Unpushed()
+        return carried
+
+    def overwritten(self, fragment: int) -> None:
+        """Fragment `fragment` was overwritten by its merge: it holds no waiting rows up any more."""
+        done, self.awaiting = release_fragment(self.awaiting, fragment)
+        self.resolved.extend(done)
+
+    def all_carried(self) -> bool:
+        """Every row so far rides on a push already made: a kill now loses none of the steps."""
+        return not self.awaiting
+
+    def take_all(self) -> Unpushed:
+        """Every row no push will carry now (the end of training): they go back to the pool."""
+        out = Unpushed()
+        for group in self.awaiting:
+            out.extend(group.rows)
+        out.extend(self.unpushed)
+        out.extend(self.resolved)
+        self.unpushed, self.awaiting, self.resolved = Unpushed(), [], Unpushed()
+        return out
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """Every row span in the book."""
+        return [*self.unpushed.spans, *(s for g in self.awaiting for s in g.rows.spans), *self.resolved.spans]
+
+    def copy(self) -> RowBook:
+        """A copy that later changes to this book do not reach (for the local state)."""
+        return RowBook(
+            copy_rows(self.unpushed),
+            [AwaitingCover(copy_rows(g.rows), set(g.waiting)) for g in self.awaiting],
+            copy_rows(self.resolved),
+        )

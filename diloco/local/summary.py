@@ -1,0 +1,258 @@
+"""A local run's summary (what `diloco run` writes to summary.json): the arithmetic on the
+coordinator's status detail, the learners' logs and the configuration, the ledger's own report,
+and the final model evaluated on the held-out split."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diloco import store
+from diloco.compute.startup import read_startups
+from diloco.config import RunConfig
+from diloco.coordinator.audit import audit
+from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
+from diloco.coordinator.server import store_root
+from diloco.data.shard import read_shard
+from diloco.evaluate import eval_loss, sample_text, unigram_entropy
+from diloco.model.gpt import build_model
+from diloco.model.weights import save_weights
+from diloco.tokenizer import load_tokenizer
+
+SAMPLE_PROMPT = "def "
+EVAL_MAX_BATCHES = 64
+MODEL_FILE = "model.safetensors"
+
+
+def data_plane_metrics(d: dict[str, Any], train_seconds: float) -> dict[str, Any]:
+    """summary.json's data-plane numbers, from the coordinator's status detail.
+
+    data_tokens_per_s: tokens written into shards by all data workers per wall second of the run;
+    data_tokens_per_s_by_worker: each data worker's tokens per second of work on its chunks (its
+    speed, whatever share of the run it was busy); data_stall_by_learner: each learner's share of
+    its wall time spent waiting for data.
+    """
+    workers = d.get("workers", [])
+    return {
+        "data_tokens_per_s": round(d.get("tokens_prepared", 0) / max(train_seconds, 1e-9), 1),
+        "data_tokens_per_s_by_worker": {
+            w["worker_id"]: w.get("tokens_per_s", 0.0) for w in workers if w["role"] == "data"
+        },
+        "data_stall_by_learner": {
+            w["worker_id"]: round(w.get("data_stall_seconds", 0.0) / w["wall_seconds"], 4)
+            for w in workers
+            if w["role"] == "compute" and w.get("wall_seconds")
+        },
+    }
+
+
+def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, seq_len: int) -> float:
+    """What DDP moves per trained token with the same model, batch and workers: a ring all-reduce
+    of fp32 gradients every step, in which each of N ranks sends (and receives) 2(N−1)/N × 4 bytes
+    per parameter. Each byte is counted once, as diloco's wire bytes are (sent by one side,
+    received by the other)."""
+    if workers < 2:
+        return 0.0
+    per_step = workers * (2 * (workers - 1) / workers) * 4 * params
+    return per_step / (workers * batch_size * (seq_len + 1))
+
+
+def goodput(
+    kept_busy_seconds: float, tokens_merged: int, tokens_pushed: int, learners: int, wall_s: float
+) -> float:
+    """The share of learner-seconds whose work was merged, over learners × wall time.
+
+    The work is time in inner steps, every life of every learner, that a kill did not lose: steps
+    whose rows rode on a push, or that were in the learner's local state on disk when it died
+    (each learner reports that figure, `kept_busy_seconds`, in its heartbeats). Of the pushed
+    work, the share of tokens that merged counts (refused or dropped pushes do not).
+
+    Merged tokens per second alone would hide what a failure costs on shared cores: a dead
+    learner's core goes to the others, who then train faster. Work lost to a kill and time spent
+    dead or restarting both count against goodput.
+    """
+    if learners <= 0 or wall_s <= 0 or tokens_pushed <= 0:
+        return 0.0
+    merged_share = min(1.0, tokens_merged / tokens_pushed)
+    return round(min(1.0, kept_busy_seconds * merged_share / (learners * wall_s)), 4)
+
+
+# Above this H, a run from a random init tends to end worse than it began (issue 6's note, and the
+# README's H = 500 figures): see cold_start_warning.
+COLD_START_MAX_H = 200
+
+
+def job_startup_seconds(log_dir: Path, started_at: float) -> float:
+    """Mean over learners of the time from the job's start to their first inner step (first life)."""
+    firsts = []
+    for log in sorted(log_dir.glob("learner-*.log")):
+        lives = read_startups(log.read_text(errors="replace"))
+        if lives:
+            firsts.append(max(0.0, lives[0].first_step_at - started_at))
+    return sum(firsts) / len(firsts) if firsts else 0.0
+
+
+def cold_start_warning(cfg: RunConfig) -> str | None:
+    """Why a large H from a random init is a bad idea, or None.
+
+    From a random init, a learner's first few hundred AdamW steps move it far from where it
+    started and into its own basin; the average of such far-apart models (what an outer step
+    takes) is no longer a good model, so each merge undoes much of what was learned. DiLoCo's
+    large H is meant for a warm start (the DiLoCo paper begins from a pretrained checkpoint).
+    """
+    if cfg.train.inner_steps <= COLD_START_MAX_H or cfg.model.init_from:
+        return None
+    return (
+        f"H = {cfg.train.inner_steps} from a random init: the first merges average models that moved far "
+        f"apart, and such runs have ended above where they began. Train a few thousand steps at H <= "
+        f"{COLD_START_MAX_H} first and start from that model (--set model.init_from=runs/<name>/model.safetensors)."
+    )
+
+
+def mean_of(values: list[float]) -> float:
+    return round(sum(values) / len(values), 4) if values else 0.0
+
+
+def summarize(
+    d: dict[str, Any],
+    cfg: RunConfig,
+    *,
+    name: str,
+    workdir: Path,
+    learners: int,
+    data_workers: int,
+    slow_learner: float,
+    train_seconds: float,
+    total_seconds: float,
+) -> dict[str, Any]:
+    """The run's figures from the coordinator's last status, and its final model evaluated."""
+    summary: dict[str, Any] = {
+        "name": name,
+        "workdir": str(workdir),
+        "learners": learners,
+        "data_workers": data_workers,
+        "tokens_trained": d.get("tokens_trained", 0),
+        "tokens_merged": d.get("tokens_merged", 0),
+        "rounds": d.get("rounds", 0),
+        "fragment_versions": d.get("fragment_versions") or [],
+        "chunks": d.get("chunks_total", 0),
+        "chunks_done": d.get("chunks_done", 0),
+        "chunks_quarantined": d.get("chunks_quarantined", 0),
+        "shards": d.get("shards_total", 0),
+        "tokens_prepared": d.get("tokens_prepared", 0),
+        "first_loss": d.get("first_loss"),
+        "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
+        "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
+        "wire_bytes_by_role": d.get("wire_by_role", {}),
+        "wall_seconds": round(train_seconds, 2),
+        "total_seconds": round(total_seconds, 2),
+        "pushes_refused": d.get("pushes_refused", 0),
+        "record_stats": d.get("record_stats", {}),
+    }
+    trained = max(1, summary["tokens_trained"])
+    summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
+    # Each learner's one-time join (the initial parameters offered, its first full pull)
+    # amortizes over a long run; what goes on per token after it is the steady-state cost.
+    by_rpc = summary["wire_bytes_by_rpc"]
+    joining = sum(by_rpc.get(k, {}).get("received", 0) + by_rpc.get(k, {}).get("sent", 0)
+                  for k in ("init", "pull_join"))  # fmt: skip
+    summary["steady_wire_bytes_per_token"] = (summary["wire_bytes"] - joining) / trained
+    vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
+    params = sum(math.prod(s) for s in _param_shapes(cfg, vocab))
+    summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
+        params, learners, cfg.train.batch_size, cfg.model.seq_len
+    )
+    summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
+    summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
+    timed = [w for w in d.get("workers", []) if w["role"] == "compute" and w.get("wall_seconds")]
+    by_learner = {w["worker_id"]: w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in timed}
+    summary["utilization_per_learner"] = [round(u, 4) for u in by_learner.values()]
+    summary["utilization_by_learner"] = {wid: round(u, 4) for wid, u in by_learner.items()}
+    slow = f"learner-{learners - 1}" if slow_learner > 1.0 else None
+    summary["slow_learner"] = slow
+    others = [u for wid, u in summary["utilization_by_learner"].items() if wid != slow]
+    summary["utilization_min_others"] = min(others) if others else 0.0
+    summary["utilization"] = mean_of(list(by_learner.values()))
+    summary["data_stall_share"] = mean_of(
+        [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
+    )
+    summary.update(data_plane_metrics(d, train_seconds))
+    summary["sync_wait_share"] = mean_of([w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed])
+    summary["goodput"] = goodput(
+        d.get("learner_kept_busy_seconds", 0.0),
+        summary["tokens_merged"],
+        d.get("tokens_pushed", 0),
+        learners,
+        train_seconds,
+    )
+    # Each learner's tokens over its own training time (first inner step to its last), summed:
+    # what a peer's loop timed from its start barrier measures, without the job's start-up.
+    summary["learner_tokens_per_s"] = round(
+        sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
+    )
+    summary.update(evaluate_final(d, cfg, workdir))
+    summary["config"] = cfg.to_dict()
+    return summary
+
+
+def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path) -> dict[str, Any]:
+    """The final global model: saved as one file, its loss on the held-out split next to the
+    unigram baseline, and a sample."""
+    versions = d.get("fragment_versions") or []
+    eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
+    if not (versions and eval_rows):
+        return {"eval_loss": None, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab = cfg.model.vocab_size or tokenizer.vocab_size
+    rows = np.concatenate(eval_rows)
+    model = build_model(cfg.model, vocab, cfg.train.seed)
+    params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.copy_(params[param_name])
+    # The trained model in one file: what a later run can start from (model.init_from).
+    save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
+    used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
+    return {
+        "model": str(workdir / MODEL_FILE),
+        "eval_loss": eval_loss(model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES),
+        "baseline_loss": unigram_entropy([used], vocab),
+        "eval_tokens": int(used.size),
+        "sample": sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed),
+    }
+
+
+def job_report(
+    d: dict[str, Any], summary: dict[str, Any], *, workdir: Path, learners: int, train_seconds: float,
+    started_at: float,
+) -> dict[str, Any]:  # fmt: skip
+    """What the ledger and the logs say after the run: the audit, merge gaps, rounds, start-up."""
+    report = audit(workdir)
+    # The job's own start-up (every learner's first life, up to its first step) is paid once
+    # per job, not per failure: goodput after it is what a long run converges to.
+    job_startup = job_startup_seconds(workdir / "logs", started_at)
+    return {
+        "audit_ok": report.ok,
+        "audit_violations": report.violations,
+        "longest_merge_gap_s": longest_merge_gap(workdir),
+        "rounds_by_pushes": rounds_by_pushes(workdir),
+        "job_startup_seconds": round(job_startup, 2),
+        "goodput_after_start": goodput(
+            d.get("learner_kept_busy_seconds", 0.0),
+            summary["tokens_merged"],
+            d.get("tokens_pushed", 0),
+            learners,
+            max(1e-9, train_seconds - job_startup),
+        ),
+    }
+
+
+def _param_shapes(cfg: RunConfig, vocab: int) -> list[tuple[int, ...]]:
+    with torch.device("meta"):
+        return [tuple(p.shape) for p in build_model(cfg.model, vocab, 0).parameters()]
