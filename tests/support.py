@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
-from diloco.coordinator.ledger import Ledger, MergeRecord
+from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
+from diloco.coordinator.ledger import Ledger, MergeRecord, ledger_path
+from diloco.coordinator.server import start_coordinator as start_coordinator_here
+from diloco.corpus import stdlib_files
+from diloco.data.worker import DataWorker
+from diloco.local.procs import Child, ProcessGroup
+from diloco.model.gpt import build_model
+from diloco.v1 import coordinator_pb2 as pb
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 class FakeClock:
@@ -38,3 +59,137 @@ def commit_merge(
 def shard_row(ledger: Ledger, shard_id: int) -> sqlite3.Row | None:
     rows = ledger._q("SELECT * FROM shards WHERE id = ?", (shard_id,))
     return rows[0] if rows else None
+
+
+def copy_corpus(out: Path, budget_bytes: int) -> Path:
+    """Real Python source (stdlib files) as .txt files, up to about budget_bytes."""
+    total = 0
+    for i, path in enumerate(stdlib_files()):
+        size = os.path.getsize(path)
+        if not 2_000 <= size <= 60_000:
+            continue
+        shutil.copy(path, out / f"{i:04d}_{Path(path).stem}.txt")
+        total += size
+        if total >= budget_bytes:
+            break
+    return out
+
+
+def run_cli(
+    args: list[str], timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None, **kwargs
+) -> subprocess.CompletedProcess:
+    """`python -m cli ARGS` as a real process, output captured, bounded in time; `env` adds variables."""
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "MASTER_ADDR": "127.0.0.1",
+        **(env or {}),
+    }
+    cmd = [sys.executable, "-m", "cli", *args]
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd or REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        **kwargs,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # As Ctrl-C would: `diloco run` then stops the children it started in sessions of their
+            # own, which killing it alone would leave running.
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_coordinator(group: ProcessGroup, workdir: Path, args: list[str]) -> str:
+    """Start `diloco coordinator` on an ephemeral port; return its address once it listens."""
+    coordinator = group.spawn(
+        "coordinator", "coordinator", ["coordinator", "--workdir", str(workdir), "--port", "0", *args]
+    )
+    info = workdir / "coordinator.json"
+    deadline = time.monotonic() + 60
+    while not info.exists():
+        assert time.monotonic() < deadline, "coordinator did not start"
+        assert coordinator.alive, group.tail(coordinator)
+        time.sleep(0.1)
+    return json.loads(info.read_text())["address"]
+
+
+def ledger_rows(workdir: Path, sql: str, args: tuple = ()) -> list[tuple]:
+    with sqlite3.connect(ledger_path(workdir)) as db:
+        return db.execute(sql, args).fetchall()
+
+
+def status(address: str) -> dict[str, Any]:
+    client = CoordinatorClient(address, pb.ROLE_OBSERVER, retry_deadline_s=10)
+    try:
+        return json.loads(client.stub.Status(pb.StatusRequest(), timeout=10).detail_json)
+    finally:
+        client.close()
+
+
+def worker_id_of(child: Child, timeout_s: float = 60) -> str:
+    """The id a worker process joined with, read from its log."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = re.search(
+            r"joined \S+ as (\S+)",
+            child.log_path.read_text(errors="replace") if child.log_path.exists() else "",
+        )
+        if found:
+            return found.group(1)
+        time.sleep(0.2)
+    raise AssertionError(f"{child.name} never joined")
+
+
+def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.5):
+    """Poll until predicate() is truthy (and return it), bounded in time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(period_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+
+
+@contextlib.contextmanager
+def tiny_coordinator(corpus: Path, workdir: Path, overrides: dict[str, object]):
+    """A real coordinator on a 1-layer GPT with its shards made, and a joined learner client that
+    gave the initial parameters: (running, learner, init)."""
+    cfg = RunConfig().with_overrides({
+        "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
+        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
+    })  # fmt: skip
+    running = start_coordinator_here(cfg, str(workdir))
+    address = f"127.0.0.1:{running.port}"
+    assert DataWorker(address).run() == 0
+    learner = CoordinatorClient(address, pb.ROLE_COMPUTE)
+    model_cfg = RunConfig.from_json(learner.join().config_json).model
+    init = {
+        n: p.detach().clone() for n, p in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
+    }
+    assert learner.init_parameters(init).accepted
+    try:
+        yield running, learner, init
+    finally:
+        learner.close()
+        running.stop()
+
+
+def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
+    shard = learner.lease_shard()
+    header = pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=1290, codec=codec, push_id=push_id)
+    header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=10)
+    return header

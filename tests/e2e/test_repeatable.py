@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.support import run_cli
 
 pytestmark = pytest.mark.e2e
 

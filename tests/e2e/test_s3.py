@@ -18,7 +18,7 @@ from diloco import store
 from diloco.data.shard import ShardCorrupt, read_shard, write_shard
 from diloco.local.procs import ProcessGroup
 from diloco.testing.seaweed import SeaweedS3
-from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
+from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
 
 
 @pytest.fixture

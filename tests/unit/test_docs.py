@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from diloco.config import RunConfig
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def config_keys() -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from diloco.model.gpt import build_model, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 from diloco.wire.tensors import stream_tensors
-from tests.conftest import ledger_rows
+from tests.support import delta_header, ledger_rows, tiny_coordinator
 
 QMAX = {"int8": 127, "int4": 7}
 
@@ -122,41 +121,10 @@ def test_blobs_that_do_not_match_are_refused():
         codecs.decode(codecs.encode(torch.full((100,), float("nan")), "bf16"), "bf16", (100,))
 
 
-@contextlib.contextmanager
-def tiny_coordinator(corpus: Path, workdir: Path, overrides: dict[str, object]):
-    """A real coordinator on a 1-layer GPT with its shards made, and a joined learner client that
-    gave the initial parameters: (running, learner, init)."""
-    cfg = RunConfig().with_overrides({
-        "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
-        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
-    })  # fmt: skip
-    running = start_coordinator(cfg, str(workdir))
-    address = f"127.0.0.1:{running.port}"
-    assert DataWorker(address).run() == 0
-    learner = CoordinatorClient(address, pb.ROLE_COMPUTE)
-    model_cfg = RunConfig.from_json(learner.join().config_json).model
-    init = {
-        n: p.detach().clone() for n, p in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()
-    }
-    assert learner.init_parameters(init).accepted
-    try:
-        yield running, learner, init
-    finally:
-        learner.close()
-        running.stop()
-
-
 @pytest.fixture
 def int8_coordinator(tiny_corpus: Path, tmp_path: Path):
     with tiny_coordinator(tiny_corpus, tmp_path, {"sync.codec": "int8"}) as (running, learner, init):
         yield running, learner, init, tmp_path
-
-
-def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
-    shard = learner.call("LeaseShard", pb.LeaseShardRequest())
-    header = pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=1290, codec=codec, push_id=push_id)
-    header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=10)
-    return header
 
 
 @pytest.mark.timeout(120)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from diloco.local.procs import ProcessGroup
-from tests.conftest import run_cli, start_coordinator, wait_for
+from tests.support import run_cli, start_coordinator, wait_for
 
 
 def assert_clear_error(result, *fragments: str) -> None:

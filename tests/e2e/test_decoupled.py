@@ -19,7 +19,7 @@ from diloco.coordinator.checkpoint import load_model_params
 from diloco.data.shard import read_shard
 from diloco.local.procs import ProcessGroup
 from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
-from tests.conftest import ledger_rows, start_coordinator, status, wait_for, worker_id_of
+from tests.support import ledger_rows, start_coordinator, status, wait_for, worker_id_of
 
 pytestmark = pytest.mark.e2e
 

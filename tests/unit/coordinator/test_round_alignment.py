@@ -16,7 +16,7 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.v1 import coordinator_pb2 as pb
-from tests.test_codecs import delta_header, tiny_coordinator
+from tests.support import delta_header, tiny_coordinator
 
 STEP_TIME_S = 0.05  # so one sync period is H·0.05 = 2.5 s and half of it 1.25 s
 

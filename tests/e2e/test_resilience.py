@@ -18,7 +18,7 @@ from diloco.local.procs import ProcessGroup
 from diloco.model.gpt import build_model
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.conftest import ledger_rows, run_cli, start_coordinator, status, wait_for, worker_id_of
+from tests.support import ledger_rows, run_cli, start_coordinator, status, wait_for, worker_id_of
 
 pytestmark = pytest.mark.e2e
 

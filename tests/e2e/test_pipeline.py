@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from diloco.local.procs import ProcessGroup
-from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
+from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -30,7 +30,7 @@ try:  # typer >= 0.2x ships its own copy of click
 except ImportError:  # older typer runs on click itself
     from click.exceptions import UsageError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 SEED_SCRIPT = ROOT / "docker" / "seed_corpus.py"

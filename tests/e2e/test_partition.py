@@ -20,7 +20,7 @@ import pytest
 from diloco.compute import local_state
 from diloco.compute.local_state import state_path
 from diloco.local.procs import ProcessGroup
-from tests.conftest import ledger_rows, run_cli, start_coordinator, wait_for
+from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ from diloco.errors import DilocoError
 from diloco.tokenizer import TokenizerMismatch, load_tokenizer
 from diloco.tokenizer_train import train_tokenizer
 from diloco.views import records_line
-from tests.conftest import ledger_rows, run_cli
+from tests.support import ledger_rows, run_cli
 
 
 def mixed_dataset(source: Path, out: Path) -> Path:

@@ -1,0 +1,62 @@
+"""kill -9 of a learner that keeps its local state: the same id restarts and resumes where it died."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from diloco.compute import local_state
+from diloco.compute.local_state import state_path
+from diloco.local.procs import ProcessGroup
+from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(240)
+def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """kill -9 mid-run, the same id restarts: it resumes at its step without a pull, the run ends
+    with every row merged once (the audit), and a clean end leaves no state behind."""
+    workdir = tmp_path / "coord"
+    state_dir = tmp_path / "state"
+    path = state_path(state_dir, "learner-0")
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        address = start_coordinator(group, workdir, [
+            "--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.inner_steps=20",
+            "--set", "train.local_state_every_s=0.2", "--set", "data.chunk_bytes=65536",
+        ])  # fmt: skip
+        group.spawn("data-0", "data", ["data", "--coordinator", address])
+        args = ["compute", "--coordinator", address, "--threads", "1", "--worker-id", "learner-0",
+                "--state-dir", str(state_dir)]  # fmt: skip
+        learner = group.spawn("learner-0", "learner", args)
+
+        def saved_steps() -> int:
+            state = local_state.load(path, [[]] * 8) if path.exists() else None
+            return state.inner_steps if state else 0
+
+        wait_for(lambda: saved_steps() >= 30, 150, "the learner to keep its state past step 30")
+        group.signal(learner, signal.SIGKILL)
+        assert group.wait([learner], 10)
+        saved = saved_steps()
+        learner = group.respawn(learner)
+        assert group.wait([learner], 150) and learner.proc.returncode == 0, group.tail(learner, 40)
+        log = learner.log_path.read_text()
+        resumed = [line for line in log.splitlines() if "local state: resuming at step" in line]
+        assert resumed, log[-3000:]
+        assert int(resumed[-1].split("resuming at step ")[1].split()[0]) >= saved
+        assert not path.exists(), "a clean end leaves nothing to resume"
+        group.stop(group.by_role("data"), grace_s=30)
+        group.stop(group.by_role("coordinator"), grace_s=30)
+        audit = run_cli(["status", "--audit", "--workdir", str(workdir)], timeout=60)
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+        merged = ledger_rows(
+            workdir, "SELECT COUNT(*) FROM pushes WHERE worker_id = 'learner-0' AND state = 'merged'"
+        )
+        assert merged[0][0] > 0
+    finally:
+        group.stop()
