@@ -36,8 +36,8 @@ from diloco.compute.device import set_threads  # noqa: E402
 from diloco.config import RunConfig, parse_assignments  # noqa: E402
 from diloco.coordinator import syncer  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
+from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
-from diloco.local.summary import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.model import build_model, lr_at, make_inner_optimizer  # noqa: E402
 from diloco.model.weights import check_matches, load_weights  # noqa: E402
 from diloco.tokenizer import load_tokenizer  # noqa: E402

@@ -26,8 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import run_ddp  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
+from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
-from diloco.local.summary import EVAL_MAX_BATCHES  # noqa: E402
 
 # The "torchft" arm (torchft's own DiLoCo, a peer baseline) needs the optional torchft package.
 try:

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare import DILOCO_ARMS, run_diloco  # noqa: E402
 from benchmarks.ddp_baseline import run_ddp  # noqa: E402
 from diloco.config import RunConfig, parse_assignments  # noqa: E402
+from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
-from diloco.local.summary import EVAL_MAX_BATCHES  # noqa: E402
 
 PEER_ARMS = ("ddp", "torchft")
 

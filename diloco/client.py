@@ -17,16 +17,17 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
-import torch
 
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
-from diloco.wire.tensors import receive_groups, stream_tensors
+
+if TYPE_CHECKING:  # torch is imported by the roles that stream tensors, not by data workers
+    import torch
 
 log = logging.getLogger("diloco.client")
 
@@ -175,6 +176,8 @@ class CoordinatorClient:
         return self.config.coordinator.stream_chunk_bytes if self.config else 1 << 20
 
     def init_parameters(self, tensors: Mapping[str, torch.Tensor]) -> pb.InitParametersReply:
+        from diloco.wire.tensors import stream_tensors  # torch: only roles that stream tensors
+
         def once() -> pb.InitParametersReply:
             header = pb.TensorHeader(worker_id=self.worker_id)
             return self.stub.InitParameters(
@@ -187,6 +190,8 @@ class CoordinatorClient:
         self, header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], timeout_s: float = 300.0
     ) -> pb.PushReply:
         """Stream one delta. The same push_id on every retry makes a lost reply harmless."""
+        from diloco.wire.tensors import stream_tensors
+
         if not header.push_id:
             header.push_id = uuid.uuid4().hex
 
@@ -207,6 +212,8 @@ class CoordinatorClient:
     ) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
         """Fragments newer than the versions held (all wanted ones when none are held); with
         wait_above, long-poll until a fragment passes that version (deltas still start at `have`)."""
+        from diloco.wire.tensors import receive_groups
+
         request = pb.PullRequest(
             fragments=fragments, have_versions=have_versions or [], wait_s=wait_s, wait_above=wait_above or []
         )

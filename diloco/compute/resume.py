@@ -17,6 +17,7 @@ from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, StateWriter, state_path
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import ShardPrefetcher
+from diloco.compute.progress import Progress
 from diloco.compute.rows import RowBook
 from diloco.compute.sync_channel import SyncChannel
 from diloco.config import RunConfig
@@ -36,6 +37,7 @@ class KeepsLocalState:
     frags: list[HeldFragment]
     residual: dict[str, torch.Tensor]
     rows: RowBook
+    progress: Progress
     schedule_shift: int
     run_id: str
     prefetcher: ShardPrefetcher

@@ -26,7 +26,7 @@ from rich.live import Live
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.report import split_sizes
-from diloco.coordinator.server import check_same_dataset, dataset_files, recorded_dataset
+from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset
 from diloco.errors import DilocoError
 from diloco.local.chaos import ChaosPlan
 from diloco.local.procs import Child, ProcessGroup

@@ -4,30 +4,13 @@ and the final model evaluated on the held-out split."""
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
-from diloco import store
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
-from diloco.coordinator.audit import audit
-from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
-from diloco.coordinator.server import store_root
-from diloco.data.shard import read_shard
-from diloco.evaluate import eval_loss, sample_text, unigram_entropy
-from diloco.model.gpt import build_model
-from diloco.model.weights import save_weights
 from diloco.tokenizer import load_tokenizer
-
-SAMPLE_PROMPT = "def "
-EVAL_MAX_BATCHES = 64
-MODEL_FILE = "model.safetensors"
 
 
 def data_plane_metrics(d: dict[str, Any], train_seconds: float) -> dict[str, Any]:
@@ -164,7 +147,11 @@ def summarize(
                   for k in ("init", "pull_join"))  # fmt: skip
     summary["steady_wire_bytes_per_token"] = (summary["wire_bytes"] - joining) / trained
     vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
-    params = sum(math.prod(s) for s in _param_shapes(cfg, vocab))
+    # torch and the model are imported here, after the run: the supervisor's start-up is then
+    # light, and its CPU goes to the children it starts.
+    from diloco.local.evaluation import evaluate_final, param_count
+
+    params = param_count(cfg, vocab)
     summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
         params, learners, cfg.train.batch_size, cfg.model.seq_len
     )
@@ -201,38 +188,13 @@ def summarize(
     return summary
 
 
-def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path) -> dict[str, Any]:
-    """The final global model: saved as one file, its loss on the held-out split next to the
-    unigram baseline, and a sample."""
-    versions = d.get("fragment_versions") or []
-    eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
-    if not (versions and eval_rows):
-        return {"eval_loss": None, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    vocab = cfg.model.vocab_size or tokenizer.vocab_size
-    rows = np.concatenate(eval_rows)
-    model = build_model(cfg.model, vocab, cfg.train.seed)
-    params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            p.copy_(params[param_name])
-    # The trained model in one file: what a later run can start from (model.init_from).
-    save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
-    used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
-    return {
-        "model": str(workdir / MODEL_FILE),
-        "eval_loss": eval_loss(model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES),
-        "baseline_loss": unigram_entropy([used], vocab),
-        "eval_tokens": int(used.size),
-        "sample": sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed),
-    }
-
-
 def job_report(
     d: dict[str, Any], summary: dict[str, Any], *, workdir: Path, learners: int, train_seconds: float,
     started_at: float,
 ) -> dict[str, Any]:  # fmt: skip
     """What the ledger and the logs say after the run: the audit, merge gaps, rounds, start-up."""
+    from diloco.coordinator.audit import audit  # reads checkpoints: torch, imported after the run
+
     report = audit(workdir)
     # The job's own start-up (every learner's first life, up to its first step) is paid once
     # per job, not per failure: goodput after it is what a long run converges to.
@@ -251,8 +213,3 @@ def job_report(
             max(1e-9, train_seconds - job_startup),
         ),
     }
-
-
-def _param_shapes(cfg: RunConfig, vocab: int) -> list[tuple[int, ...]]:
-    with torch.device("meta"):
-        return [tuple(p.shape) for p in build_model(cfg.model, vocab, 0).parameters()]

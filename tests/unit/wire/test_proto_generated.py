@@ -3,7 +3,7 @@
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMITTED = ROOT / "diloco" / "v1"
 HINT = "the committed code under diloco/v1/ is stale: run `python proto/generate.py` and commit the result"
 

@@ -1,0 +1,59 @@
+"""The final global model of a local run: assembled from its checkpoints, saved as one file,
+evaluated on the held-out split next to the unigram baseline, and sampled."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diloco import store
+from diloco.config import RunConfig
+from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator.workdir import store_root
+from diloco.data.shard import read_shard
+from diloco.evaluate import eval_loss, sample_text, unigram_entropy
+from diloco.model.gpt import build_model
+from diloco.model.weights import save_weights
+from diloco.tokenizer import load_tokenizer
+
+SAMPLE_PROMPT = "def "
+EVAL_MAX_BATCHES = 64
+MODEL_FILE = "model.safetensors"
+
+
+def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path) -> dict[str, Any]:
+    """The final global model: saved as one file, its loss on the held-out split next to the
+    unigram baseline, and a sample."""
+    versions = d.get("fragment_versions") or []
+    eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
+    if not (versions and eval_rows):
+        return {"eval_loss": None, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    vocab = cfg.model.vocab_size or tokenizer.vocab_size
+    rows = np.concatenate(eval_rows)
+    model = build_model(cfg.model, vocab, cfg.train.seed)
+    params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            p.copy_(params[param_name])
+    # The trained model in one file: what a later run can start from (model.init_from).
+    save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
+    used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
+    return {
+        "model": str(workdir / MODEL_FILE),
+        "eval_loss": eval_loss(model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES),
+        "baseline_loss": unigram_entropy([used], vocab),
+        "eval_tokens": int(used.size),
+        "sample": sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed),
+    }
+
+
+def param_count(cfg: RunConfig, vocab: int) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        return sum(math.prod(p.shape) for p in build_model(cfg.model, vocab, 0).parameters())
