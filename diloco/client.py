@@ -99,8 +99,13 @@ class CoordinatorClient:
         log.info("joined %s as %s epoch=%d", self.address, self.worker_id, reply.coordinator_epoch)
         return reply
 
-    def _retry(self, fn: Callable[[], T], what: str, rejoin: bool = True) -> T:
-        deadline = time.monotonic() + self.retry_deadline_s
+    def _retry(
+        self, fn: Callable[[], T], what: str, rejoin: bool = True, retry_for_s: float | None = None
+    ) -> T:
+        """fn(), tried again on transient errors until retry_for_s (default: the client's
+        retry_deadline_s) has passed; 0: once, for callers that keep a retry loop of their own.
+        A coordinator that forgot us is joined again once, whatever the deadline."""
+        deadline = time.monotonic() + (self.retry_deadline_s if retry_for_s is None else retry_for_s)
         attempt = 0
         rejoined = False
         while True:
@@ -187,7 +192,11 @@ class CoordinatorClient:
         return self._retry(once, "init")
 
     def push(
-        self, header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], timeout_s: float = 300.0
+        self,
+        header: pb.TensorHeader,
+        tensors: Mapping[str, torch.Tensor],
+        timeout_s: float = 300.0,
+        retry_for_s: float | None = None,
     ) -> pb.PushReply:
         """Stream one delta. The same push_id on every retry makes a lost reply harmless."""
         from diloco.wire.tensors import stream_tensors
@@ -201,7 +210,7 @@ class CoordinatorClient:
                 stream_tensors(header, tensors, self._piece_bytes()), timeout=timeout_s
             )
 
-        return self._retry(once, "push")
+        return self._retry(once, "push", retry_for_s=retry_for_s)
 
     def pull(
         self,
@@ -209,6 +218,7 @@ class CoordinatorClient:
         have_versions: list[int] | None = None,
         wait_s: float = 0.0,
         wait_above: list[int] | None = None,
+        retry_for_s: float | None = None,
     ) -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
         """Fragments newer than the versions held (all wanted ones when none are held); with
         wait_above, long-poll until a fragment passes that version (deltas still start at `have`)."""
@@ -223,7 +233,7 @@ class CoordinatorClient:
             stream = self.stub.PullParameters(request, timeout=wait_s + 300.0)
             return list(receive_groups(stream, max_bytes=1 << 40))
 
-        return self._retry(once, "pull")
+        return self._retry(once, "pull", retry_for_s=retry_for_s)
 
     def leave(self, reason: str = "") -> None:
         try:

@@ -166,7 +166,9 @@ class SyncChannel:
         # A closed client (the learner is stopping) ends the retries: its calls can only fail.
         while reply is None and not self.stop.is_set() and not self.client.closed:
             try:
-                reply = self.client.push(job.header, job.tensors)
+                # Tried once: this loop is the retry, and it must hear of an outage at once (a
+                # client retrying under it would hide one for its whole deadline).
+                reply = self.client.push(job.header, job.tensors, retry_for_s=0)
                 self._reachable(True)
             except grpc.RpcError as e:
                 # The same push_id on every retry: if a reply was lost, nothing happens twice.
@@ -218,6 +220,7 @@ class SyncChannel:
                     [self.held(p) for p in fragments],
                     self.pull_wait_s,
                     [wanted[p][0] for p in fragments],
+                    retry_for_s=0,  # this loop is the retry (see _push_one)
                 )
                 self._reachable(True)
                 attempt = 0
