@@ -180,11 +180,6 @@ class LocalRun:
             address = self._start_coordinator()
             self._warn_if_no_eval_split()
             self._start_workers(address)
-            if self.options.chaos_interval:
-                # A supervisor that expects deaths keeps a warm spare per role it will restart:
-                # the replacement skips the interpreter's start and the imports (diloco.local.spare).
-                roles = list(self.options.chaos_roles or ("coordinator", "data", "learner"))
-                self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
             detail = self._watch(observer, started)
             train_seconds = time.monotonic() - started
@@ -243,6 +238,7 @@ class LocalRun:
             else None
         )
         next_kill = time.monotonic() + chaos.next_delay() if chaos else math.inf
+        spares_kept = False
         live = Live(
             progress_table(detail, started, self.name, self.options.minutes),
             console=self.console,
@@ -256,6 +252,9 @@ class LocalRun:
                     if not chaos:
                         raise DilocoError(f"coordinator died:\n{self.group.tail(coordinator)}")
                     self.group.respawn(coordinator)  # a supervisor restarts what dies
+                if chaos and not spares_kept and (detail.get("tokens_trained") or time.monotonic() >= next_kill):
+                    self._keep_spares()
+                    spares_kept = True
                 if chaos and not finish_sent and time.monotonic() >= next_kill:
                     self._kill_one(chaos)
                     next_kill = time.monotonic() + chaos.next_delay()
@@ -277,6 +276,14 @@ class LocalRun:
                 f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})"
             )
         return detail
+
+    def _keep_spares(self) -> None:
+        """A supervisor that expects deaths keeps warm spares of each role it will restart: the
+        replacement skips the interpreter's start and the imports (diloco.local.spare). Started
+        once the learners train (or at the first kill, if sooner): six processes importing torch
+        beside the job's own would slow the job's start on a small machine."""
+        roles = list(self.options.chaos_roles or ("coordinator", "data", "learner"))
+        self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
 
     def _kill_one(self, chaos: ChaosPlan) -> None:
         """SIGKILL one random live process and start it again, as a supervisor would."""
