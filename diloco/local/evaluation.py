@@ -19,21 +19,20 @@ from diloco.data.shard import read_shard
 from diloco.evaluate import eval_loss, sample_text, unigram_entropy
 from diloco.model.gpt import build_model
 from diloco.model.weights import save_weights
-from diloco.tokenizer import load_tokenizer
+from diloco.tokenizer import Tokenizer
 
 SAMPLE_PROMPT = "def "
 EVAL_MAX_BATCHES = 64
 MODEL_FILE = "model.safetensors"
 
 
-def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path) -> dict[str, Any]:
+def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
     """The final global model: saved as one file, its loss on the held-out split next to the
     unigram baseline, and a sample."""
     versions = d.get("fragment_versions") or []
     eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
     if not (versions and eval_rows):
         return {"eval_loss": None, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     rows = np.concatenate(eval_rows)
     model = build_model(cfg.model, vocab, cfg.train.seed)

@@ -252,7 +252,11 @@ class LocalRun:
                     if not chaos:
                         raise DilocoError(f"coordinator died:\n{self.group.tail(coordinator)}")
                     self.group.respawn(coordinator)  # a supervisor restarts what dies
-                if chaos and not spares_kept and (detail.get("tokens_trained") or time.monotonic() >= next_kill):
+                if (
+                    chaos
+                    and not spares_kept
+                    and (detail.get("tokens_trained") or time.monotonic() >= next_kill)
+                ):
                     self._keep_spares()
                     spares_kept = True
                 if chaos and not finish_sent and time.monotonic() >= next_kill:

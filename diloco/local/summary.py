@@ -146,7 +146,8 @@ def summarize(
     joining = sum(by_rpc.get(k, {}).get("received", 0) + by_rpc.get(k, {}).get("sent", 0)
                   for k in ("init", "pull_join"))  # fmt: skip
     summary["steady_wire_bytes_per_token"] = (summary["wire_bytes"] - joining) / trained
-    vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
+    tokenizer = load_tokenizer(cfg.data.tokenizer)  # loaded once: the evaluation samples with it
+    vocab = cfg.model.vocab_size or tokenizer.vocab_size
     # torch and the model are imported here, after the run: the supervisor's start-up is then
     # light, and its CPU goes to the children it starts.
     from diloco.local.evaluation import evaluate_final, param_count
@@ -183,7 +184,7 @@ def summarize(
     summary["learner_tokens_per_s"] = round(
         sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
     )
-    summary.update(evaluate_final(d, cfg, workdir))
+    summary.update(evaluate_final(d, cfg, workdir, tokenizer))
     summary["config"] = cfg.to_dict()
     return summary
 

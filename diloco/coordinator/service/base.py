@@ -180,7 +180,8 @@ class ServiceBase:
                 self.run_state,
                 tokens_merged=int(self.ledger.counter("tokens_merged")),
                 budget=self.config.train.max_tokens,
-                live_learners=len(self._live_learners()),
+                # A ledger query: asked only where the answer matters (a finishing run).
+                live_learners=len(self._live_learners()) if self.run_state == lifecycle.FINISHING else 0,
                 work_unpublished=unpublished,
             )
             if change.state is None:
