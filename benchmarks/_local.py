@@ -12,7 +12,7 @@ from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.server import RunningCoordinator, start_coordinator
 from diloco.data.worker import DataWorker
-from diloco.model.gpt import build_model
+from diloco.model import build_model
 
 
 def coordinator_with_shards(workdir: Path, overrides: dict[str, Any]) -> RunningCoordinator:

@@ -78,7 +78,7 @@ def train_arm(
                 at = learner["row"]
                 batch = torch.from_numpy(rows[at : at + t.batch_size].astype(np.int64))
                 learner["row"] = at + t.batch_size
-                _, loss = model(batch[:, :-1], batch[:, 1:])
+                loss = model({"input_ids": batch})
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if t.grad_clip > 0:

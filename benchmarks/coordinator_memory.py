@@ -78,7 +78,7 @@ def one(learners: int, inflight: int, n_layer: int, n_embd: int) -> dict[str, fl
     """One M, in this process: the coordinator's memory before and after the round."""
     with tempfile.TemporaryDirectory(prefix="diloco_mem_") as tmp:
         running = coordinator_with_shards(Path(tmp), {
-            "model.n_layer": n_layer, "model.n_embd": n_embd, "model.n_head": 6,
+            "model.kwargs.n_layer": n_layer, "model.kwargs.n_embd": n_embd, "model.kwargs.n_head": 6,
             "sync.fragments": 1, "sync.quorum": learners, "sync.grace_factor": 0.0,
             "coordinator.max_inflight_pushes": inflight, "coordinator.lease_ttl_s": 600,
         })  # fmt: skip

@@ -169,7 +169,7 @@ def _train_rank(
             # global batch g holds rows [g*bs, (g+1)*bs); rank r takes every N-th batch
             g = (step % steps_per_epoch) * world + rank
             batch = torch.from_numpy(train_rows[g * bs : (g + 1) * bs].astype(np.int64)).to(device)
-            _, loss = ddp(batch[:, :-1], batch[:, 1:])
+            loss = ddp({"input_ids": batch})
             opt.zero_grad(set_to_none=True)
             loss.backward()  # the gradient all-reduce happens here, bucket by bucket
             if cfg.train.grad_clip > 0:
@@ -334,9 +334,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     # dotted config overrides; None keeps the config's (or the default's) value
     for flag, key, kind in [
         ("--seq-len", "model.seq_len", int),
-        ("--n-layer", "model.n_layer", int),
-        ("--n-head", "model.n_head", int),
-        ("--n-embd", "model.n_embd", int),
+        ("--n-layer", "model.kwargs.n_layer", int),
+        ("--n-head", "model.kwargs.n_head", int),
+        ("--n-embd", "model.kwargs.n_embd", int),
         ("--batch-size", "train.batch_size", int),
         ("--lr", "train.lr", float),
         ("--warmup-steps", "train.warmup_steps", int),

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
         running = coordinator_with_shards(Path(tmp), {
-            "model.n_layer": args.n_layer, "model.n_embd": args.n_embd, "model.n_head": 6,
+            "model.kwargs.n_layer": args.n_layer, "model.kwargs.n_embd": args.n_embd, "model.kwargs.n_head": 6,
             "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
             "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
         })  # fmt: skip

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             block = torch.from_numpy(rows.astype("int64"))
             for g in optims[m].param_groups:
                 g["lr"] = lr_at(done[m], cfg.train)
-            _, loss = models[m](block[:, :-1], block[:, 1:])
+            loss = models[m]({"input_ids": block})
             optims[m].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(models[m].parameters(), cfg.train.grad_clip)

@@ -38,7 +38,7 @@ PEER_ARMS = ("ddp", "torchft")
 MODELS: dict[str, dict[str, Any]] = {
     "default": {},
     # The small config: 2 layers, batch 8, no warm-up (the torchft comparison's).
-    "2layer": {"model.n_layer": 2, "train.batch_size": 8, "train.warmup_steps": 0},
+    "2layer": {"model.kwargs.n_layer": 2, "train.batch_size": 8, "train.warmup_steps": 0},
 }
 # The pairs the targets are stated for: (arm, reference arm).
 PAIRS = [("decoupled", "sync-diloco"), ("sync-diloco", "ddp"), ("torchft", "ddp")]

@@ -23,7 +23,7 @@ would bind every interface; this fault-free baseline never heals, so it gets a t
 refuses to.
 
 Usage:
-    python benchmarks/torchft_baseline.py --workers 2 --tokens 300000 --set model.n_layer=2
+    python benchmarks/torchft_baseline.py --workers 2 --tokens 300000 --set model.kwargs.n_layer=2
 """
 
 import argparse
@@ -173,7 +173,7 @@ def _train_replica(
                 # the rows ddp_baseline's rank `replica` takes: every N-th global batch
                 g = (step % steps_per_epoch) * world + replica
                 batch = torch.from_numpy(train_rows[g * bs : (g + 1) * bs].astype(np.int64)).to(device)
-                _, loss = model(batch[:, :-1], batch[:, 1:])
+                loss = model({"input_ids": batch})
                 inner.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.train.grad_clip > 0:
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slow-factor", type=float, default=1.0, help="make the last replica FACTOR× slower")
     p.add_argument("--inner-steps", dest="train.inner_steps", type=int, help="overrides train.inner_steps (H)")  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, e.g. model.n_layer=2 (repeatable)")  # fmt: skip
+                   help="config override, e.g. model.kwargs.n_layer=2 (repeatable)")  # fmt: skip
     args = p.parse_args(argv)
     if args.config:
         cfg = RunConfig.from_toml(args.config)

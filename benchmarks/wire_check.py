@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="diloco_wire_") as tmp:
         running = coordinator_with_shards(Path(tmp), {
-            "model.n_layer": 2, "model.n_embd": 64, "model.n_head": 2, "sync.fragments": 1,
+            "model.kwargs.n_layer": 2, "model.kwargs.n_embd": 64, "model.kwargs.n_head": 2, "sync.fragments": 1,
             "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.codec": "int8", "sync.pull_codec": "int8",
             "sync.max_staleness": 1_000_000,
         })  # fmt: skip

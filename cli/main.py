@@ -36,6 +36,10 @@ ConfigOpt = Annotated[
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")
 ]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help='model factory "package.module:function" (default: the built-in GPT)'),
+]
 CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordinator's HOST:PORT")]
 WorkerIdOpt = Annotated[
     str | None, typer.Option("--worker-id", help="a stable identity for this worker (default: generated)")
@@ -94,6 +98,7 @@ def coordinator(
     ] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
+    model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on (0: any free port)")] = 0,
 ) -> None:
@@ -101,7 +106,9 @@ def coordinator(
     from diloco.coordinator.server import serve
 
     setup_logging("coordinator")
-    cfg = build_config(RunConfig(), config, set_, {"data.dataset": dataset, "data.store": store})
+    cfg = build_config(
+        RunConfig(), config, set_, {"data.dataset": dataset, "data.store": store, "model.factory": model}
+    )
     serve(cfg, str(workdir), host, port)
 
 
@@ -155,6 +162,7 @@ def run(
     data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
     workdir: Annotated[Path | None, typer.Option(help="run directory (default: ./runs/<name>)")] = None,
     name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
+    model: ModelOpt = None,
     seed: Annotated[int | None, typer.Option(help="model init and sampling seed")] = None,
     dataset: Annotated[str | None, typer.Option(help='"stdlib" (default), a directory, glob or file')] = None,
     store: Annotated[
@@ -205,6 +213,7 @@ def run(
         set_,
         {
             "train.seed": seed,
+            "model.factory": model,
             "data.dataset": dataset,
             "data.store": store,
             "train.inner_steps": inner_steps,
@@ -276,6 +285,22 @@ def status(
         return
     for line in status_lines(detail):
         typer.echo(line)
+
+
+@app.command()
+@clear_errors
+def export(
+    run: Annotated[Path, typer.Argument(help="the run's directory (the coordinator's workdir)")],
+    out: Annotated[Path, typer.Option(help="directory to write the model to")],
+    format_: Annotated[
+        str, typer.Option("--format", help="hf (from_pretrained loads it) | safetensors (any model)")
+    ] = "safetensors",
+) -> None:
+    """Write the run's global model: a Hugging Face directory, or safetensors with its config."""
+    from diloco.export import export_run
+
+    for path in export_run(run, out, format_):
+        typer.echo(str(path))
 
 
 tokenizer_app = typer.Typer(help="Tokenizers for `data.tokenizer`.", no_args_is_help=True)

@@ -29,16 +29,26 @@ def is_device_spec(spec: str) -> bool:
     return _DEVICE.fullmatch(spec.strip().lower()) is not None
 
 
+# The model factory's keys that used to live in [model] itself: named in the refusal of such a key.
+_FACTORY_KEYS = ("n_layer", "n_head", "n_embd", "dropout")
+
+
 @dataclass
 class ModelConfig:
-    """The built-in GPT (nanoGPT-shaped). vocab_size 0 means: take it from the tokenizer."""
+    """What the learners train: the nn.Module a factory builds, and the rows it reads.
 
+    `factory` names a function installed where the learner runs ("package.module:function"); it
+    is called with `kwargs` (plus `vocab_size` and `seq_len` below, when it takes parameters of
+    those names and `kwargs` does not set them) and returns the nn.Module. Code never travels: the
+    coordinator knows the model only as named tensors. The default is the built-in GPT.
+    """
+
+    factory: str = "diloco.model.gpt:gpt"
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    # The vocabulary a token model needs; 0 means: take it from the tokenizer.
     vocab_size: int = 0
+    # Tokens per packed row (a row holds seq_len + 1, for the shifted targets).
     seq_len: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
     # Start from these parameters instead of a random init: a safetensors file (path or URI) of the
     # model's state, e.g. a finished run's model.safetensors. DiLoCo's large H wants a warm start.
     init_from: str = ""
@@ -241,15 +251,15 @@ class RunConfig:
                 if p not in node or not isinstance(node[p], dict):
                     raise ConfigError(f"unknown config section {p!r} in {dotted!r}")
                 node = node[p]
-            if leaf not in node:
-                raise ConfigError(f"unknown config key {dotted!r}")
-            node[leaf] = value
+            if leaf not in node and not _is_table(parents):
+                raise ConfigError(_unknown_key(dotted))
+            node[leaf] = _literal(value) if _is_table(parents) else value
         return RunConfig.from_dict(data)
 
     def validate(self) -> RunConfig:
         m, t, s = self.model, self.train, self.sync
-        if m.n_embd % m.n_head:
-            raise ConfigError(f"model.n_embd ({m.n_embd}) must be a multiple of model.n_head ({m.n_head})")
+        if m.factory.count(":") != 1 or not all(part.strip() for part in m.factory.split(":")):
+            raise ConfigError(f'model.factory must be "package.module:function", not {m.factory!r}')
         if t.local_state_every_s < 0:
             raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
         if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
@@ -303,7 +313,7 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown config key {prefix}{unknown[0]!r}")
+        raise ConfigError(_unknown_key(f"{prefix}{unknown[0]}"))
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         f = fields[name]
@@ -311,9 +321,39 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
         path = f"{where}.{name}" if where else name
         if dataclasses.is_dataclass(default):
             kwargs[name] = _build(type(default), value, path)
+        elif isinstance(default, dict):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key {path!r} expects a table, got {value!r}")
+            kwargs[name] = dict(value)
         else:
             kwargs[name] = _coerce(value, type(default), path)
     return cls(**kwargs)
+
+
+def _unknown_key(dotted: str) -> str:
+    section, _, leaf = dotted.rpartition(".")
+    if section == "model" and leaf in _FACTORY_KEYS:
+        return f"unknown config key {dotted!r}: the model's own settings are model.kwargs.{leaf}"
+    return f"unknown config key {dotted!r}"
+
+
+# Free-form tables: keys of the user's choosing, values kept as TOML gives them.
+_TABLES = ("model.kwargs",)
+
+
+def _is_table(parents: list[str]) -> bool:
+    return ".".join(parents) in _TABLES
+
+
+def _literal(value: Any) -> Any:
+    """A --set value for a free-form table: a TOML literal (2, 0.5, true, "x", [1, 2]) when it
+    reads as one, else the string itself."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        return value
 
 
 def _read_toml(path: str | Path) -> dict[str, Any]:
@@ -329,7 +369,7 @@ def _read_toml(path: str | Path) -> dict[str, Any]:
 def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and f"{prefix}{key}" not in _TABLES:
             out.update(_flatten(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
@@ -372,6 +412,10 @@ def _coerce(value: Any, kind: type, path: str) -> Any:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, dict):  # an inline table: model.kwargs
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

@@ -1,14 +1,59 @@
-"""Evaluation helpers: held-out loss, the unigram baseline beside it, and a text sample."""
+"""Evaluation helpers: held-out loss and metrics of any model, the unigram baseline beside a token
+model's loss, and a text sample."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+
+from diloco.model.contract import loss_and_metrics
+
+
+@dataclass
+class EvalResult:
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    rows: int = 0
+
+
+def evaluate(
+    model: nn.Module,
+    columns: dict[str, np.ndarray],
+    batch_size: int,
+    device: torch.device | str,
+    max_batches: int | None = None,
+    where: str = "the model",
+) -> EvalResult:
+    """The model's mean loss (and metrics) over the held-out rows, in row order, by its own
+    forward: a batch's mean weighs what its rows weigh, so a short last batch counts for what it
+    holds (for token rows of one length, that is the mean over tokens). The model's train/eval
+    mode is restored afterwards."""
+    n = min(len(c) for c in columns.values())
+    if max_batches is not None:
+        n = min(n, max_batches * batch_size)
+    if n == 0:
+        raise ValueError("no rows to evaluate on")
+    was_training = model.training
+    model.eval()
+    total, sums = 0.0, {}
+    try:
+        with torch.no_grad():
+            for start in range(0, n, batch_size):
+                end = min(start + batch_size, n)
+                batch = {name: _tensor(c[start:end]).to(device) for name, c in columns.items()}
+                loss, metrics = loss_and_metrics(model(batch), where)
+                total += loss.item() * (end - start)
+                for name, value in metrics.items():
+                    sums[name] = sums.get(name, 0.0) + value.item() * (end - start)
+    finally:
+        model.train(was_training)
+    return EvalResult(total / n, {name: value / n for name, value in sums.items()}, n)
 
 
 def eval_loss(
@@ -18,37 +63,17 @@ def eval_loss(
     device: torch.device | str,
     max_batches: int | None = None,
 ) -> float:
-    """Mean next-token cross-entropy (nats/token) over `rows` [n, seq_len+1], in row order.
-
-    Each row gives x = row[:-1], y = row[1:]. The mean is over tokens, so a short last batch weighs
-    what its tokens weigh. The model's train/eval mode is restored afterwards.
-    """
+    """Mean next-token loss (nats/token) of a token model over packed rows [n, seq_len+1]."""
     if rows.ndim != 2 or rows.shape[1] < 2:
         raise ValueError(f"rows must be [n, seq_len+1] with seq_len >= 1, got shape {rows.shape}")
-    n = rows.shape[0]
-    if max_batches is not None:
-        n = min(n, max_batches * batch_size)
-    if n == 0:
-        raise ValueError("no rows to evaluate on")
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        with torch.no_grad():
-            for start in range(0, n, batch_size):
-                batch = torch.from_numpy(rows[start : min(start + batch_size, n)].astype(np.int64))
-                batch = batch.to(device)
-                x, y = batch[:, :-1], batch[:, 1:]
-                logits, _ = model(x)
-                # sum, not mean, so batches of different sizes combine exactly
-                loss = F.cross_entropy(
-                    logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), reduction="sum"
-                )
-                total += loss.item()
-                count += y.numel()
-    finally:
-        model.train(was_training)
-    return total / count
+    return evaluate(model, {"input_ids": rows}, batch_size, device, max_batches).loss
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """Integer columns become int64 (what embeddings and losses index with), floats stay as stored."""
+    if array.dtype.kind in "iu":
+        return torch.from_numpy(array.astype(np.int64))
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def unigram_entropy(token_arrays: Iterable[np.ndarray], vocab_size: int) -> float:
@@ -88,10 +113,42 @@ def sample_text(
     was_training = model.training
     model.eval()
     try:
-        out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
     finally:
         model.train(was_training)
     new = out[0, len(ids) :].tolist()
     if tokenizer.eot_id in new:
         new = new[: new.index(tokenizer.eot_id)]
     return prompt + tokenizer.decode(new)
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend idx (B, T) by max_new_tokens tokens sampled from `model.logits`; temperature <= 0
+    is greedy. The context is cut to the model's `seq_len` when it has one."""
+    window = getattr(model, "seq_len", None)
+    for _ in range(max_new_tokens):
+        idx_cond = idx if window is None or idx.size(1) <= window else idx[:, -window:]
+        logits = model.logits(idx_cond)[:, -1, :]
+        if temperature <= 0:
+            idx_next = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            idx_next = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=generator)
+        idx = torch.cat((idx, idx_next), dim=1)
+    return idx
+
+
+def can_sample(model: nn.Module) -> bool:
+    """A token model that gives its logits (the contract's optional `logits`) can write a sample."""
+    return callable(getattr(model, "logits", None))

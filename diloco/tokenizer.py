@@ -76,6 +76,26 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids if i != self.eot_id], skip_special_tokens=False)
 
 
+def byte_tokenizer_json() -> str:
+    """The byte tokenizer as a Hugging Face tokenizer.json: the same ids (byte b is id b, end-of-text
+    256), for tools that load only that format (an exported model's directory).
+
+    GPT-2's byte-level alphabet names each byte by a printable character; a BPE over exactly those
+    256 characters with no merges then gives one id per byte, in byte order.
+    """
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = iter(range(256, 512))
+    char_of = {b: chr(b if b in printable else next(shifted)) for b in range(256)}
+    tok = _HF(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOT_CANDIDATES[0]])  # id 256, after the 256 bytes
+    return tok.to_str()
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """ "byte", or the path/URI of a HF tokenizer.json."""
     if spec == "byte":

@@ -23,7 +23,7 @@ from diloco.coordinator.server import start_coordinator as start_coordinator_her
 from diloco.corpus import stdlib_files
 from diloco.data.worker import DataWorker
 from diloco.local.procs import Child, ProcessGroup
-from diloco.model.gpt import build_model
+from diloco.model import build_model
 from diloco.v1 import coordinator_pb2 as pb
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,8 +169,8 @@ def tiny_coordinator(corpus: Path, workdir: Path, overrides: dict[str, object]):
     """A real coordinator on a 1-layer GPT with its shards made, and a joined learner client that
     gave the initial parameters: (running, learner, init)."""
     cfg = RunConfig().with_overrides({
-        "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
-        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
+        "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32,
+        "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
     })  # fmt: skip
     running = start_coordinator_here(cfg, str(workdir))
     address = f"127.0.0.1:{running.port}"

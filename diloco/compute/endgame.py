@@ -6,14 +6,17 @@ schedule.empty_push_due and schedule.loop_end, pure functions with tests of thei
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 
+from diloco.client import CoordinatorClient
 from diloco.compute import schedule
 from diloco.compute.held import HeldFragment
+from diloco.compute.local_state import StateWriter
 from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
 from diloco.compute.rows import RowBook
@@ -26,6 +29,7 @@ log = logging.getLogger("diloco.learner")
 FINAL_MERGE_WAIT_S = 60.0
 FINAL_GIVE_BACK_WAIT_S = 10.0
 EMPTY_PUSH_PERIOD_S = 2.0
+FINAL_CALL_TIMEOUT_S = 5.0
 
 
 class EndGame:
@@ -38,6 +42,9 @@ class EndGame:
     prefetcher: ShardPrefetcher
     channel: SyncChannel
     stop: threading.Event
+
+    client: CoordinatorClient
+    state_writer: StateWriter | None
 
     _push: Callable[..., None]  # (fragment, empty=False): queue a fragment's push
     _apply: Callable[[Merged], None]  # take a merged fragment
@@ -114,3 +121,38 @@ class EndGame:
         deadline = time.monotonic() + FINAL_GIVE_BACK_WAIT_S
         while not self.channel.idle() and time.monotonic() < deadline:  # the last give-back lands
             time.sleep(0.05)
+
+    def _hand_in_and_leave(self, reason: str, heartbeats: threading.Thread) -> None:
+        """Finished work is not thrown away: what was not pushed yet is pushed and merged. Then leave."""
+        try:
+            self.progress.ended = time.monotonic()
+            if not self.stop.is_set():
+                self._flush()
+                self.progress.kept_busy_s = self.progress.busy_s  # pushed and merged, or given back
+                if self.state_writer is not None:
+                    self.state_writer.discard()  # nothing is left to resume
+        finally:
+            self._leave(reason, heartbeats)
+        log.info(
+            "learner done (%s): %s refused=%d", reason, self.progress.summary(), self.channel.pushes_refused
+        )
+        cache = self.prefetcher.cache
+        if cache is not None and (cache.stats.hits or cache.stats.misses):
+            log.info("shard cache %s: %s", cache.directory, cache.stats.as_dict())
+
+    def _leave(self, reason: str, heartbeats: threading.Thread) -> None:
+        self.stop.set()
+        if self.state_writer is not None:
+            self.state_writer.close()
+        # The final counters, for status and utilization: tried once, like leave(), so a
+        # coordinator that is gone does not hold the exit up.
+        with contextlib.suppress(Exception):
+            final = self.progress.heartbeat(self.prefetcher.held_shards())
+            self.client.last_heartbeat(final, timeout_s=FINAL_CALL_TIMEOUT_S)
+        self.client.leave(reason)
+        self.client.close()
+        # A thread still inside gRPC or torch when the interpreter exits can abort the
+        # process ("terminate called without an active exception"): wait for all of them.
+        deadline = time.monotonic() + 10.0
+        for thread in (self.channel, self.prefetcher, heartbeats):
+            thread.join(max(0.0, deadline - time.monotonic()))

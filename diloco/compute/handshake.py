@@ -22,7 +22,9 @@ from diloco.compute.held import HeldFragment
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.fragments import assign_fragments
-from diloco.model.gpt import build_model, make_inner_optimizer
+from diloco.model.contract import layout_difference, parameter_layout
+from diloco.model.factory import build_model
+from diloco.model.optim import make_inner_optimizer
 from diloco.model.weights import check_matches, load_weights
 from diloco.role import refusing
 from diloco.tokenizer import load_checked_tokenizer
@@ -51,20 +53,30 @@ def join_run(
     device: str | None,
     threads: int | None,
     mark: Callable[[str], None],
+    own: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
 ) -> Joined:
     """Join, check the tokenizer and device, build model and optimizer, offer the initial parameters
-    when nobody has yet. `mark` records the end of the join and model phases (StartupClock)."""
+    when nobody has yet. `mark` records the end of the join and model phases (StartupClock).
+
+    `own`: the model and optimizer of a user's own training loop (diloco.compute.own_loop), used as
+    they are, on the device they are on; the process's threads and seed stay the user's too."""
     reply = client.join(connect_timeout_s)
     mark("join")
     cfg = client.config
     assert cfg is not None
     with refusing(client, log):
         check_tokenizer(cfg, reply.tokenizer_hash)
-        chosen = pick_device(device or cfg.train.device)
-    set_threads(threads if threads is not None else cfg.train.threads)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, cfg.model.vocab_size, cfg.train.seed).to(chosen)
-    optimizer = make_inner_optimizer(model, cfg.train)
+        if own is None:
+            chosen = pick_device(device or cfg.train.device)
+    if own is None:
+        set_threads(threads if threads is not None else cfg.train.threads)
+        torch.manual_seed(cfg.train.seed)
+        with refusing(client, log):
+            model = build_model(cfg.model, seed=cfg.train.seed).to(chosen)
+        optimizer = make_inner_optimizer(model, cfg.train)
+    else:
+        model, optimizer = own
+        chosen = next(model.parameters()).device
     params = dict(model.named_parameters())
     plan = assign_fragments([(n, p.numel()) for n, p in params.items()], cfg.sync.fragments)
     mark("model")  # tokenizer check, model and optimizer built
@@ -94,6 +106,16 @@ def initial_parameters(params: dict[str, torch.nn.Parameter], cfg: RunConfig) ->
     check_matches(mine, loaded, cfg.model.init_from)
     log.info("initial parameters from %s", cfg.model.init_from)
     return {n: loaded[n].to(mine[n].dtype) for n in mine}
+
+
+def check_same_model(
+    mine: dict[str, torch.nn.Parameter], pulled: dict[str, torch.Tensor], factory: str
+) -> None:
+    """Refuse to train a model other than the run's: another factory version or other kwargs
+    on this machine would otherwise fail (or worse, train) on tensors it does not own."""
+    diff = layout_difference(parameter_layout(pulled), parameter_layout(mine))
+    if diff:
+        raise DilocoError(f"this learner's model ({factory}) is not the run's: {diff}")
 
 
 def pull_everything(

@@ -6,7 +6,8 @@ import torch
 
 from diloco.compute.prefetch import Batch
 from diloco.config import TrainConfig
-from diloco.model.gpt import lr_at
+from diloco.model.contract import loss_and_metrics
+from diloco.model.optim import lr_at
 
 
 def inner_step(
@@ -17,13 +18,13 @@ def inner_step(
     step: int,
     train: TrainConfig,
     device: torch.device,
+    where: str = "the model",
 ) -> float:
     """Forward, backward, clip, AdamW: returns the batch's loss."""
     lr = lr_at(step, train)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    x, y = batch.x.to(device, non_blocking=True), batch.y.to(device, non_blocking=True)
-    _, loss = model(x, y)
+    loss, _ = loss_and_metrics(model(batch.to(device)), where)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if train.grad_clip > 0:

@@ -12,19 +12,19 @@ Only this process's rank 0 talks to the coordinator; the inner loop is plain PyT
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import outer, schedule
 from diloco.compute.endgame import EndGame
-from diloco.compute.handshake import join_run, pull_everything
+from diloco.compute.handshake import check_same_model, join_run, pull_everything
 from diloco.compute.held import HeldFragment
 from diloco.compute.inner import inner_step, straggle_s
 from diloco.compute.local_state import LocalState, StateWriter
@@ -37,13 +37,12 @@ from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache
-from diloco.role import heartbeat_thread
+from diloco.errors import DilocoError
+from diloco.role import heartbeat_thread, refusing
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import steps
 
 log = logging.getLogger("diloco.learner")
-
-FINAL_CALL_TIMEOUT_S = 5.0
 
 
 class Learner(KeepsLocalState, EndGame):
@@ -71,6 +70,8 @@ class Learner(KeepsLocalState, EndGame):
         self.state_writer: StateWriter | None = None  # local state kept on disk (local_state)
         self.resumed: LocalState | None = None
         self.shifted_after = 0  # pushes up to this number were made before the last move
+        # A user's own model and optimizer (own_loop.connect); None: built from model.factory.
+        self.own: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -78,7 +79,7 @@ class Learner(KeepsLocalState, EndGame):
         o = self.overrides
         joined = join_run(
             self.client, connect_timeout_s=o.connect_timeout_s, device=o.device, threads=o.threads,
-            mark=self.startup.mark,
+            mark=self.startup.mark, own=self.own,
         )  # fmt: skip
         reply, cfg = joined.reply, joined.cfg
         self.epoch, self.run_id = reply.coordinator_epoch, reply.run_id
@@ -91,9 +92,14 @@ class Learner(KeepsLocalState, EndGame):
         )
         self.resumed = self._resume_decision(cfg, reply)
         if self.resumed is None:
-            for header, tensors in pull_everything(
-                self.client, len(self.frags), cfg, o.connect_timeout_s, self.stop
-            ):
+            pulled = pull_everything(self.client, len(self.frags), cfg, o.connect_timeout_s, self.stop)
+            with refusing(self.client, log):
+                check_same_model(
+                    self.params,
+                    {n: t for _, ts in pulled for n, t in ts.items()},
+                    "your own" if self.own else cfg.model.factory,
+                )
+            for header, tensors in pulled:
                 self._apply(Merged.full(header.fragment, header.version, tensors))
         self.startup.mark("pull")
         log.info(
@@ -252,6 +258,7 @@ class Learner(KeepsLocalState, EndGame):
         loss = inner_step(
             self.model, self.optimizer, batch,
             step=self.progress.inner_steps, train=self.cfg.train, device=self.device,
+            where=f"model.factory {self.cfg.model.factory}",
         )  # fmt: skip
         o = self.overrides
         pause = straggle_s(
@@ -259,7 +266,12 @@ class Learner(KeepsLocalState, EndGame):
         )
         if pause:
             time.sleep(pause)
-        self.progress.stepped(time.monotonic() - started, batch.tokens, loss)
+        self._stepped(batch, loss, time.monotonic() - started)
+
+    def _stepped(self, batch: Batch, loss: float, seconds: float) -> None:
+        """Count one inner step on `batch`: its tokens and loss go to every fragment's next push,
+        its rows to the push that carries them."""
+        self.progress.stepped(seconds, batch.tokens, loss)
         for f in self.frags:
             f.steps += 1
             f.tokens += batch.tokens
@@ -275,8 +287,10 @@ class Learner(KeepsLocalState, EndGame):
             self.progress.stall_s += time.monotonic() - waited
         return item
 
-    def _train(self) -> str:
-        """The loop: step on each batch, push and apply fragments when due. Returns why it ended."""
+    def _steps(self) -> Iterator[Batch]:
+        """The loop around the training step: yields each batch to train on, and between two
+        batches applies the merges due, pushes the fragment due, keeps the local state. The step
+        itself is the caller's (`_train`, or the user's own loop). Sets `ended_because`."""
         cfg, last_empty_push = self.cfg, 0.0
         item: Batch | object | None = None
         while True:
@@ -287,7 +301,8 @@ class Learner(KeepsLocalState, EndGame):
                 share_done=schedule.share_done(self.progress.tokens_trained, cfg),
             )
             if reason is not None:
-                return reason
+                self.ended_because = reason
+                return
             item = self._next_batch()
             if item is None:  # none ready yet
                 if self.prefetcher.starved.is_set():
@@ -299,7 +314,7 @@ class Learner(KeepsLocalState, EndGame):
             first = not self.progress.tokens_trained  # this life's first step (a resume goes on counting)
             if first:
                 self.startup.mark("first_batch")
-            self._inner_step(item)
+            yield item
             if first:
                 self.startup.mark("first_step")
                 log.info("%s", describe(breakdown(self.startup.marks)))
@@ -310,8 +325,15 @@ class Learner(KeepsLocalState, EndGame):
             self._keep_local_state()
             self._wait_if_unreachable()
 
-    def run(self) -> int:
-        cfg = self._setup()
+    def _train(self) -> str:
+        """The loop: one inner step on each batch. Returns why it ended."""
+        for batch in self._steps():
+            self._inner_step(batch)
+        return self.ended_because
+
+    def _start(self) -> threading.Thread:
+        """Start the background parts: prefetching, pushing and pulling, heartbeats."""
+        cfg = self.cfg
         self.prefetcher = ShardPrefetcher(
             self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop,
             cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes), mix=cfg.data.mix_shards,
@@ -326,42 +348,22 @@ class Learner(KeepsLocalState, EndGame):
         self.channel.start()
         heartbeats = heartbeat_thread(self._heartbeat, cfg.coordinator.heartbeat_s, self.stop, log)
         self.progress.started = time.monotonic()
-        reason = "stopped"
+        return heartbeats
+
+    def run(self) -> int:
+        self._setup()
+        heartbeats = self._start()
         try:
             reason = self._train()
-            self.progress.ended = time.monotonic()
-            if not self.stop.is_set():
-                # Finished work is not thrown away: what was not pushed yet is pushed and merged.
-                self._flush()
-                self.progress.kept_busy_s = self.progress.busy_s  # pushed and merged, or given back
-                if self.state_writer is not None:
-                    self.state_writer.discard()  # nothing is left to resume
-        finally:
-            self._leave(reason, heartbeats)
-        log.info(
-            "learner done (%s): %s refused=%d", reason, self.progress.summary(), self.channel.pushes_refused
-        )
-        cache = self.prefetcher.cache
-        if cache is not None and (cache.stats.hits or cache.stats.misses):
-            log.info("shard cache %s: %s", cache.directory, cache.stats.as_dict())
+        except DilocoError as error:  # the model broke the contract (no loss): one line, and out
+            log.error("%s", error)
+            self._leave(f"refused: {error}", heartbeats)
+            raise
+        except BaseException:
+            self._leave("stopped", heartbeats)
+            raise
+        self._hand_in_and_leave(reason, heartbeats)
         return 0
-
-    def _leave(self, reason: str, heartbeats: threading.Thread) -> None:
-        self.stop.set()
-        if self.state_writer is not None:
-            self.state_writer.close()
-        # The final counters, for status and utilization: tried once, like leave(), so a
-        # coordinator that is gone does not hold the exit up.
-        with contextlib.suppress(Exception):
-            final = self.progress.heartbeat(self.prefetcher.held_shards())
-            self.client.last_heartbeat(final, timeout_s=FINAL_CALL_TIMEOUT_S)
-        self.client.leave(reason)
-        self.client.close()
-        # A thread still inside gRPC or torch when the interpreter exits can abort the
-        # process ("terminate called without an active exception"): wait for all of them.
-        deadline = time.monotonic() + 10.0
-        for thread in (self.channel, self.prefetcher, heartbeats):
-            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def run_learner(

@@ -50,8 +50,7 @@ DEALT_SHARD_WAIT_S = 10.0
 
 @dataclass
 class Batch:
-    x: torch.Tensor  # [rows, seq_len] int64
-    y: torch.Tensor  # [rows, seq_len] int64
+    columns: dict[str, torch.Tensor]  # the model's input: one row per sample, by column name
     shard_id: int
     row_start: int
     row_end: int
@@ -61,7 +60,10 @@ class Batch:
     @property
     def tokens(self) -> int:
         """Shard tokens consumed (rows × (seq_len + 1)), the unit the ledger counts in."""
-        return (self.row_end - self.row_start) * (self.x.shape[1] + 1)
+        return (self.row_end - self.row_start) * int(self.columns["input_ids"].shape[1])
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {name: t.to(device, non_blocking=True) for name, t in self.columns.items()}
 
 
 DONE = object()  # the coordinator has no more training data for us
@@ -272,4 +274,4 @@ class ShardPrefetcher:
                 # int64 one batch at a time: a whole shard widened at once would take 4x its memory.
                 block = torch.from_numpy(rows[i:j].astype("int64"))
                 last = r == len(ranges) - 1 and j == b
-                yield Batch(block[:, :-1], block[:, 1:], lease.shard_id, i, j, last, number)
+                yield Batch({"input_ids": block}, lease.shard_id, i, j, last, number)

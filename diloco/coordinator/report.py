@@ -44,3 +44,14 @@ def split_sizes(workdir: str | Path) -> tuple[int, int]:
             "SELECT COUNT(*), COUNT(*) FILTER (WHERE split = 'eval') FROM chunks"
         ).fetchone()
     return total, held_out
+
+
+def stored_run(workdir: str | Path) -> tuple[str, list[int]]:
+    """The run's config (JSON, as the coordinator stored it: vocab_size filled in) and every
+    fragment's published version: what names the global model."""
+    if not ledger_path(workdir).exists():
+        raise FileNotFoundError(f"{workdir} holds no run (no {ledger_path(workdir)})")
+    with read_only(workdir) as db:
+        meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+    versions = {int(k.split(".")[1]): int(v) for k, v in meta.items() if k.startswith("fragment_version.")}
+    return meta.get("config", "{}"), [versions[p] for p in sorted(versions)]

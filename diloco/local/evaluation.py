@@ -16,8 +16,8 @@ from diloco.config import RunConfig
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.workdir import store_root
 from diloco.data.shard import read_shard
-from diloco.evaluate import eval_loss, sample_text, unigram_entropy
-from diloco.model.gpt import build_model
+from diloco.evaluate import can_sample, evaluate, sample_text, unigram_entropy
+from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
 from diloco.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
     versions = d.get("fragment_versions") or []
     eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
     if not (versions and eval_rows):
-        return {"eval_loss": None, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
+        return {"eval_loss": None, "eval_metrics": {}, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     rows = np.concatenate(eval_rows)
     model = build_model(cfg.model, vocab, cfg.train.seed)
@@ -43,16 +43,26 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
     # The trained model in one file: what a later run can start from (model.init_from).
     save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
     used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
+    result = evaluate(
+        model, {"input_ids": rows}, cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES, cfg.model.factory
+    )
+    sample = (
+        sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed)
+        if can_sample(model)
+        else ""
+    )
     return {
         "model": str(workdir / MODEL_FILE),
-        "eval_loss": eval_loss(model, rows, cfg.train.batch_size, "cpu", max_batches=EVAL_MAX_BATCHES),
+        "eval_loss": result.loss,
+        "eval_metrics": result.metrics,
         "baseline_loss": unigram_entropy([used], vocab),
         "eval_tokens": int(used.size),
-        "sample": sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed),
+        "sample": sample,
     }
 
 
 def param_count(cfg: RunConfig, vocab: int) -> int:
     """The model's parameters, counted on the meta device (nothing allocated)."""
     with torch.device("meta"):
-        return sum(math.prod(p.shape) for p in build_model(cfg.model, vocab, 0).parameters())
+        model = build_model(cfg.model, vocab)
+        return sum(math.prod(p.shape) for p in model.parameters())

@@ -152,7 +152,7 @@ def summarize(
     # light, and its CPU goes to the children it starts.
     from diloco.local.evaluation import evaluate_final, param_count
 
-    params = param_count(cfg, vocab)
+    params = summary["params"] = param_count(cfg, vocab)
     summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
         params, learners, cfg.train.batch_size, cfg.model.seq_len
     )

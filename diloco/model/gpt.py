@@ -1,5 +1,9 @@
 """The built-in GPT: a small nanoGPT-shaped decoder-only transformer, readable in one sitting.
 
+It is the default model factory (`model.factory = "diloco.model.gpt:gpt"`), built through the same
+path as any user's model: `gpt(**model.kwargs)` returns the module, whose forward takes a batch of
+named columns and returns its loss.
+
 Parameter names (``named_parameters()``) are part of the wire contract: fragments of the model
 travel between learners and the syncer keyed by these names, so do not rename modules lightly.
 The language-model head shares its weight with the token embedding (weight tying); the shared
@@ -9,16 +13,25 @@ tensor appears once in ``named_parameters()``, as ``transformer.wte.weight``.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from diloco.config import ModelConfig, TrainConfig
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    dropout: float = 0.0
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         assert cfg.n_embd % cfg.n_head == 0, "n_embd must be a multiple of n_head"
         # query, key and value projections for all heads, in one matmul
@@ -45,7 +58,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.gelu = nn.GELU()
@@ -59,7 +72,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN transformer block: the residual stream is never normalised, only what reads it."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
@@ -72,23 +85,25 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig, vocab_size: int) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        if cfg.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {cfg.vocab_size}")
+        if cfg.n_embd % cfg.n_head:
+            raise ValueError(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
         self.config = cfg
-        self.vocab_size = vocab_size
+        self.vocab_size = cfg.vocab_size
         self.seq_len = cfg.seq_len
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(vocab_size, cfg.n_embd),
+                wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
                 wpe=nn.Embedding(cfg.seq_len, cfg.n_embd),
                 drop=nn.Dropout(cfg.dropout),
                 h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
                 ln_f=nn.LayerNorm(cfg.n_embd),
             )
         )
-        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017): one tensor both embeds and un-embeds tokens. It is one
         # Parameter object, so named_parameters()/parameters() yield it once (as
         # transformer.wte.weight) and an optimizer or a fragment sees it once.
@@ -122,11 +137,8 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx, targets: (B, T) int64 token ids, T <= seq_len. Returns logits (B, T, vocab) and
-        the mean cross-entropy over every position (None without targets)."""
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx: (B, T) int64 token ids, T <= seq_len. Returns the next-token logits (B, T, vocab)."""
         t = idx.size(1)
         if t > self.seq_len:
             raise ValueError(f"sequence of length {t} is longer than the model's seq_len {self.seq_len}")
@@ -134,77 +146,30 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return self.lm_head(self.transformer.ln_f(x))
 
-    @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Extend idx (B, T) by max_new_tokens sampled tokens; returns (B, T + max_new_tokens).
-
-        temperature <= 0 means greedy decoding. Put the model in eval mode first (dropout)."""
-        for _ in range(max_new_tokens):
-            # the model knows only seq_len positions: condition on the most recent ones
-            idx_cond = idx if idx.size(1) <= self.seq_len else idx[:, -self.seq_len :]
-            logits, _ = self(idx_cond)
-            logits = logits[:, -1, :]
-            if temperature <= 0:
-                idx_next = logits.argmax(dim=-1, keepdim=True)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                probs = F.softmax(logits, dim=-1)
-                idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, idx_next), dim=1)
-        return idx
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """batch["input_ids"]: (B, T + 1) packed token rows. Returns the mean next-token
+        cross-entropy over every position: row[:-1] predicts row[1:]."""
+        rows = batch["input_ids"]
+        x, y = rows[:, :-1], rows[:, 1:]
+        logits = self.logits(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> GPT:
-    """A freshly initialised GPT on CPU; the same seed gives bitwise-identical parameters.
-
-    Every learner builds its starting point this way, so the seed (not a tensor download) is what
-    makes all of them start from the same Θ.
-    """
-    # Module constructors draw their default init from the global RNG; we overwrite all of it, so
-    # fork the RNG to leave the caller's random state exactly as it was.
-    with torch.random.fork_rng(devices=[]):
-        model = GPT(cfg, vocab_size)
+def gpt(
+    *,
+    vocab_size: int,
+    seq_len: int = 128,
+    n_layer: int = 4,
+    n_head: int = 4,
+    n_embd: int = 128,
+    dropout: float = 0.0,
+) -> GPT:
+    """The built-in model factory: a GPT with nanoGPT's init, drawn from torch's RNG, which the
+    caller seeds (diloco.model.factory.build_model): the same seed gives the same parameters."""
+    model = GPT(GPTConfig(vocab_size, seq_len, n_layer, n_head, n_embd, dropout))
     generator = torch.Generator(device="cpu")
-    generator.manual_seed(seed)
+    generator.manual_seed(torch.initial_seed())
     model.init_weights(generator)
     return model
-
-
-def make_inner_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.AdamW:
-    """AdamW as nanoGPT configures it: weight decay on every >=2-D tensor (matmul weights and the
-    embeddings), none on biases and LayerNorm gains."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": train.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2))
-
-
-def lr_at(step: int, train: TrainConfig) -> float:
-    """Learning rate for 0-based inner step `step`: linear warmup to train.lr, then constant.
-
-    No cosine decay: runs are budgeted by time and tokens across learners that come and go, so the
-    total number of steps a learner will take is unknown when it takes them.
-    """
-    if train.warmup_steps > 0 and step < train.warmup_steps:
-        return train.lr * (step + 1) / train.warmup_steps
-    return train.lr

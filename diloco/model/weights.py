@@ -10,6 +10,7 @@ from safetensors.torch import save as st_save
 
 from diloco import store
 from diloco.errors import DilocoError
+from diloco.model.contract import layout_difference
 
 
 def save_weights(uri: str, params: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -27,20 +28,11 @@ def load_weights(uri: str) -> dict[str, torch.Tensor]:
 
 
 def check_matches(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], uri: str) -> None:
-    """Refuse weights of another model (a different size or vocabulary), naming what differs."""
-    missing = sorted(set(expected) - set(loaded))
-    extra = sorted(set(loaded) - set(expected))
-    shapes = [
-        f"{n} {tuple(loaded[n].shape)} vs {tuple(t.shape)}"
-        for n, t in expected.items()
-        if n in loaded and loaded[n].shape != t.shape
-    ]
-    if missing or extra or shapes:
-        parts = [
-            f"missing {missing[:3]}" if missing else "",
-            f"unexpected {extra[:3]}" if extra else "",
-            f"shapes differ: {shapes[:3]}" if shapes else "",
-        ]
-        raise DilocoError(
-            f"model.init_from: {uri} does not fit this model: {'; '.join(p for p in parts if p)}"
-        )
+    """Refuse weights of another model (a different size or vocabulary), naming what differs.
+    Dtypes may differ: the weights are cast to the model's."""
+    diff = layout_difference(
+        {n: (tuple(t.shape), "") for n, t in expected.items()},
+        {n: (tuple(t.shape), "") for n, t in loaded.items()},
+    )
+    if diff:
+        raise DilocoError(f"model.init_from: {uri} does not fit this model: {diff}")

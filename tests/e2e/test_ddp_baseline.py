@@ -55,9 +55,9 @@ def _cfg(dataset: Path) -> RunConfig:
             "data.chunk_bytes": 32_768,
             "data.eval_fraction": 0.2,
             "model.seq_len": 32,
-            "model.n_layer": 2,
-            "model.n_head": 2,
-            "model.n_embd": 32,
+            "model.kwargs.n_layer": 2,
+            "model.kwargs.n_head": 2,
+            "model.kwargs.n_embd": 32,
             "train.batch_size": 8,
             "train.warmup_steps": 5,
             "train.lr": 3e-3,
@@ -97,5 +97,5 @@ def test_ddp_cli_stops_at_the_time_limit(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["mode"] == "ddp" and result["workers"] == 2
     assert result["steps"] > 0 and 3.0 <= result["wall_seconds"] < 10.0
-    assert result["config"]["model"]["n_embd"] == 32
+    assert result["config"]["model"]["kwargs"]["n_embd"] == 32
     assert result["wire_bytes"] == result["steps"] * result["params"] * 4 * 2

@@ -18,7 +18,7 @@ from diloco.coordinator import syncer
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.data.shard import read_shard
 from diloco.local.procs import ProcessGroup
-from diloco.model.gpt import build_model, lr_at, make_inner_optimizer
+from diloco.model import build_model, lr_at, make_inner_optimizer
 from tests.support import ledger_rows, start_coordinator, status, wait_for, worker_id_of
 
 pytestmark = pytest.mark.e2e
@@ -125,7 +125,7 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
         address = start_coordinator(group, workdir, [
             "--dataset", str(tiny_corpus), "--set", "data.chunk_bytes=32768", "--set", "train.inner_steps=5",
             "--set", "sync.quorum=2", "--set", "sync.fragments=1", "--set", "sync.overlap_steps=0",
-            "--set", "train.threads=1", "--set", "model.n_layer=2", "--set", "model.n_embd=64",
+            "--set", "train.threads=1", "--set", "model.kwargs.n_layer=2", "--set", "model.kwargs.n_embd=64",
             # One shard at a time: the replay below trains a push's spans in the order recorded.
             "--set", "data.mix_shards=1",
         ])  # fmt: skip
@@ -175,7 +175,7 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
                     batch = torch.from_numpy(shards[sid][i : min(i + bs, b)].astype("int64"))
                     for group_ in opt.param_groups:
                         group_["lr"] = lr_at(step[0], cfg.train)
-                    _, loss = model(batch[:, :-1], batch[:, 1:])
+                    loss = model({"input_ids": batch})
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)

@@ -15,7 +15,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator as start_in_process
 from diloco.data.worker import DataWorker
 from diloco.local.procs import ProcessGroup
-from diloco.model.gpt import build_model
+from diloco.model import build_model
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from tests.support import ledger_rows, run_cli, start_coordinator, status, wait_for, worker_id_of
@@ -85,8 +85,8 @@ def drop_replies(client: CoordinatorClient, methods: set[str]) -> DropFirstReply
 @pytest.mark.timeout(120)
 def test_retries_after_lost_replies_have_no_second_effect(tiny_corpus: Path, tmp_path: Path) -> None:
     cfg = RunConfig().with_overrides({
-        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
-        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32,
+        "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
     })  # fmt: skip
     running = start_in_process(cfg, str(tmp_path))
     address = f"127.0.0.1:{running.port}"

@@ -181,9 +181,9 @@ def test_whole_run_with_dataset_shards_and_checkpoints_on_s3(
             "sync.overlap_steps=3",
             # A small model: the point is the storage path, and eval + sampling stay quick.
             "--set",
-            "model.n_layer=2",
+            "model.kwargs.n_layer=2",
             "--set",
-            "model.n_embd=64",
+            "model.kwargs.n_embd=64",
             "--set",
             "train.lr=0.003",
             "--set",

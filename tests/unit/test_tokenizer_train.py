@@ -71,7 +71,7 @@ def test_train_tokenizer_reads_every_format_within_the_byte_budget(mixed: Path, 
 def tokenizer_coordinator(dataset: Path, tokenizer: Path, workdir: Path):
     cfg = RunConfig().with_overrides({
         "data.dataset": str(dataset), "data.chunk_bytes": 65536, "data.tokenizer": str(tokenizer),
-        "model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2, "sync.fragments": 1,
+        "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32, "model.kwargs.n_head": 2, "sync.fragments": 1,
     })  # fmt: skip
     return start_coordinator(cfg, str(workdir))
 
@@ -142,8 +142,8 @@ def test_trained_tokenizer_runs_a_job(mixed: Path, tmp_path: Path):
             "run", "--dataset", str(mixed), "--workdir", str(workdir), "--minutes", "0", "--tokens", "16000",
             "--learners", "1", "--data-workers", "1", "--inner-steps", "4", "--no-progress",
             "--set", f"data.tokenizer={uri}", "--set", "data.chunk_bytes=65536", "--set", "train.batch_size=8",
-            "--set", "train.warmup_steps=1", "--set", "train.lr=0.003", "--set", "model.n_layer=1",
-            "--set", "model.n_embd=32", "--set", "model.n_head=2", "--set", "sync.overlap_steps=1",
+            "--set", "train.warmup_steps=1", "--set", "train.lr=0.003", "--set", "model.kwargs.n_layer=1",
+            "--set", "model.kwargs.n_embd=32", "--set", "model.kwargs.n_head=2", "--set", "sync.overlap_steps=1",
         ],
         timeout=150,
     )  # fmt: skip

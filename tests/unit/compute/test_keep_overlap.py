@@ -42,12 +42,12 @@ def train(learner: Learner, by: float, shard: int) -> None:
     """One 'inner step' that moves w by -by and trains rows [0, 4) of `shard`."""
     with torch.no_grad():
         learner.params["w"].sub_(by)
-    rows = torch.zeros((4, 3), dtype=torch.int64)
+    rows = torch.zeros((4, 4), dtype=torch.int64)
     learner.progress.inner_steps += 1
     for f in learner.frags:
         f.steps += 1
         f.tokens += 12
-    learner.rows.trained(Batch(rows, rows, shard, 0, 4, False))
+    learner.rows.trained(Batch({"input_ids": rows}, shard, 0, 4, False))
 
 
 def test_the_steps_since_the_push_stay_on_top_of_the_merge() -> None:

@@ -13,17 +13,18 @@ from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, StateWriter, resume_decision, state_path
 from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
 from diloco.config import RunConfig
-from diloco.model.gpt import build_model, make_inner_optimizer
+from diloco.model import build_model, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import wait_for
 
 
 def a_state(tmp_steps: int = 7) -> tuple[LocalState, torch.optim.Optimizer]:
-    cfg = RunConfig().with_overrides({"model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2})
+    cfg = RunConfig().with_overrides(
+        {"model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32, "model.kwargs.n_head": 2}
+    )
     model = build_model(cfg.model, 256, 1)
     optimizer = make_inner_optimizer(model, cfg.train)
-    x = torch.randint(0, 256, (2, cfg.model.seq_len))
-    _, loss = model(x, x)
+    loss = model({"input_ids": torch.randint(0, 256, (2, cfg.model.seq_len + 1))})
     loss.backward()
     optimizer.step()
     names = [n for n, _ in model.named_parameters()]

@@ -9,8 +9,8 @@ from diloco.compute.rows import RowBook, Unpushed, release_fragment, rows_to_car
 
 
 def batch(shard: int, start: int, end: int, last: bool = False) -> Batch:
-    rows = torch.zeros((end - start, 4), dtype=torch.int64)
-    return Batch(rows, rows, shard, start, end, last)
+    rows = torch.zeros((end - start, 5), dtype=torch.int64)  # seq_len 4: 5 tokens a row
+    return Batch({"input_ids": rows}, shard, start, end, last)
 
 
 def test_interleaved_shards_keep_one_span_each_while_rows_follow_on() -> None:

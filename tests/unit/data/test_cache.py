@@ -258,8 +258,7 @@ def test_prefetcher_reads_one_shard_ahead_through_the_cache(tmp_path: Path) -> N
     assert coordinator.leased == [1, 2, 3, 4]
     for shard_id, (_, _, rows) in enumerate(shards, start=1):
         got = [b for b in batches if b.shard_id == shard_id]
-        assert np.array_equal(np.concatenate([b.x for b in got]), rows[:, :-1].astype(np.int64))
-        assert np.array_equal(np.concatenate([b.y for b in got]), rows[:, 1:].astype(np.int64))
+        assert np.array_equal(np.concatenate([b.columns["input_ids"] for b in got]), rows.astype(np.int64))
         assert [b.last_of_shard for b in got] == [False] * 7 + [True]
     assert cache.stats.misses == 4 and len(cached_files(tmp_path / "cache")) == 4
 
@@ -308,5 +307,5 @@ def test_prefetcher_mixes_batches_of_several_shards_and_delivers_each_row_once(t
     for shard_id, (_, _, rows) in enumerate(shards, start=1):
         got = sorted((b for b in batches if b.shard_id == shard_id), key=lambda b: b.row_start)
         assert [b.row_start for b in got] == list(range(0, 64, 8))
-        assert np.array_equal(np.concatenate([b.x for b in got]), rows[:, :-1].astype(np.int64))
+        assert np.array_equal(np.concatenate([b.columns["input_ids"] for b in got]), rows.astype(np.int64))
         assert [b.last_of_shard for b in got] == [False] * 7 + [True]

@@ -80,7 +80,7 @@ def test_status_counts_each_data_workers_tokens_once(tmp_path: Path) -> None:
     corpus.write_text("def f(x):\n    return x + 1\n" * 3000)
     cfg = RunConfig().with_overrides({
         "data.dataset": str(corpus), "data.chunk_bytes": 32768, "data.eval_fraction": 0.0,
-        "model.n_layer": 1, "model.n_embd": 32, "model.n_head": 2,
+        "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32, "model.kwargs.n_head": 2,
     })  # fmt: skip
     running = start_coordinator(cfg, str(tmp_path / "coord"))
     address = f"127.0.0.1:{running.port}"

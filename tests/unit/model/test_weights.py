@@ -9,7 +9,7 @@ import torch
 
 from diloco.config import ModelConfig
 from diloco.errors import DilocoError
-from diloco.model.gpt import build_model
+from diloco.model import build_model
 from diloco.model.weights import check_matches, load_weights, save_weights
 
 
@@ -18,7 +18,7 @@ def params_of(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_round_trip_is_exact(tmp_path: Path) -> None:
-    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2)
+    cfg = ModelConfig(kwargs=dict(n_layer=1, n_embd=32, n_head=2))
     params = params_of(cfg, 1)
     uri = str(tmp_path / "model.safetensors")
     save_weights(uri, params, {"versions": "[3, 4]"})
@@ -29,11 +29,11 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
 
 def test_weights_of_another_model_are_refused_by_name(tmp_path: Path) -> None:
     uri = str(tmp_path / "model.safetensors")
-    save_weights(uri, params_of(ModelConfig(n_layer=1, n_embd=32, n_head=2), 1))
-    wider = params_of(ModelConfig(n_layer=1, n_embd=64, n_head=2), 1)
+    save_weights(uri, params_of(ModelConfig(kwargs=dict(n_layer=1, n_embd=32, n_head=2)), 1))
+    wider = params_of(ModelConfig(kwargs=dict(n_layer=1, n_embd=64, n_head=2)), 1)
     with pytest.raises(DilocoError, match="shapes differ: .*wte.weight"):
         check_matches(wider, load_weights(uri), uri)
-    deeper = params_of(ModelConfig(n_layer=2, n_embd=32, n_head=2), 1)
+    deeper = params_of(ModelConfig(kwargs=dict(n_layer=2, n_embd=32, n_head=2)), 1)
     with pytest.raises(DilocoError, match=r"missing \['transformer\.h\.1\."):
         check_matches(deeper, load_weights(uri), uri)
 

@@ -17,7 +17,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
 from diloco.coordinator.wirecount import CALL_OVERHEAD_BYTES, framed_bytes
 from diloco.data.worker import DataWorker
-from diloco.model.gpt import build_model, make_inner_optimizer
+from diloco.model import build_model, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 from diloco.wire.tensors import stream_tensors
@@ -54,14 +54,16 @@ def test_round_trip_error_is_within_the_codec_bound(codec, shape, log_scale, see
 
 def realistic_delta() -> dict[str, torch.Tensor]:
     """A real pseudo-gradient: Θ − θ after 20 AdamW steps of the built-in GPT on random tokens."""
-    cfg = RunConfig().with_overrides({"model.n_layer": 2, "model.n_embd": 64, "model.seq_len": 32})
+    cfg = RunConfig().with_overrides(
+        {"model.kwargs.n_layer": 2, "model.kwargs.n_embd": 64, "model.seq_len": 32}
+    )
     model = build_model(cfg.model, 257, seed=0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = make_inner_optimizer(model, cfg.train)
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
         batch = torch.randint(0, 257, (8, 33), generator=gen)
-        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss = model({"input_ids": batch})
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -196,8 +198,8 @@ def test_push_bytes_are_counted_exactly_and_a_cut_stream_changes_nothing(int8_co
 @pytest.mark.timeout(120)
 def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corpus: Path, tmp_path: Path):
     cfg = RunConfig().with_overrides({
-        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.n_layer": 1, "model.n_embd": 32,
-        "model.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32,
+        "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
         "sync.codec": "int8", "sync.pull_codec": "int4",
     })  # fmt: skip
     running = start_coordinator(cfg, str(tmp_path))

@@ -264,8 +264,8 @@ def custom_config() -> RunConfig:
     return RunConfig().with_overrides(
         {
             "name": "exp-1",
-            "model.n_layer": 2,
-            "model.dropout": 0.1,
+            "model.kwargs.n_layer": 2,
+            "model.kwargs.dropout": 0.1,
             "data.dataset": '/data/with "quotes"\\and é',
             "train.lr": 3e-4,
             "train.warmup_steps": 5,
@@ -380,7 +380,7 @@ def test_with_overrides_coerces_strings():
             "sync.nesterov": "false",
             "sync.quorum": "-1",
             "name": "x",
-            "model.dropout": 0,
+            "train.grad_clip": 0,
         }
     )
     assert cfg.train.inner_steps == 100 and isinstance(cfg.train.inner_steps, int)
@@ -388,7 +388,7 @@ def test_with_overrides_coerces_strings():
     assert cfg.sync.nesterov is False
     assert cfg.sync.quorum == -1
     assert cfg.name == "x"
-    assert cfg.model.dropout == 0.0 and isinstance(cfg.model.dropout, float)
+    assert cfg.train.grad_clip == 0.0 and isinstance(cfg.train.grad_clip, float)
 
 
 def test_with_overrides_ignores_none_and_leaves_original():
@@ -413,8 +413,8 @@ def test_with_overrides_refuses_bad_value():
 def test_validate():
     cfg = RunConfig()
     assert cfg.validate() is cfg
-    with pytest.raises(ConfigError, match="n_head"):
-        RunConfig().with_overrides({"model.n_embd": 130, "model.n_head": 4}).validate()
+    with pytest.raises(ConfigError, match="model.factory"):
+        RunConfig().with_overrides({"model.factory": "diloco.model.gpt.gpt"}).validate()
     with pytest.raises(ConfigError, match="merge"):
         RunConfig().with_overrides({"sync.merge": "median"}).validate()
     with pytest.raises(ConfigError):
@@ -442,7 +442,7 @@ def test_parse_assignments():
 
 @pytest.fixture(scope="module")
 def gpt_sizes():
-    from diloco.model.gpt import build_model
+    from diloco.model import build_model
 
     model = build_model(ModelConfig(), 257, 0)
     return [(n, p.numel()) for n, p in model.named_parameters()]

@@ -1,0 +1,72 @@
+"""What diloco asks of a model, the user's or its own: one convention, checked where it is used.
+
+    model = factory(**model.kwargs)         an nn.Module (vocab_size and seq_len offered by name)
+    out = model(batch)                      batch: {column name: tensor}, one row per sample
+    loss = out | out.loss | out["loss"]     a scalar tensor (Hugging Face models return .loss)
+    metrics = out.metrics | out["metrics"]  optional {name: scalar}, e.g. accuracy, averaged
+                                            over the held-out rows like the loss
+
+Optionally `model.logits(input_ids)` -> (B, T, vocab) makes a token model sample text.
+The coordinator never sees any of this: only the named tensors of `named_parameters()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from diloco.errors import DilocoError
+
+
+class ModelContractError(DilocoError):
+    """A model that does not keep the convention: a forward without a loss, a factory without a module."""
+
+
+def loss_and_metrics(output: Any, where: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss (a scalar tensor) and the metrics a forward returned; `where` names the model."""
+    if isinstance(output, torch.Tensor):
+        loss, metrics = output, None
+    elif isinstance(output, Mapping):
+        loss, metrics = output.get("loss"), output.get("metrics")
+    else:
+        loss, metrics = getattr(output, "loss", None), getattr(output, "metrics", None)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ModelContractError(
+            f"{where}: forward returned {_kind(output)}, not a scalar loss tensor "
+            "(return the loss, an object with .loss, or a dict with 'loss')"
+        )
+    if metrics is None:
+        return loss.reshape(()), {}
+    if not isinstance(metrics, Mapping):
+        raise ModelContractError(f"{where}: metrics must be a dict of scalars, got {_kind(metrics)}")
+    return loss.reshape(()), {str(k): torch.as_tensor(v).detach().reshape(()) for k, v in metrics.items()}
+
+
+def parameter_layout(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What the coordinator knows of a model: each tensor's name, shape and dtype."""
+    return {n: (tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in params.items()}
+
+
+def layout_difference(
+    expected: Mapping[str, tuple[tuple[int, ...], str]], got: Mapping[str, tuple[tuple[int, ...], str]]
+) -> str:
+    """One line naming how two models' tensors differ ("" when they are the same)."""
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    shapes = [f"{n} {got[n][0]} vs {s}" for n, (s, _) in expected.items() if n in got and got[n][0] != s]
+    dtypes = [f"{n} {got[n][1]} vs {d}" for n, (s, d) in expected.items() if n in got and got[n][1] != d]
+    parts = [
+        f"missing {missing[:3]}" if missing else "",
+        f"unexpected {extra[:3]}" if extra else "",
+        f"shapes differ: {shapes[:3]}" if shapes else "",
+        f"dtypes differ: {dtypes[:3]}" if dtypes else "",
+    ]
+    return "; ".join(p for p in parts if p)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"

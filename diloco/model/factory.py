@@ -1,0 +1,83 @@
+"""Build the run's model from its factory: "package.module:function" imported where the learner
+runs, called with model.kwargs, under a seeded RNG so every learner builds the same init."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from diloco.config import ModelConfig
+from diloco.errors import DilocoError
+
+# What the run knows and offers a factory that takes parameters of these names.
+OFFERED = ("vocab_size", "seq_len")
+
+
+def resolve(spec: str, key: str) -> Callable[..., Any]:
+    """The function `spec` ("package.module:function") names; `key` is its config key, for errors."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise DilocoError(f'{key} {spec!r}: expected "package.module:function"')
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise DilocoError(f"{key} {spec!r}: cannot import {module_name} here ({e})") from e
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise DilocoError(f"{key} {spec!r}: {module_name} has no {attr}")
+    if not callable(fn):
+        raise DilocoError(f"{key} {spec!r}: {attr} is {_a(type(fn).__name__)}, not a function")
+    return fn
+
+
+def factory_kwargs(fn: Callable[..., Any], model: ModelConfig) -> dict[str, Any]:
+    """model.kwargs, plus the offered values the function takes by name and kwargs leaves out."""
+    kwargs = dict(model.kwargs)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: give it kwargs alone
+        return kwargs
+    for name in OFFERED:
+        if name in params and name not in kwargs:
+            kwargs[name] = getattr(model, name)
+    return kwargs
+
+
+def build_model(model: ModelConfig, vocab_size: int = 0, seed: int = 0) -> nn.Module:
+    """A freshly initialised model on CPU; the same seed gives the same parameters. `vocab_size`,
+    when given, stands in for model.vocab_size (0 there: "take it from the tokenizer").
+
+    Every learner builds its starting point this way, so the seed (not a tensor download) is what
+    makes all of them start from the same Θ.
+    """
+    if vocab_size:
+        model = replace(model, vocab_size=vocab_size)
+    fn = resolve(model.factory, "model.factory")
+    kwargs = factory_kwargs(fn, model)
+    # Modules draw their init from the global RNG: seed it, in a fork that leaves the caller's
+    # random state exactly as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            built = fn(**kwargs)
+        except (TypeError, ValueError) as e:
+            raise DilocoError(f"model.factory {model.factory} refused model.kwargs {kwargs}: {e}") from e
+    if not isinstance(built, nn.Module):
+        raise DilocoError(
+            f"model.factory {model.factory} returned a {type(built).__name__}, not an nn.Module"
+        )
+    if not any(True for _ in built.parameters()):
+        raise DilocoError(f"model.factory {model.factory} built a module without parameters")
+    return built
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"

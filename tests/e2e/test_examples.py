@@ -1,0 +1,43 @@
+"""The examples under examples/, each run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diloco.tokenizer import ByteTokenizer
+from tests.support import REPO, run_cli
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(300)
+def test_hf_llama_trains_below_the_unigram_baseline_and_exports_to_transformers(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from diloco.export import global_model
+
+    workdir, hf_dir = tmp_path / "run", tmp_path / "hf"
+    result = run_cli(
+        ["run", "--config", str(REPO / "examples/hf-llama/run.toml"), "--tokens", "500000", "--minutes", "3",
+         "--workdir", str(workdir), "--no-progress"],
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["eval_loss"] < 0.92 * summary["baseline_loss"], summary
+
+    exported = run_cli(["export", str(workdir), "--format", "hf", "--out", str(hf_dir)], timeout=120)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    loaded = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    text = "def main():\n    return 'héllo'"
+    ids = tokenizer.encode(text)
+    assert ids == ByteTokenizer().encode(text) and tokenizer.eos_token_id == ByteTokenizer.eot_id
+    _, model, _ = global_model(workdir)
+    with torch.no_grad():
+        batch = torch.tensor([ids])
+        assert torch.equal(loaded(input_ids=batch).logits, model.logits(batch))

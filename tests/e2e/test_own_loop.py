@@ -1,0 +1,86 @@
+"""Your own training loop (diloco.connect), as examples/own-loop/train.py runs it: two learner
+processes of user code against a real coordinator and data worker. Every train token is merged
+exactly once, and the global model loaded into the user's own Llama has learned."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator.report import stored_run
+from diloco.data.shard import read_shard
+from diloco.local.procs import ProcessGroup
+from tests.support import REPO, ledger_rows, run_cli, start_coordinator
+
+pytestmark = pytest.mark.e2e
+
+SCRIPT = REPO / "examples/own-loop/train.py"
+
+
+@pytest.mark.timeout(300)
+def test_the_own_loop_example_trains_every_token_exactly_once(tiny_corpus: Path, tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    workdir = tmp_path / "coord"
+    group = ProcessGroup(tmp_path / "logs")
+    scripts: list[subprocess.Popen] = []
+    try:
+        address = start_coordinator(
+            group, workdir,
+            ["--dataset", str(tiny_corpus), "--set", "data.chunk_bytes=32768", "--set", "train.inner_steps=20",
+             "--set", "sync.overlap_steps=4", "--set", "data.eval_fraction=0.1"],
+        )  # fmt: skip
+        group.spawn("data-0", "data", ["data", "--coordinator", address])
+        logs = [tmp_path / f"own-{i}.log" for i in range(2)]
+        for i, log in enumerate(logs):
+            with open(log, "wb") as out:
+                scripts.append(
+                    subprocess.Popen(
+                        [sys.executable, str(SCRIPT), "--coordinator", address, "--worker-id", f"own-{i}"],
+                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+                    )
+                )  # fmt: skip
+        for proc, log in zip(scripts, logs, strict=True):
+            assert proc.wait(timeout=220) == 0, log.read_text()[-3000:]
+        outputs = [log.read_text() for log in logs]
+        assert all("done after" in out and "Traceback" not in out for out in outputs), outputs
+        audit = run_cli(["status", "--workdir", str(workdir), "--audit"], timeout=60)
+        assert audit.returncode == 0, audit.stdout + audit.stderr
+
+        train_tokens = ledger_rows(workdir, "SELECT SUM(tokens) FROM shards WHERE split = 'train'")[0][0]
+        merged = ledger_rows(workdir, "SELECT value FROM counters WHERE name = 'tokens_merged'")[0][0]
+        pushed_by = dict(
+            ledger_rows(
+                workdir, "SELECT worker_id, COUNT(*) FROM pushes WHERE state = 'merged' GROUP BY worker_id"
+            )
+        )
+        assert set(pushed_by) == {"own-0", "own-1"}, pushed_by
+        assert int(merged) == train_tokens  # every train token merged, and none twice (the audit)
+
+        # The global model, in the user's own class: it learned.
+        _, versions = stored_run(workdir)
+        params = load_model_params(str(workdir / "checkpoints"), versions)
+        model = LlamaForCausalLM(
+            LlamaConfig(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=129)
+        )  # fmt: skip
+        model.load_state_dict(params)
+        eval_uris = ledger_rows(workdir, "SELECT uri, checksum FROM shards WHERE split = 'eval'")
+        rows = np.concatenate([read_shard(uri, checksum).rows for uri, checksum in eval_uris])[:64]
+        ids = torch.from_numpy(rows.astype(np.int64))
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss.item()
+        assert loss < np.log(257) - 2.0, loss  # a uniform guess is log(257) = 5.55
+    finally:
+        for proc in scripts:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        group.stop()
