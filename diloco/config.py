@@ -9,14 +9,23 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from diloco.config_parse import (
+    ConfigError,
+    build,
+    flatten,
+    is_table,
+    literal,
+    parse_assignments,
+    read_toml,
+    toml_value,
+    unknown_key,
+)
 
-class ConfigError(ValueError):
-    """A configuration that cannot be used: unknown key, wrong type, impossible value."""
+__all__ = ["ConfigError", "RunConfig", "parse_assignments"]
 
 
 # The devices a learner can be told to use (whether this machine has them is the learner's check);
@@ -27,10 +36,6 @@ _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)?")
 
 def is_device_spec(spec: str) -> bool:
     return _DEVICE.fullmatch(spec.strip().lower()) is not None
-
-
-# The model factory's keys that used to live in [model] itself: named in the refusal of such a key.
-_FACTORY_KEYS = ("n_layer", "n_head", "n_embd", "dropout")
 
 
 @dataclass
@@ -65,12 +70,19 @@ class DataConfig:
     chunk_bytes: int = 64 * 1024 * 1024
     # Field holding the text in .jsonl records (and the column of .parquet files).
     text_field: str = "text"
+    # "" tokenizes and packs text (input_ids). "package.module:function": the user's preprocess,
+    # run by data workers on batches of records (any file kind: images, .csv, .npy/.npz, parquet,
+    # JSONL, text), returning named fixed-shape arrays; the ledger then counts samples, not tokens.
+    preprocess: str = ""
     # Records (JSONL lines, parquet values) larger than this are skipped and counted.
     max_record_bytes: int = 8 * 1024 * 1024
     # "byte" (256 byte values + end-of-text) or a path/URI of a HF tokenizer.json.
     tokenizer: str = "byte"
     # Share of chunks held out for evaluation (never leased to learners).
     eval_fraction: float = 0.05
+    # Passes over the train split: each train chunk is made into a shard and trained this many
+    # times (a small image or tabular dataset wants several; a corpus, one).
+    epochs: int = 1
     # Learner-side queue of prefetched batches, in batches.
     prefetch_batches: int = 64
     # Hand chunks and shards out in a random order (seeded by train.seed), not the dataset's.
@@ -216,16 +228,16 @@ class RunConfig:
         lines: list[str] = []
         top = {k: v for k, v in self.to_dict().items() if not isinstance(v, dict)}
         for key, value in top.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         for section, values in self.to_dict().items():
             if isinstance(values, dict):
                 lines.append(f"\n[{section}]")
-                lines.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+                lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
         return "\n".join(lines) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
-        return _build(cls, data, "")
+        return build(cls, data, "")
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
@@ -233,11 +245,11 @@ class RunConfig:
 
     @classmethod
     def from_toml(cls, path: str | Path) -> RunConfig:
-        return cls.from_dict(_read_toml(path))
+        return cls.from_dict(read_toml(path))
 
     def merged_with_toml(self, path: str | Path) -> RunConfig:
         """This config with the keys a TOML file sets replaced (unknown keys are refused)."""
-        return self.with_overrides(_flatten(_read_toml(path)))
+        return self.with_overrides(flatten(read_toml(path)))
 
     def with_overrides(self, overrides: dict[str, Any]) -> RunConfig:
         """Apply dotted overrides such as {"train.inner_steps": 100}; None values are ignored."""
@@ -251,15 +263,16 @@ class RunConfig:
                 if p not in node or not isinstance(node[p], dict):
                     raise ConfigError(f"unknown config section {p!r} in {dotted!r}")
                 node = node[p]
-            if leaf not in node and not _is_table(parents):
-                raise ConfigError(_unknown_key(dotted))
-            node[leaf] = _literal(value) if _is_table(parents) else value
+            if leaf not in node and not is_table(parents):
+                raise ConfigError(unknown_key(dotted))
+            node[leaf] = literal(value) if is_table(parents) else value
         return RunConfig.from_dict(data)
 
     def validate(self) -> RunConfig:
         m, t, s = self.model, self.train, self.sync
-        if m.factory.count(":") != 1 or not all(part.strip() for part in m.factory.split(":")):
-            raise ConfigError(f'model.factory must be "package.module:function", not {m.factory!r}')
+        for key, spec in (("model.factory", m.factory), ("data.preprocess", self.data.preprocess or "x:x")):
+            if spec.count(":") != 1 or not all(part.strip() for part in spec.split(":")):
+                raise ConfigError(f'{key} must be "package.module:function", not {spec!r}')
         if t.local_state_every_s < 0:
             raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
         if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
@@ -291,6 +304,8 @@ class RunConfig:
             raise ConfigError("data.max_record_bytes must be >= 1")
         if not 0.0 <= self.data.eval_fraction < 1.0:
             raise ConfigError("data.eval_fraction must be in [0, 1)")
+        if self.data.epochs < 1:
+            raise ConfigError("data.epochs must be >= 1")
         if self.data.mix_shards < 1:
             raise ConfigError("data.mix_shards must be >= 1")
         if self.data.deal < 0:
@@ -304,120 +319,3 @@ class RunConfig:
         if self.coordinator.min_publish_interval_s < 0:
             raise ConfigError("coordinator.min_publish_interval_s must be >= 0")
         return self
-
-
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"config section {where or 'top level'} must be a table")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(_unknown_key(f"{prefix}{unknown[0]}"))
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        f = fields[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        path = f"{where}.{name}" if where else name
-        if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, path)
-        elif isinstance(default, dict):
-            if not isinstance(value, dict):
-                raise ConfigError(f"config key {path!r} expects a table, got {value!r}")
-            kwargs[name] = dict(value)
-        else:
-            kwargs[name] = _coerce(value, type(default), path)
-    return cls(**kwargs)
-
-
-def _unknown_key(dotted: str) -> str:
-    section, _, leaf = dotted.rpartition(".")
-    if section == "model" and leaf in _FACTORY_KEYS:
-        return f"unknown config key {dotted!r}: the model's own settings are model.kwargs.{leaf}"
-    return f"unknown config key {dotted!r}"
-
-
-# Free-form tables: keys of the user's choosing, values kept as TOML gives them.
-_TABLES = ("model.kwargs",)
-
-
-def _is_table(parents: list[str]) -> bool:
-    return ".".join(parents) in _TABLES
-
-
-def _literal(value: Any) -> Any:
-    """A --set value for a free-form table: a TOML literal (2, 0.5, true, "x", [1, 2]) when it
-    reads as one, else the string itself."""
-    if not isinstance(value, str):
-        return value
-    try:
-        return tomllib.loads(f"v = {value}")["v"]
-    except tomllib.TOMLDecodeError:
-        return value
-
-
-def _read_toml(path: str | Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError as e:
-        raise ConfigError(f"config file not found: {path}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and f"{prefix}{key}" not in _TABLES:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def parse_assignments(items: list[str]) -> dict[str, str]:
-    """`section.key=value` strings (from --set) into overrides; values are coerced later."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set expects section.key=value, got {item!r}")
-        out[key.strip()] = value.strip()
-    return out
-
-
-def _coerce(value: Any, kind: type, path: str) -> Any:
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-    elif kind is int and not isinstance(value, bool):
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            return int(value)
-    elif kind is float and not isinstance(value, bool):
-        if isinstance(value, int | float):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif kind is str and isinstance(value, str):
-        return value
-    raise ConfigError(f"config key {path!r} expects {kind.__name__}, got {value!r}")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, dict):  # an inline table: model.kwargs
-        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    return repr(value)

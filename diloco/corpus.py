@@ -21,6 +21,12 @@ JSONL_SUFFIXES = (".jsonl",)
 PARQUET_SUFFIXES = (".parquet",)
 _COMPRESSION: dict[str, str] = {".gz": "gzip", ".zst": "zstd"}  # suffix -> codec name
 SUPPORTED_SUFFIXES = TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES
+# Read only by a preprocess (data.preprocess): records of samples, not text to tokenize.
+CSV_SUFFIXES = (".csv",)
+ARRAY_SUFFIXES = {".npy": "npy", ".npz": "npz"}
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+SAMPLE_SUFFIXES = (*SUPPORTED_SUFFIXES, *CSV_SUFFIXES, *ARRAY_SUFFIXES, *IMAGE_SUFFIXES)
+TEXT_KINDS = ("text", "jsonl", "parquet")
 
 
 def _split_compression(uri: str) -> tuple[str, str | None]:
@@ -37,15 +43,22 @@ def compression(uri: str) -> str | None:
 
 
 def file_kind(uri: str) -> str | None:
-    """ "text", "jsonl", "parquet", or None when diloco cannot read this file."""
+    """ "text", "jsonl", "parquet", "csv", "npy", "npz", "image", or None when diloco cannot read
+    this file. Only text, JSONL and CSV may be compressed (.gz, .zst)."""
     inner, codec = _split_compression(uri)
     if inner.endswith(TEXT_SUFFIXES):
         return "text"
     if inner.endswith(JSONL_SUFFIXES):
         return "jsonl"
-    if inner.endswith(PARQUET_SUFFIXES) and codec is None:
+    if inner.endswith(CSV_SUFFIXES):
+        return "csv"
+    if codec is not None:
+        return None
+    if inner.endswith(PARQUET_SUFFIXES):
         return "parquet"
-    return None
+    if inner.lower().endswith(IMAGE_SUFFIXES):
+        return "image"
+    return next((kind for suffix, kind in ARRAY_SUFFIXES.items() if inner.endswith(suffix)), None)
 
 
 def is_splittable(uri: str) -> bool:
@@ -54,7 +67,7 @@ def is_splittable(uri: str) -> bool:
     Compressed files must be decoded from their start, so each is one segment; parquet files are
     cut by row group instead (see diloco.data.chunks).
     """
-    return compression(uri) is None and file_kind(uri) in ("text", "jsonl")
+    return compression(uri) is None and file_kind(uri) in ("text", "jsonl", "csv")
 
 
 def stdlib_files() -> list[str]:
@@ -71,18 +84,26 @@ def stdlib_files() -> list[str]:
     return sorted(found)
 
 
-def resolve_dataset(dataset: str) -> list[str]:
-    """The readable files of a dataset: "stdlib", or a directory, glob or single file URI."""
+def resolve_dataset(dataset: str, samples: bool = False) -> list[str]:
+    """The readable files of a dataset: "stdlib", or a directory, glob or single file URI. Text to
+    tokenize (the default), or with `samples` every kind a preprocess reads (data.preprocess)."""
     if dataset == STDLIB:
         files = stdlib_files()
         if not files:
             raise store.StoreError(f"no .py files in the stdlib at {sysconfig.get_paths()['stdlib']}")
         return files
-    files = [f for f in store.list_files(dataset) if file_kind(f) is not None]
+    files = [
+        f
+        for f in store.list_files(dataset)
+        if file_kind(f) is not None and (samples or file_kind(f) in TEXT_KINDS)
+    ]
     if not files:
-        kinds = "/".join(SUPPORTED_SUFFIXES)
+        names = "/".join(SAMPLE_SUFFIXES if samples else SUPPORTED_SUFFIXES)
         codecs = "/".join(_COMPRESSION)
-        raise store.StoreError(f"no {kinds} files in {dataset} (text and JSONL may also be {codecs})")
+        hint = "" if samples else "; images, .csv, .npy and .npz need data.preprocess"
+        raise store.StoreError(
+            f"no {names} files in {dataset} (text, JSONL and CSV may also be {codecs}{hint})"
+        )
     return files
 
 

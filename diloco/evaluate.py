@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from diloco.model.contract import loss_and_metrics
+from diloco.model.contract import column_tensor, loss_and_metrics
 
 
 @dataclass
@@ -46,7 +46,7 @@ def evaluate(
         with torch.no_grad():
             for start in range(0, n, batch_size):
                 end = min(start + batch_size, n)
-                batch = {name: _tensor(c[start:end]).to(device) for name, c in columns.items()}
+                batch = {name: column_tensor(c[start:end]).to(device) for name, c in columns.items()}
                 loss, metrics = loss_and_metrics(model(batch), where)
                 total += loss.item() * (end - start)
                 for name, value in metrics.items():
@@ -67,13 +67,6 @@ def eval_loss(
     if rows.ndim != 2 or rows.shape[1] < 2:
         raise ValueError(f"rows must be [n, seq_len+1] with seq_len >= 1, got shape {rows.shape}")
     return evaluate(model, {"input_ids": rows}, batch_size, device, max_batches).loss
-
-
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    """Integer columns become int64 (what embeddings and losses index with), floats stay as stored."""
-    if array.dtype.kind in "iu":
-        return torch.from_numpy(array.astype(np.int64))
-    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def unigram_entropy(token_arrays: Iterable[np.ndarray], vocab_size: int) -> float:

@@ -45,12 +45,17 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
 
 def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
     table = Table(title="result", show_header=False)
+    unit = summary.get("unit", "tokens")  # or samples, for a preprocess's data
     ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
-    table.add_row("eval loss", f"{ev:.4f} nats/token" if ev is not None else "- (no held-out data)")
-    table.add_row("unigram baseline", f"{base:.4f} nats/token" if base is not None else "-")
+    per = " nats/token" if unit == "tokens" else ""
+    table.add_row("eval loss", f"{ev:.4f}{per}" if ev is not None else "- (no held-out data)")
+    for name, value in (summary.get("eval_metrics") or {}).items():
+        table.add_row(f"eval {name}", f"{value:.4f}")
+    if base is not None:
+        table.add_row("unigram baseline", f"{base:.4f} nats/token")
     first = summary.get("first_loss")
     table.add_row("first-step loss", f"{first:.4f}" if first else "-")
-    table.add_row("tokens trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
+    table.add_row(f"{unit} trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
     ddp = summary.get("ddp_wire_bytes_per_token") or 0.0
@@ -59,7 +64,7 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
         if ddp and summary["wire_bytes_per_token"]
         else ""
     )
-    table.add_row("wire bytes per token", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
+    table.add_row(f"wire bytes per {unit[:-1]}", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
     steady = summary.get("steady_wire_bytes_per_token") or 0.0
     if steady:
         more = f" (DDP: {ddp / steady:,.0f}× more)" if ddp else ""
@@ -67,7 +72,7 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     table.add_row("learner utilization", f"{summary['utilization']:.1%}")
     table.add_row(
         "data",
-        f"{summary.get('data_tokens_per_s', 0.0):,.0f} tokens/s prepared, "
+        f"{summary.get('data_tokens_per_s', 0.0):,.0f} {unit}/s prepared, "
         f"learners waited {summary.get('data_stall_share', 0.0):.1%} of the time",
     )
     table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
@@ -80,7 +85,7 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     if summary.get("sample"):
         console.print("[bold]sample[/] (the trained model continues the prompt):")
         console.print(summary["sample"], markup=False, highlight=False)
-    console.print(f"summary: {path}")
+    console.print(f"summary: {path}", soft_wrap=True)  # a path is copied whole: never wrapped
 
 
 def status_lines(detail: dict[str, Any]) -> list[str]:

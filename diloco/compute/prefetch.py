@@ -38,7 +38,8 @@ import torch
 from diloco.client import CoordinatorClient
 from diloco.coordinator.leases import subtract
 from diloco.data.cache import ShardCache, read_shard_via
-from diloco.data.shard import ShardCorrupt
+from diloco.data.shard import Shard, ShardCorrupt
+from diloco.model.contract import column_tensor
 from diloco.store import StoreError
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -56,11 +57,14 @@ class Batch:
     row_end: int
     last_of_shard: bool  # no more rows of this shard follow: it can be released after the push
     lease: int = 0  # which of this learner's leases on the shard the rows came with
+    # What a row counts for in the ledger: seq_len + 1 tokens, or 1 (a sample).
+    tokens_per_row: int = 0
 
     @property
     def tokens(self) -> int:
-        """Shard tokens consumed (rows × (seq_len + 1)), the unit the ledger counts in."""
-        return (self.row_end - self.row_start) * int(self.columns["input_ids"].shape[1])
+        """Shard tokens consumed (rows × (seq_len + 1), or rows of samples): the ledger's unit."""
+        per_row = self.tokens_per_row or int(self.columns["input_ids"].shape[1])
+        return (self.row_end - self.row_start) * per_row
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
         return {name: t.to(device, non_blocking=True) for name, t in self.columns.items()}
@@ -213,7 +217,7 @@ class ShardPrefetcher:
             self.release(lease.shard_id)
             self.client.report_shard(lease.shard_id, str(e))
             return None
-        return lease, number, shard.rows
+        return lease, number, shard
 
     # -- stage 2: rows to batches ---------------------------------------------------------------
 
@@ -262,16 +266,16 @@ class ShardPrefetcher:
             log.exception("prefetch batch thread failed")
             self._put(self.queue, DONE)
 
-    def _batches(self, lease: pb.LeaseShardReply, number: int, rows) -> Iterator[Batch]:
+    def _batches(self, lease: pb.LeaseShardReply, number: int, shard: Shard) -> Iterator[Batch]:
         with self._lock:
             done = list(self._skip.get(lease.shard_id, ()))
         ranges = [r for s in lease.todo for r in subtract((s.row_start, s.row_end), done)]
+        tokens_per_row = shard.header["tokens"] // max(1, shard.header["rows"])
         for r, (a, b) in enumerate(ranges):
             for i in range(a, b, self.batch_size):
                 if not self._is_live(lease.shard_id, number):
                     return  # the lease was lost meanwhile: its rows are someone else's
                 j = min(i + self.batch_size, b)
-                # int64 one batch at a time: a whole shard widened at once would take 4x its memory.
-                block = torch.from_numpy(rows[i:j].astype("int64"))
                 last = r == len(ranges) - 1 and j == b
-                yield Batch({"input_ids": block}, lease.shard_id, i, j, last, number)
+                columns = {name: column_tensor(c[i:j]) for name, c in shard.columns.items()}
+                yield Batch(columns, lease.shard_id, i, j, last, number, tokens_per_row)

@@ -22,7 +22,7 @@ from diloco.coordinator.memory import keep_freed_memory
 from diloco.coordinator.service import STREAMED_REQUEST_KINDS, CoordinatorService
 from diloco.coordinator.wirecount import CountRequestStreams
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, store_root
-from diloco.data.chunks import partition_dataset
+from diloco.data.chunks import mixed_order, partition_dataset
 from diloco.errors import DilocoError
 from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
@@ -125,9 +125,15 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
             f"model.vocab_size {config.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
         )
     files = dataset_files(config)
+    if config.data.preprocess and config.data.shuffle:
+        files = mixed_order(files, config.train.seed)
     try:
         parts = partition_dataset(
-            files, config.data.chunk_bytes, config.data.eval_fraction, config.data.text_field
+            files,
+            config.data.chunk_bytes,
+            config.data.eval_fraction,
+            config.data.text_field,
+            config.data.epochs,
         )
     except (OSError, ValueError) as e:
         raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e

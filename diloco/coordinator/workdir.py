@@ -19,7 +19,7 @@ def store_root(config: RunConfig, workdir: str) -> str:
 def dataset_files(config: RunConfig) -> list[str]:
     """The dataset's readable files; a missing or unreadable dataset is a clear error."""
     try:
-        return resolve_dataset(config.data.dataset)
+        return resolve_dataset(config.data.dataset, samples=bool(config.data.preprocess))
     except (OSError, ValueError) as e:
         raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
 

@@ -11,6 +11,7 @@ parquet file is cut by row group, from its footer alone: a segment holds a range
 from __future__ import annotations
 
 import logging
+import random
 from dataclasses import dataclass
 
 from diloco import store
@@ -108,6 +109,15 @@ def whole_file_segment(uri: str, text_field: str = "text") -> Segment | None:
     return Segment(uri, 0, size, True) if size else None
 
 
+def mixed_order(files: list[str], seed: int) -> list[str]:
+    """The files in a seeded random order. Samples are often laid out by class (one folder per
+    class, the ImageFolder convention): chunks of neighbouring files would each hold one class, and
+    H steps on one class, or a held-out split of one class, teach nothing."""
+    order = sorted(files)
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def eval_indices(n_chunks: int, eval_fraction: float) -> set[int]:
     """About `eval_fraction` of chunk indices, evenly spread; at least one when there are two chunks."""
     if eval_fraction <= 0 or n_chunks < 2:
@@ -125,9 +135,11 @@ class Partition:
 
 
 def partition_dataset(
-    files: list[str], chunk_bytes: int, eval_fraction: float, text_field: str = "text"
+    files: list[str], chunk_bytes: int, eval_fraction: float, text_field: str = "text", epochs: int = 1
 ) -> Partition:
-    """Deterministic chunks covering every byte (or row group) of every non-empty file exactly once.
+    """Deterministic chunks covering every byte (or row group) of every non-empty file exactly once,
+    and with `epochs` > 1 every train chunk that many times: each copy is a chunk of its own (made
+    into its own shard, its rows shuffled by its own index), so exactly-once holds per copy.
 
     Empty files, and parquet files whose footer cannot be read, are left out and counted.
     """
@@ -170,6 +182,9 @@ def partition_dataset(
         ChunkSpec(index=i, segments=tuple(g), split="eval" if i in held_out else "train")
         for i, g in enumerate(groups)
     ]
+    train = [c for c in chunks if c.split == "train"]
+    for _ in range(1, epochs):
+        chunks += [ChunkSpec(len(chunks) + k, c.segments, "train") for k, c in enumerate(train)]
     return Partition(chunks, stats)
 
 

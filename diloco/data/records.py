@@ -58,7 +58,7 @@ def iter_documents(
         yield from _parquet_texts(segment, text_field, max_record_bytes, stats)
     elif kind == "jsonl":
         yield from _jsonl_texts(
-            _lines(_decoded_blocks(segment, stats), max_record_bytes, stats), text_field, stats
+            record_lines(decoded_blocks(segment, stats), max_record_bytes, stats), text_field, stats
         )
     else:
         yield from _plain_texts(segment, stats)
@@ -67,7 +67,7 @@ def iter_documents(
 # -- bytes --------------------------------------------------------------------------------------
 
 
-def _decoded_blocks(segment: Segment, stats: RecordStats) -> Iterator[bytes]:
+def decoded_blocks(segment: Segment, stats: RecordStats) -> Iterator[bytes]:
     """The segment's bytes, decompressed when the file is, a block at a time."""
     codec = compression(segment.uri)
     if codec is None:
@@ -153,7 +153,7 @@ def _text_pieces(blocks: Iterable[bytes]) -> Iterator[bytes]:
 def _plain_texts(segment: Segment, stats: RecordStats) -> Iterator[tuple[str, bool]]:
     # One document per file: only the piece that ends the file ends the document.
     previous: str | None = None
-    for piece in _text_pieces(_decoded_blocks(segment, stats)):
+    for piece in _text_pieces(decoded_blocks(segment, stats)):
         try:
             text = piece.decode("utf-8")
         except UnicodeDecodeError:
@@ -173,7 +173,7 @@ def _plain_texts(segment: Segment, stats: RecordStats) -> Iterator[tuple[str, bo
 # -- JSONL --------------------------------------------------------------------------------------
 
 
-def _lines(blocks: Iterable[bytes], max_bytes: int, stats: RecordStats) -> Iterator[bytes]:
+def record_lines(blocks: Iterable[bytes], max_bytes: int, stats: RecordStats) -> Iterator[bytes]:
     """The lines of a byte stream (without newlines). A line over `max_bytes` is counted and
     dropped as it streams past, never held whole."""
     pending = bytearray()
@@ -203,7 +203,8 @@ def _lines(blocks: Iterable[bytes], max_bytes: int, stats: RecordStats) -> Itera
         yield bytes(pending)
 
 
-def _jsonl_texts(lines: Iterable[bytes], text_field: str, stats: RecordStats) -> Iterator[tuple[str, bool]]:
+def jsonl_objects(lines: Iterable[bytes], stats: RecordStats) -> Iterator[dict]:
+    """The JSON objects of JSONL lines; lines that are not UTF-8 or not an object are counted."""
     # Segments are cut just after a newline, so every line here is a whole record.
     for line in lines:
         if not line.strip():
@@ -219,6 +220,11 @@ def _jsonl_texts(lines: Iterable[bytes], text_field: str, stats: RecordStats) ->
         if not isinstance(obj, dict):
             stats.skipped_not_json += 1
             continue
+        yield obj
+
+
+def _jsonl_texts(lines: Iterable[bytes], text_field: str, stats: RecordStats) -> Iterator[tuple[str, bool]]:
+    for obj in jsonl_objects(lines, stats):
         text = obj.get(text_field)
         if not isinstance(text, str):
             stats.skipped_missing_field += 1

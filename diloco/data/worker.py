@@ -1,4 +1,5 @@
-"""The data worker: lease a raw chunk, tokenize and pack it, write a shard, report it. Repeat.
+"""The data worker: lease a raw chunk, make a shard of it (tokenize and pack, or the user's
+preprocess: diloco.data.makers), report it. Repeat.
 
 Stateless: everything it needs comes with the lease and the config handed over at join, so any
 number of them can run anywhere that reaches the store and the coordinator. It exits 0 when the
@@ -15,12 +16,10 @@ import uuid
 
 from diloco import store
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
-from diloco.config import RunConfig
 from diloco.data.chunks import UNIT_ROW_GROUPS, ChunkSpec, Segment
-from diloco.data.process import process_chunk
-from diloco.data.shard import write_shard
+from diloco.data.makers import ShardMaker, shard_maker
 from diloco.role import heartbeat_thread, refusing
-from diloco.tokenizer import Tokenizer, load_checked_tokenizer
+from diloco.tokenizer import load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.data")
@@ -59,6 +58,7 @@ class DataWorker:
         assert config is not None
         with refusing(self.client, log):
             tokenizer = load_checked_tokenizer(config.data.tokenizer, reply.tokenizer_hash)
+            maker = shard_maker(config, tokenizer)
         heartbeats = heartbeat_thread(self._heartbeat, reply.heartbeat_s, self.stop, log)
         try:
             while not self.stop.is_set():
@@ -69,7 +69,7 @@ class DataWorker:
                 if lease.retry_after_s > 0:
                     self.stop.wait(lease.retry_after_s)
                     continue
-                self._process(lease, tokenizer, config)
+                self._process(lease, maker)
         finally:
             self.stop.set()
             self.client.leave("finished" if self.current_chunk is None else "stopping")
@@ -77,7 +77,7 @@ class DataWorker:
             heartbeats.join(5.0)  # not inside gRPC at interpreter exit
         return 0
 
-    def _process(self, lease: pb.LeaseChunkReply, tokenizer: Tokenizer, config: RunConfig) -> None:
+    def _process(self, lease: pb.LeaseChunkReply, maker: ShardMaker) -> None:
         self.current_chunk = lease.chunk_id
         started = time.monotonic()
         chunk = ChunkSpec(
@@ -91,17 +91,7 @@ class DataWorker:
             split=lease.split,
         )
         try:
-            processed = process_chunk(
-                chunk, tokenizer, config.model.seq_len, config.data.text_field, config.data.max_record_bytes
-            )
-            info = write_shard(
-                lease.shard_uri,
-                processed.rows,
-                tokenizer_id=tokenizer.id,
-                vocab_size=tokenizer.vocab_size,
-                chunk_index=chunk.index,
-                meta={"split": lease.split},
-            )
+            made = maker.make(chunk, lease.shard_uri)
         except Exception as e:  # any failure of this chunk is reported, never fatal to the worker
             log.warning("chunk %d failed: %s", lease.chunk_id, e)
             self.client.fail_chunk(
@@ -109,7 +99,7 @@ class DataWorker:
             )
             self.current_chunk = None
             return
-        seconds = time.monotonic() - started
+        seconds, info = time.monotonic() - started, made.info
         done = self.client.complete_chunk(
             pb.CompleteChunkRequest(
                 chunk_id=lease.chunk_id,
@@ -118,15 +108,21 @@ class DataWorker:
                 rows=info.rows,
                 tokens=info.tokens,
                 checksum=info.checksum,
-                bytes_in=processed.bytes_in,
+                bytes_in=made.bytes_in,
                 shard_bytes=info.nbytes,
-                dropped_tokens=processed.dropped_tokens,
-                record_stats={k: v for k, v in processed.stats.as_dict().items() if v},
+                dropped_tokens=made.dropped_tokens,
+                record_stats={k: v for k, v in made.stats.as_dict().items() if v},
                 seconds=seconds,
+                schema=made.schema,
             ),
         )
         self.current_chunk = None
         self.busy_s += seconds
+        if done.wrong_schema:  # our preprocess is not the run's: a failed attempt, not surplus
+            log.error("chunk %d: %s", lease.chunk_id, done.reason)
+            store.remove(info.uri)
+            self.client.fail_chunk(lease.chunk_id, f"the coordinator refused the shard: {done.reason}")
+            return
         if not done.accepted:
             # Another worker's shard for this chunk was recorded first: ours is surplus.
             log.info("chunk %d: completion refused (%s); removing %s", lease.chunk_id, done.reason, info.uri)

@@ -15,7 +15,7 @@ from diloco import store
 from diloco.config import RunConfig
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.workdir import store_root
-from diloco.data.shard import read_shard
+from diloco.data.shard import UNIT_TOKENS, read_shard
 from diloco.evaluate import can_sample, evaluate, sample_text, unigram_entropy
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
@@ -30,11 +30,11 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
     """The final global model: saved as one file, its loss on the held-out split next to the
     unigram baseline, and a sample."""
     versions = d.get("fragment_versions") or []
-    eval_rows = [read_shard(s["uri"], s["checksum"]).rows for s in d.get("eval_shards", [])]
-    if not (versions and eval_rows):
+    shards = [read_shard(s["uri"], s["checksum"]) for s in d.get("eval_shards", [])]
+    if not (versions and shards):
         return {"eval_loss": None, "eval_metrics": {}, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
-    rows = np.concatenate(eval_rows)
+    columns = {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}
     model = build_model(cfg.model, vocab, cfg.train.seed)
     params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
     with torch.no_grad():
@@ -42,22 +42,21 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
             p.copy_(params[param_name])
     # The trained model in one file: what a later run can start from (model.init_from).
     save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
-    used = rows[: EVAL_MAX_BATCHES * cfg.train.batch_size]
-    result = evaluate(
-        model, {"input_ids": rows}, cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES, cfg.model.factory
-    )
-    sample = (
-        sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed)
-        if can_sample(model)
-        else ""
-    )
+    result = evaluate(model, columns, cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES, cfg.model.factory)
+    tokens = shards[0].unit == UNIT_TOKENS
+    used = columns["input_ids"][: result.rows] if tokens else None
     return {
         "model": str(workdir / MODEL_FILE),
         "eval_loss": result.loss,
         "eval_metrics": result.metrics,
-        "baseline_loss": unigram_entropy([used], vocab),
-        "eval_tokens": int(used.size),
-        "sample": sample,
+        # Beside a token model's loss, the loss of the best guess that ignores context.
+        "baseline_loss": unigram_entropy([used], vocab) if used is not None else None,
+        "eval_tokens": int(used.size) if used is not None else result.rows,
+        "sample": (
+            sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed)
+            if tokens and can_sample(model)
+            else ""
+        ),
     }
 
 

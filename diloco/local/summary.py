@@ -35,7 +35,7 @@ def data_plane_metrics(d: dict[str, Any], train_seconds: float) -> dict[str, Any
     }
 
 
-def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, seq_len: int) -> float:
+def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, tokens_per_row: int) -> float:
     """What DDP moves per trained token with the same model, batch and workers: a ring all-reduce
     of fp32 gradients every step, in which each of N ranks sends (and receives) 2(N−1)/N × 4 bytes
     per parameter. Each byte is counted once, as diloco's wire bytes are (sent by one side,
@@ -43,7 +43,7 @@ def ddp_wire_bytes_per_token(params: int, workers: int, batch_size: int, seq_len
     if workers < 2:
         return 0.0
     per_step = workers * (2 * (workers - 1) / workers) * 4 * params
-    return per_step / (workers * batch_size * (seq_len + 1))
+    return per_step / (workers * batch_size * tokens_per_row)
 
 
 def goodput(
@@ -154,8 +154,10 @@ def summarize(
 
     params = summary["params"] = param_count(cfg, vocab)
     summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
-        params, learners, cfg.train.batch_size, cfg.model.seq_len
+        params, learners, cfg.train.batch_size, 1 if cfg.data.preprocess else cfg.model.seq_len + 1
     )
+    # What the ledger counted exactly once: tokens of packed rows, or samples of a preprocess.
+    summary["unit"] = "samples" if cfg.data.preprocess else "tokens"
     summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
     summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
     timed = [w for w in d.get("workers", []) if w["role"] == "compute" and w.get("wall_seconds")]

@@ -1,7 +1,8 @@
 """What diloco asks of a model, the user's or its own: one convention, checked where it is used.
 
     model = factory(**model.kwargs)         an nn.Module (vocab_size and seq_len offered by name)
-    out = model(batch)                      batch: {column name: tensor}, one row per sample
+    out = model(batch)                      batch: {column name: tensor}, one row per sample;
+                                            integer columns come as int64
     loss = out | out.loss | out["loss"]     a scalar tensor (Hugging Face models return .loss)
     metrics = out.metrics | out["metrics"]  optional {name: scalar}, e.g. accuracy, averaged
                                             over the held-out rows like the loss
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from diloco.errors import DilocoError
@@ -22,6 +24,15 @@ from diloco.errors import DilocoError
 
 class ModelContractError(DilocoError):
     """A model that does not keep the convention: a forward without a loss, a factory without a module."""
+
+
+def column_tensor(column: np.ndarray) -> torch.Tensor:
+    """A batch's slice of a shard column as the model gets it: integers widened to int64 (what
+    embeddings and losses index with), floats and booleans as stored. One batch at a time: a
+    whole shard widened at once would take 4x its memory."""
+    if column.dtype.kind in "iu":
+        return torch.from_numpy(column.astype(np.int64))
+    return torch.from_numpy(np.ascontiguousarray(column))
 
 
 def loss_and_metrics(output: Any, where: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -3,7 +3,6 @@ runs, called with model.kwargs, under a seeded RNG so every learner builds the s
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import replace
@@ -14,28 +13,10 @@ import torch.nn as nn
 
 from diloco.config import ModelConfig
 from diloco.errors import DilocoError
+from diloco.plugins import resolve
 
 # What the run knows and offers a factory that takes parameters of these names.
 OFFERED = ("vocab_size", "seq_len")
-
-
-def resolve(spec: str, key: str) -> Callable[..., Any]:
-    """The function `spec` ("package.module:function") names; `key` is its config key, for errors."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise DilocoError(f'{key} {spec!r}: expected "package.module:function"')
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise DilocoError(f"{key} {spec!r}: cannot import {module_name} here ({e})") from e
-    fn: Any = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise DilocoError(f"{key} {spec!r}: {module_name} has no {attr}")
-    if not callable(fn):
-        raise DilocoError(f"{key} {spec!r}: {attr} is {_a(type(fn).__name__)}, not a function")
-    return fn
 
 
 def factory_kwargs(fn: Callable[..., Any], model: ModelConfig) -> dict[str, Any]:
@@ -78,6 +59,3 @@ def build_model(model: ModelConfig, vocab_size: int = 0, seed: int = 0) -> nn.Mo
         raise DilocoError(f"model.factory {model.factory} built a module without parameters")
     return built
 
-
-def _a(noun: str) -> str:
-    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"

@@ -156,7 +156,7 @@ class LeaseChunkReply(_message.Message):
     def __init__(self, chunk_id: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., split: _Optional[str] = ..., shard_uri: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., retry_after_s: _Optional[float] = ..., done: _Optional[bool] = ..., run_state: _Optional[_Union[RunState, str]] = ...) -> None: ...
 
 class CompleteChunkRequest(_message.Message):
-    __slots__ = ("worker_id", "chunk_id", "completion_id", "shard_uri", "rows", "tokens", "checksum", "bytes_in", "shard_bytes", "dropped_tokens", "record_stats", "seconds")
+    __slots__ = ("worker_id", "chunk_id", "completion_id", "shard_uri", "rows", "tokens", "checksum", "bytes_in", "shard_bytes", "dropped_tokens", "record_stats", "seconds", "schema")
     class RecordStatsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class CompleteChunkRequest(_message.Message):
     DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RECORD_STATS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_id: int
     completion_id: str
@@ -188,17 +189,20 @@ class CompleteChunkRequest(_message.Message):
     dropped_tokens: int
     record_stats: _containers.ScalarMap[str, int]
     seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., completion_id: _Optional[str] = ..., shard_uri: _Optional[str] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ..., checksum: _Optional[str] = ..., bytes_in: _Optional[int] = ..., shard_bytes: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., record_stats: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    schema: str
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_id: _Optional[int] = ..., completion_id: _Optional[str] = ..., shard_uri: _Optional[str] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ..., checksum: _Optional[str] = ..., bytes_in: _Optional[int] = ..., shard_bytes: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., record_stats: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[float] = ..., schema: _Optional[str] = ...) -> None: ...
 
 class CompleteChunkReply(_message.Message):
-    __slots__ = ("accepted", "reason", "shard_id")
+    __slots__ = ("accepted", "reason", "shard_id", "wrong_schema")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    WRONG_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
     shard_id: int
-    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., shard_id: _Optional[int] = ...) -> None: ...
+    wrong_schema: bool
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., shard_id: _Optional[int] = ..., wrong_schema: _Optional[bool] = ...) -> None: ...
 
 class FailChunkRequest(_message.Message):
     __slots__ = ("worker_id", "chunk_id", "error")

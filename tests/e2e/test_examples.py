@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,28 @@ def test_hf_llama_trains_below_the_unigram_baseline_and_exports_to_transformers(
     with torch.no_grad():
         batch = torch.tensor([ids])
         assert torch.equal(loaded(input_ids=batch).logits, model.logits(batch))
+
+
+@pytest.mark.timeout(300)
+def test_digits_reach_95_percent_held_out_accuracy_with_two_learners(tmp_path: Path) -> None:
+    images, workdir = tmp_path / "images", tmp_path / "run"
+    prepared = subprocess.run(
+        [sys.executable, str(REPO / "examples/digits/prepare.py"), str(images)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert prepared.returncode == 0, prepared.stderr
+    assert len(list(images.glob("*/*.png"))) == 1797 and sorted(p.name for p in images.iterdir()) == list(
+        "0123456789"
+    )
+    result = run_cli(
+        ["run", "--config", str(REPO / "examples/digits/run.toml"), "--dataset", str(images), "--workdir",
+         str(workdir), "--learners", "2", "--no-progress"],
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["unit"] == "samples" and summary["audit_ok"], summary
+    # 5 views of every image, 8 passes over the train split, each sample merged exactly once
+    assert summary["tokens_merged"] == summary["tokens_trained"] > 8 * 5 * 1797 * 0.7
+    assert summary["eval_metrics"]["accuracy"] >= 0.95, summary["eval_metrics"]
+    assert summary["baseline_loss"] is None and summary["sample"] == ""

@@ -105,6 +105,12 @@ class LedgerBase:
             for key, value in values.items():
                 db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
 
+    def first_meta(self, key: str, value: str) -> str:
+        """The value `key` holds, set to `value` when it held none: the first writer wins, at once."""
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)", (key, value))
+            return db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0]
+
     @property
     def initialized(self) -> bool:
         return self.get_meta("dataset") is not None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 
 from diloco import store
@@ -10,6 +12,7 @@ from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     log,
 )
+from diloco.data.preprocess import schema_difference
 from diloco.v1 import coordinator_pb2 as pb
 
 
@@ -68,6 +71,13 @@ class ChunkRPCs(ServiceBase):
             )
         if request.rows and request.tokens % request.rows:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be a whole number of rows")
+        if request.schema:
+            refusal = self._schema_refusal(request.schema)
+            if refusal:
+                log.warning("chunk %d from %s refused: %s", request.chunk_id, request.worker_id, refusal)
+                reply = pb.CompleteChunkReply(accepted=False, reason=refusal, wrong_schema=True)
+                self.wire.add_out("complete_chunk", reply)
+                return reply
         done = self.ledger.complete_chunk(
             request.worker_id,
             request.chunk_id,
@@ -95,6 +105,17 @@ class ChunkRPCs(ServiceBase):
         reply = pb.CompleteChunkReply(accepted=done.accepted, reason=done.reason, shard_id=done.shard_id)
         self.wire.add_out("complete_chunk", reply)
         return reply
+
+    def _schema_refusal(self, schema_json: str) -> str:
+        """Why a shard's columns are not the run's (the first recorded shard's), or ""."""
+        try:
+            got = json.loads(schema_json)
+        except ValueError:
+            return "the shard's schema is not JSON"
+        recorded = json.loads(self.ledger.first_meta("schema", json.dumps(got, sort_keys=True)))
+        if got == recorded:
+            return ""
+        return f"its columns are not the run's ({schema_difference(recorded, got)}): is data.preprocess the same on every data worker?"
 
     def FailChunk(self, request: pb.FailChunkRequest, context: grpc.ServicerContext) -> pb.FailChunkReply:
         self.wire.unary_in("fail_chunk", request)

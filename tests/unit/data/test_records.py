@@ -49,15 +49,9 @@ def compress(data: bytes, codec: str) -> bytes:
 
 def test_compressed_kinds_are_recognised_and_never_cut():
     assert [
-        file_kind(f"a.{s}") for s in ("txt.gz", "md.zst", "jsonl.gz", "jsonl.zst", "parquet", "csv.gz")
-    ] == [
-        "text",
-        "text",
-        "jsonl",
-        "jsonl",
-        "parquet",
-        None,
-    ]
+        file_kind(f"a.{s}")
+        for s in ("txt.gz", "md.zst", "jsonl.gz", "jsonl.zst", "parquet", "csv.gz", "png.gz", "npy", "JPG", "doc")
+    ] == ["text", "text", "jsonl", "jsonl", "parquet", "csv", None, "npy", "image", None]
     assert not is_splittable("a.jsonl.zst") and not is_splittable("a.parquet") and is_splittable("a.jsonl")
 
 
@@ -186,7 +180,7 @@ def test_oversized_jsonl_records_are_counted_and_skipped(tmp_path):
 def test_line_splitter_drops_a_long_line_across_blocks_without_holding_it():
     stats = RecordStats()
     blocks = [b"ok1\nxxxx", b"xxxxxxxx", b"xxxx\nok2", b"\n\nlast"]
-    assert list(records._lines(blocks, 6, stats)) == [b"ok1", b"ok2", b"", b"last"]
+    assert list(records.record_lines(blocks, 6, stats)) == [b"ok1", b"ok2", b"", b"last"]
     assert stats.skipped_oversized == 1
 
 

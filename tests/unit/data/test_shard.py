@@ -124,7 +124,7 @@ def test_format_1_shards_are_still_read_and_checked():
     with pytest.raises(ShardCorrupt):
         decode_shard(bytes(bad))
     with pytest.raises(ShardCorrupt, match="format_version"):
-        decode_shard(_with_header(v2, format_version=3))
+        decode_shard(_with_header(v2, format_version=4))
 
 
 def test_a_frame_damaged_before_it_was_hashed_fails_zstds_own_checksum(shard_bytes):

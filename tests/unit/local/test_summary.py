@@ -31,8 +31,8 @@ from tests.support import commit_merge
 def test_ddp_bytes_per_token_is_the_ring_all_reduce() -> None:
     # 4 ranks, 1000 params: each rank sends 2·3/4·4 B per parameter per step = 6000 B; all ranks
     # 24000 B per step, for 4·16·129 tokens.
-    assert ddp_wire_bytes_per_token(1000, 4, 16, 128) == pytest.approx(24000 / (4 * 16 * 129))
-    assert ddp_wire_bytes_per_token(1000, 1, 16, 128) == 0.0  # one rank all-reduces nothing
+    assert ddp_wire_bytes_per_token(1000, 4, 16, 129) == pytest.approx(24000 / (4 * 16 * 129))
+    assert ddp_wire_bytes_per_token(1000, 1, 16, 129) == 0.0  # one rank all-reduces nothing
 
 
 def test_longest_merge_gap_reads_the_rounds(tmp_path: Path) -> None:

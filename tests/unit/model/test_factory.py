@@ -19,7 +19,8 @@ from diloco.model.contract import (
     loss_and_metrics,
     parameter_layout,
 )
-from diloco.model.factory import factory_kwargs, resolve
+from diloco.model.factory import factory_kwargs
+from diloco.plugins import resolve
 from tests.toy_models import TinyLM, tiny_lm
 
 TOY = "tests.toy_models:tiny_lm"
