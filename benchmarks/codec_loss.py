@@ -39,6 +39,7 @@ from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
 from diloco.model import build_model, lr_at, make_inner_optimizer  # noqa: E402
+from diloco.model.contract import loss_and_metrics  # noqa: E402
 from diloco.model.weights import check_matches, load_weights  # noqa: E402
 from diloco.tokenizer import load_tokenizer  # noqa: E402
 from diloco.wire import codecs  # noqa: E402
@@ -78,7 +79,7 @@ def train_arm(
                 at = learner["row"]
                 batch = torch.from_numpy(rows[at : at + t.batch_size].astype(np.int64))
                 learner["row"] = at + t.batch_size
-                loss = model({"input_ids": batch})
+                loss, _ = loss_and_metrics(model({"input_ids": batch}), "the model")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if t.grad_clip > 0:

@@ -1,6 +1,8 @@
 """DDP, synchronous DiLoCo and Decoupled DiLoCo side by side: same model, data and token budget.
 
     python benchmarks/compare.py --tokens 1500000 --workers 4 --out benchmarks/results/compare.json
+    python benchmarks/compare.py --model examples/hf-llama/run.toml --workers 2 --no-slow \
+        --arms ddp,decoupled --tokens 1000000                      # a tiny Llama: diloco vs DDP
 
 Each arm runs fault-free and with one worker made 3× slower (an injected delay per step). For
 each: eval loss (on the same held-out rows), tokens trained and merged per second, learner
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +117,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{r['wire_bytes_per_token']:>12.2f}{r['wall_seconds']:>8.1f}")  # fmt: skip
 
 
+def model_overrides(model: str) -> dict[str, Any]:
+    """--model as config overrides: a factory, or the [model] table of a run.toml."""
+    if not model:
+        return {}
+    if not model.endswith(".toml"):
+        return {"model.factory": model, "model.kwargs": {}}
+    with open(model, "rb") as f:
+        table = tomllib.load(f).get("model", {})
+    return {f"model.{key}": value for key, value in table.items()}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -131,6 +145,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--no-slow", action="store_true", help="fault-free arms only")
     p.add_argument("--init-from", default="", help="start every diloco arm from this model.safetensors")
+    p.add_argument("--model", default="",
+                   help='every arm\'s model: a factory "package.module:function", or a run.toml whose [model] '
+                        "is taken (e.g. examples/hf-llama/run.toml)")  # fmt: skip
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every arm, e.g. train.batch_size=4 (repeatable)")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
@@ -147,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
                 "model.init_from": args.init_from,
             }  # fmt: skip
         )
+        .with_overrides(model_overrides(args.model))
         .with_overrides(parse_assignments(args.overrides))
         .validate()
     )

@@ -55,6 +55,7 @@ from diloco.data.chunks import partition
 from diloco.data.process import process_chunk
 from diloco.evaluate import eval_loss, unigram_entropy
 from diloco.model import build_model, lr_at, make_inner_optimizer
+from diloco.model.contract import loss_and_metrics  # noqa: E402
 from diloco.tokenizer import load_tokenizer
 
 # The benchmark's own default chunk size: small enough that a short run does not tokenize far more
@@ -169,7 +170,7 @@ def _train_rank(
             # global batch g holds rows [g*bs, (g+1)*bs); rank r takes every N-th batch
             g = (step % steps_per_epoch) * world + rank
             batch = torch.from_numpy(train_rows[g * bs : (g + 1) * bs].astype(np.int64)).to(device)
-            loss = ddp({"input_ids": batch})
+            loss, _ = loss_and_metrics(ddp({"input_ids": batch}), "the model")
             opt.zero_grad(set_to_none=True)
             loss.backward()  # the gradient all-reduce happens here, bucket by bucket
             if cfg.train.grad_clip > 0:

@@ -33,6 +33,7 @@ from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
 from diloco.model import build_model, lr_at, make_inner_optimizer  # noqa: E402
+from diloco.model.contract import loss_and_metrics  # noqa: E402
 from diloco.tokenizer import load_tokenizer  # noqa: E402
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             block = torch.from_numpy(rows.astype("int64"))
             for g in optims[m].param_groups:
                 g["lr"] = lr_at(done[m], cfg.train)
-            loss = models[m]({"input_ids": block})
+            loss, _ = loss_and_metrics(models[m]({"input_ids": block}), "the model")
             optims[m].zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(models[m].parameters(), cfg.train.grad_clip)

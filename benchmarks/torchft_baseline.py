@@ -60,6 +60,7 @@ from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig, parse_assignments
 from diloco.evaluate import eval_loss, unigram_entropy
 from diloco.model import build_model, lr_at, make_inner_optimizer
+from diloco.model.contract import loss_and_metrics  # noqa: E402
 from diloco.tokenizer import load_tokenizer
 
 LOOPBACK = "127.0.0.1"
@@ -173,7 +174,7 @@ def _train_replica(
                 # the rows ddp_baseline's rank `replica` takes: every N-th global batch
                 g = (step % steps_per_epoch) * world + replica
                 batch = torch.from_numpy(train_rows[g * bs : (g + 1) * bs].astype(np.int64)).to(device)
-                loss = model({"input_ids": batch})
+                loss, _ = loss_and_metrics(model({"input_ids": batch}), "the model")
                 inner.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.train.grad_clip > 0:

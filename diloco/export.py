@@ -54,7 +54,9 @@ def export_run(workdir: str | Path, out: str | Path, fmt: str) -> list[Path]:
     if fmt == "safetensors":
         params = {n: p.detach() for n, p in model.named_parameters()}
         save_weights(str(out / "model.safetensors"), params, {"versions": json.dumps(versions)})
-        (out / "config.json").write_text(json.dumps({"model": cfg.to_dict()["model"], "versions": versions}, indent=2))
+        (out / "config.json").write_text(
+            json.dumps({"model": cfg.to_dict()["model"], "versions": versions}, indent=2)
+        )
     else:
         save = getattr(model, "save_pretrained", None)
         if not callable(save):

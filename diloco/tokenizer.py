@@ -86,7 +86,11 @@ def byte_tokenizer_json() -> str:
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers
 
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     shifted = iter(range(256, 512))
     char_of = {b: chr(b if b in printable else next(shifted)) for b in range(256)}
     tok = _HF(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))

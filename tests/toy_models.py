@@ -52,4 +52,6 @@ def no_loss(*, vocab_size: int) -> nn.Module:
 
 def not_a_module() -> dict:
     return {"weight": torch.zeros(2)}
+
+
 TOY_CONSTANT = 3

@@ -58,4 +58,3 @@ def build_model(model: ModelConfig, vocab_size: int = 0, seed: int = 0) -> nn.Mo
     if not any(True for _ in built.parameters()):
         raise DilocoError(f"model.factory {model.factory} built a module without parameters")
     return built
-

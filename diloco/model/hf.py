@@ -72,7 +72,9 @@ def causal_lm(
         raise ValueError(f"the model's vocab_size {held.vocab_size} is below the tokenizer's {vocab_size}")
     positions = getattr(held, "max_position_embeddings", None)
     if seq_len and positions is not None and positions < seq_len + 1:
-        raise ValueError(f"the model's max_position_embeddings {positions} is below model.seq_len + 1 ({seq_len + 1})")
+        raise ValueError(
+            f"the model's max_position_embeddings {positions} is below model.seq_len + 1 ({seq_len + 1})"
+        )
     return HFCausalLM(lm.float())
 
 

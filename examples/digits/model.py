@@ -18,7 +18,9 @@ class DigitsCNN(nn.Module):
             nn.ReLU(),
             nn.MaxPool2d(2),  # 8×8 -> 4×4
         )
-        self.head = nn.Sequential(nn.Flatten(), nn.Linear(2 * channels * 16, 64), nn.ReLU(), nn.Linear(64, classes))
+        self.head = nn.Sequential(
+            nn.Flatten(), nn.Linear(2 * channels * 16, 64), nn.ReLU(), nn.Linear(64, classes)
+        )
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, object]:
         logits = self.head(self.features(batch["pixels"]))

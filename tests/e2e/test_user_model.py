@@ -28,7 +28,9 @@ def test_a_users_factory_trains_through_diloco_run(tiny_corpus: Path, tmp_path: 
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["config"]["model"]["factory"] == TOY and summary["config"]["model"]["kwargs"] == {"width": 32}
+    assert summary["config"]["model"]["factory"] == TOY and summary["config"]["model"]["kwargs"] == {
+        "width": 32
+    }
     assert summary["params"] == 257 * 32 + 32 * 32 + 32 + 32 * 257 + 257
     assert summary["eval_loss"] < summary["first_loss"] - 0.5, summary
     # the model's own metric, averaged over the held-out rows like the loss
@@ -38,7 +40,11 @@ def test_a_users_factory_trains_through_diloco_run(tiny_corpus: Path, tmp_path: 
 
 @pytest.mark.timeout(120)
 def test_a_learner_whose_model_is_not_the_runs_is_refused(tiny_corpus: Path, tmp_path: Path) -> None:
-    with tiny_coordinator(tiny_corpus, tmp_path / "coord", {"model.factory": TOY, "model.kwargs": {}}) as (running, _, _):
+    with tiny_coordinator(tiny_corpus, tmp_path / "coord", {"model.factory": TOY, "model.kwargs": {}}) as (
+        running,
+        _,
+        _,
+    ):
         address = f"127.0.0.1:{running.port}"
         # Another version of the user's package on this machine builds a wider model.
         result = run_cli(
@@ -46,7 +52,9 @@ def test_a_learner_whose_model_is_not_the_runs_is_refused(tiny_corpus: Path, tmp
         )
     assert result.returncode != 0
     refusal = [line for line in result.stderr.splitlines() if "is not the run's" in line]
-    assert refusal and "shapes differ: ['embed.weight (257, 32) vs (257, 16)'" in refusal[-1], result.stderr[-2000:]
+    assert refusal and "shapes differ: ['embed.weight (257, 32) vs (257, 16)'" in refusal[-1], result.stderr[
+        -2000:
+    ]
     assert "Traceback" not in result.stderr
 
 
@@ -55,7 +63,9 @@ def test_a_forward_without_a_loss_is_refused_at_the_first_step(tiny_corpus: Path
     with tiny_coordinator(
         tiny_corpus, tmp_path / "coord", {"model.factory": "tests.toy_models:no_loss", "model.kwargs": {}}
     ) as (running, _, _):
-        result = run_cli(["compute", "--coordinator", f"127.0.0.1:{running.port}", "--threads", "1"], timeout=90)
+        result = run_cli(
+            ["compute", "--coordinator", f"127.0.0.1:{running.port}", "--threads", "1"], timeout=90
+        )
     assert result.returncode != 0
     assert "model.factory tests.toy_models:no_loss: forward returned a tensor of shape" in result.stderr, (
         result.stderr[-2000:]

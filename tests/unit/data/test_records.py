@@ -50,7 +50,18 @@ def compress(data: bytes, codec: str) -> bytes:
 def test_compressed_kinds_are_recognised_and_never_cut():
     assert [
         file_kind(f"a.{s}")
-        for s in ("txt.gz", "md.zst", "jsonl.gz", "jsonl.zst", "parquet", "csv.gz", "png.gz", "npy", "JPG", "doc")
+        for s in (
+            "txt.gz",
+            "md.zst",
+            "jsonl.gz",
+            "jsonl.zst",
+            "parquet",
+            "csv.gz",
+            "png.gz",
+            "npy",
+            "JPG",
+            "doc",
+        )
     ] == ["text", "text", "jsonl", "jsonl", "parquet", "csv", None, "npy", "image", None]
     assert not is_splittable("a.jsonl.zst") and not is_splittable("a.parquet") and is_splittable("a.jsonl")
 

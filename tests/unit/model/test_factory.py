@@ -71,7 +71,9 @@ def test_a_forward_may_return_a_loss_an_object_with_loss_or_a_dict() -> None:
     assert loss_and_metrics(SimpleNamespace(loss=loss, logits=None), "m") == (loss, {})
     got, metrics = loss_and_metrics({"loss": loss.reshape(1), "metrics": {"acc": 0.5}}, "m")
     assert got.shape == () and metrics["acc"].item() == 0.5
-    with pytest.raises(ModelContractError, match=r"m: forward returned a tensor of shape \(2, 4\), not a scalar"):
+    with pytest.raises(
+        ModelContractError, match=r"m: forward returned a tensor of shape \(2, 4\), not a scalar"
+    ):
         loss_and_metrics(torch.zeros(2, 4), "m")
     with pytest.raises(ModelContractError, match="returned a tuple"):
         loss_and_metrics((loss, {}), "m")
