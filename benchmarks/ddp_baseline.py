@@ -226,7 +226,7 @@ def _train_rank(
         "steps": step,
         "steps_per_second": step / wall if wall > 0 else 0.0,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
-        "params": model.num_params(),
+        "params": sum(p.numel() for p in model.parameters()),
         "epochs": step / steps_per_epoch,
         "batch_size": bs,
         "seq_len": cfg.model.seq_len,

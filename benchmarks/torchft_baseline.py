@@ -210,7 +210,7 @@ def _train_replica(
         }
         if replica == 0:  # replica 0's parameters are the global ones after the last outer step
             part["eval_loss"] = eval_loss(model, eval_rows, bs, device, max_batches=eval_batches)
-            part["params"] = model.num_params()
+            part["params"] = sum(p.numel() for p in model.parameters())
     finally:
         manager.shutdown(wait=False)
     del store
