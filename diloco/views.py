@@ -17,8 +17,13 @@ def progress_line(d: dict[str, Any], started: float) -> str:
         f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
         f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
         f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
-        f"loss {f'{loss:.4f}' if loss else '-'}"
+        f"loss {f'{loss:.4f}' if loss else '-'}{metrics_text(d.get('train_metrics'))}"
     )
+
+
+def metrics_text(metrics: dict[str, float] | None) -> str:
+    """The model's own metrics, e.g. " accuracy 0.9130" ("" when it returns none)."""
+    return "".join(f" {name} {value:.4f}" for name, value in sorted((metrics or {}).items()))
 
 
 def progress_table(d: dict[str, Any], started: float, name: str, minutes: float) -> Table:
@@ -38,6 +43,8 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
     loss = d.get("last_loss")
     table.add_row("loss", f"{loss:.4f}" if loss else "-")
+    if d.get("train_metrics"):
+        table.add_row("train metrics", metrics_text(d["train_metrics"]).strip())
     learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
     table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
     return table
@@ -96,7 +103,8 @@ def status_lines(detail: dict[str, Any]) -> list[str]:
         f"chunks {d['chunks_done']}/{d['chunks_total']} done, {d['chunks_quarantined']} quarantined",
         f"shards {d['shards_total']} ({d['shards_consumed']} consumed), tokens prepared {d['tokens_prepared']:,}",
         f"tokens trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}, rounds {d['rounds']}",
-        f"fragment versions {d['fragment_versions']}, last loss {d['last_loss']}",
+        f"fragment versions {d['fragment_versions']}, last loss {d['last_loss']}"
+        f"{metrics_text(d.get('train_metrics'))}",
         records_line(d.get("record_stats", {})),
         *(worker_line(w) for w in d["workers"]),
     ]
@@ -108,6 +116,7 @@ def worker_line(w: dict) -> str:
     if w["role"] == "data":
         return line + f"tokens={w.get('tokens_prepared', 0)} tokens/s={w.get('tokens_per_s', 0.0):,.0f}"
     line += f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
+    line += "".join(f" {k}={v:.4f}" for k, v in sorted((w.get("train_metrics") or {}).items()))
     if w["role"] == "compute" and w.get("wall_seconds"):
         line += f" data-stall={w.get('data_stall_seconds', 0.0) / w['wall_seconds']:.1%}"
     return line

@@ -19,18 +19,18 @@ def inner_step(
     train: TrainConfig,
     device: torch.device,
     where: str = "the model",
-) -> float:
-    """Forward, backward, clip, AdamW: returns the batch's loss."""
+) -> tuple[float, dict[str, float]]:
+    """Forward, backward, clip, AdamW: returns the batch's loss and the metrics the forward gave."""
     lr = lr_at(step, train)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss, _ = loss_and_metrics(model(batch.to(device)), where)
+    loss, metrics = loss_and_metrics(model(batch.to(device)), where)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if train.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
     optimizer.step()
-    return loss.item()
+    return loss.item(), {name: value.item() for name, value in metrics.items()}
 
 
 def straggle_s(compute_s: float, *, slow_factor: float, step_delay_s: float) -> float:

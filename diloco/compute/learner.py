@@ -255,7 +255,7 @@ class Learner(KeepsLocalState, EndGame):
 
     def _inner_step(self, batch: Batch) -> None:
         started = time.monotonic()
-        loss = inner_step(
+        loss, metrics = inner_step(
             self.model, self.optimizer, batch,
             step=self.progress.inner_steps, train=self.cfg.train, device=self.device,
             where=f"model.factory {self.cfg.model.factory}",
@@ -266,12 +266,12 @@ class Learner(KeepsLocalState, EndGame):
         )
         if pause:
             time.sleep(pause)
-        self._stepped(batch, loss, time.monotonic() - started)
+        self._stepped(batch, loss, time.monotonic() - started, metrics)
 
-    def _stepped(self, batch: Batch, loss: float, seconds: float) -> None:
+    def _stepped(self, batch: Batch, loss: float, seconds: float, metrics: dict[str, float]) -> None:
         """Count one inner step on `batch`: its tokens and loss go to every fragment's next push,
         its rows to the push that carries them."""
-        self.progress.stepped(seconds, batch.tokens, loss)
+        self.progress.stepped(seconds, batch.tokens, loss, metrics)
         for f in self.frags:
             f.steps += 1
             f.tokens += batch.tokens

@@ -76,12 +76,16 @@ class Run:
             if self._pending is not None:
                 raise DilocoError("call run.step(loss) after each optimizer step, before the next batch")
 
-    def step(self, loss: torch.Tensor | float) -> None:
-        """Report the optimizer step just taken on the last batch, with its loss."""
+    def step(self, loss: torch.Tensor | float, metrics: dict[str, float] | None = None) -> None:
+        """Report the optimizer step just taken on the last batch, with its loss (and metrics to
+        show in `diloco status`, e.g. accuracy)."""
         if self._pending is None:
             raise DilocoError("run.step() without a batch: call it once per batch of run.batches()")
         value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
-        self._learner._stepped(self._pending, value, time.monotonic() - self._handed_at)
+        metrics = {
+            k: float(v.item() if isinstance(v, torch.Tensor) else v) for k, v in (metrics or {}).items()
+        }
+        self._learner._stepped(self._pending, value, time.monotonic() - self._handed_at, metrics)
         self._pending = None
 
     def close(self, hand_in: bool = True) -> None:

@@ -22,12 +22,22 @@ class Progress:
     sync_wait_s: float = 0.0  # time waiting for the syncer
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None  # the training loop's end: the final flush is not training time
+    # The forward's metrics summed over the steps since the last heartbeat, and those steps.
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_steps: int = 0
+    last_metrics: dict[str, float] = field(default_factory=dict)
 
     def wall_s(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
-    def stepped(self, busy_s: float, tokens: int, loss: float) -> None:
-        """One inner step done."""
+    def stepped(
+        self, busy_s: float, tokens: int, loss: float, metrics: dict[str, float] | None = None
+    ) -> None:
+        """One inner step done, with the metrics its forward returned."""
+        if metrics:
+            for name, value in metrics.items():
+                self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
+            self.metric_steps += 1
         self.busy_s += busy_s
         self.inner_steps += 1
         self.tokens_trained += tokens
@@ -38,8 +48,17 @@ class Progress:
     def step_time_s(self) -> float:
         return self.busy_s / max(1, self.inner_steps)
 
+    def train_metrics(self) -> dict[str, float]:
+        """The metrics' means since the last call (a heartbeat), then start again; the last means
+        when no step was taken since."""
+        if self.metric_steps:
+            self.last_metrics = {name: total / self.metric_steps for name, total in self.metric_sums.items()}
+            self.metric_sums, self.metric_steps = {}, 0
+        return self.last_metrics
+
     def heartbeat(self, shard_leases: list[int]) -> pb.HeartbeatRequest:
         return pb.HeartbeatRequest(
+            train_metrics=self.train_metrics(),
             shard_leases=shard_leases,
             inner_steps=self.inner_steps,
             tokens_trained=self.tokens_trained,

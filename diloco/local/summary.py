@@ -130,6 +130,7 @@ def summarize(
         "shards": d.get("shards_total", 0),
         "tokens_prepared": d.get("tokens_prepared", 0),
         "first_loss": d.get("first_loss"),
+        "train_metrics": d.get("train_metrics") or {},
         "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
         "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
         "wire_bytes_by_role": d.get("wire_by_role", {}),

@@ -64,7 +64,14 @@ class JoinReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ..., run_id: _Optional[str] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds")
+    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics")
+    class TrainMetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_LEASES_FIELD_NUMBER: _ClassVar[int]
     SHARD_LEASES_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +83,7 @@ class HeartbeatRequest(_message.Message):
     DATA_STALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SYNC_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KEPT_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_METRICS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_leases: _containers.RepeatedScalarFieldContainer[int]
     shard_leases: _containers.RepeatedScalarFieldContainer[int]
@@ -87,7 +95,8 @@ class HeartbeatRequest(_message.Message):
     data_stall_seconds: float
     sync_wait_seconds: float
     kept_busy_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ...) -> None: ...
+    train_metrics: _containers.ScalarMap[str, float]
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("run_state", "coordinator_epoch", "lost_chunk_leases", "lost_shard_leases")

@@ -35,6 +35,8 @@ def test_a_users_factory_trains_through_diloco_run(tiny_corpus: Path, tmp_path: 
     assert summary["eval_loss"] < summary["first_loss"] - 0.5, summary
     # the model's own metric, averaged over the held-out rows like the loss
     assert 0.1 < summary["eval_metrics"]["accuracy"] < 1.0, summary["eval_metrics"]
+    # ...and, while it trained, the learners' own (heartbeats: diloco status and the live view)
+    assert 0.1 < summary["train_metrics"]["accuracy"] < 1.0, summary["train_metrics"]
     assert summary["sample"].startswith("def ")  # it has logits(), so it writes a sample
 
 

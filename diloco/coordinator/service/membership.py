@@ -54,6 +54,7 @@ class MembershipRPCs(ServiceBase):
             "wall_seconds": request.wall_seconds,
             "data_stall_seconds": request.data_stall_seconds,
             "sync_wait_seconds": request.sync_wait_seconds,
+            "train_metrics": dict(request.train_metrics),
         }
         ttl = self.config.coordinator.lease_ttl_s
         self.ledger.heartbeat(request.worker_id, stats)

@@ -83,6 +83,11 @@ class StatusRPCs(ServiceBase):
                 k.split(".", 1)[1]: int(v) for k, v in counters.items() if k.startswith("records.")
             },
             "first_loss": float(first_loss) if first_loss else None,
+            # The learners alive now; once all have left, what each reported last.
+            "train_metrics": mean_metrics(
+                [w.get("train_metrics") or {} for w in workers if w["role"] == "compute" and w["alive"]]
+                or [w.get("train_metrics") or {} for w in workers if w["role"] == "compute"]
+            ),
             "last_loss": None if math.isnan(self.last_loss) else self.last_loss,
             "wire_bytes_in": wire_in,
             "wire_bytes_out": wire_out,
@@ -133,3 +138,9 @@ class StatusRPCs(ServiceBase):
         )
         self.wire.add_out("status", reply)
         return reply
+
+
+def mean_metrics(per_learner: list[dict[str, float]]) -> dict[str, float]:
+    """The learners' training metrics, each averaged over the learners that report it."""
+    names = sorted({name for m in per_learner for name in m})
+    return {n: sum(m[n] for m in per_learner if n in m) / sum(n in m for m in per_learner) for n in names}

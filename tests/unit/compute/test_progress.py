@@ -1,0 +1,28 @@
+"""A learner's counters as its heartbeats report them: the model's metrics averaged per heartbeat."""
+
+from __future__ import annotations
+
+import pytest
+
+from diloco.compute.progress import Progress
+from diloco.coordinator.service.status import mean_metrics
+
+
+def test_metrics_are_averaged_over_the_steps_since_the_last_heartbeat() -> None:
+    p = Progress()
+    p.stepped(0.1, 10, 2.0, {"accuracy": 0.5})
+    p.stepped(0.1, 10, 1.5, {"accuracy": 0.7})
+    assert p.heartbeat([]).train_metrics == pytest.approx({"accuracy": 0.6})
+    # no step since: the last means stand (no flicker to nothing between steps)
+    assert p.heartbeat([]).train_metrics == pytest.approx({"accuracy": 0.6})
+    p.stepped(0.1, 10, 1.0, {"accuracy": 0.9})
+    assert p.heartbeat([]).train_metrics == pytest.approx({"accuracy": 0.9})
+    assert (p.inner_steps, p.tokens_trained, p.first_loss, p.last_loss) == (3, 30, 2.0, 1.0)
+    assert dict(Progress().heartbeat([]).train_metrics) == {}  # a model without metrics
+
+
+def test_the_runs_metrics_are_each_averaged_over_the_learners_that_report_them() -> None:
+    assert mean_metrics([{"accuracy": 0.5, "f1": 0.2}, {"accuracy": 0.7}, {}]) == pytest.approx(
+        {"accuracy": 0.6, "f1": 0.2}
+    )
+    assert mean_metrics([]) == {}
