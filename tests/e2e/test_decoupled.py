@@ -76,9 +76,12 @@ def test_a_stopped_learner_stops_nobody_and_catches_up(small_corpus: Path, tmp_p
         os.kill(victim.proc.pid, signal.SIGSTOP)
         before = sum(status(address)["fragment_versions"])
         time.sleep(10)  # well past the 4 s lease: the syncer counts it dead
-        during = status(address)
-        assert sum(during["fragment_versions"]) >= before + 2, "the others stopped merging"
-        assert not next(w for w in during["workers"] if w["worker_id"] == victim_id)["alive"]
+        assert not next(w for w in status(address)["workers"] if w["worker_id"] == victim_id)["alive"]
+        # The others go on merging while it stays stopped. Bounded in time rather than a fixed
+        # window: on cores shared with another test a round takes longer.
+        wait_for(
+            lambda: sum(status(address)["fragment_versions"]) >= before + 2, 60, "the others to go on merging"
+        )
 
         os.kill(victim.proc.pid, signal.SIGCONT)
         resumed = time.time()
