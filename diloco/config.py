@@ -270,7 +270,10 @@ class RunConfig:
 
     def validate(self) -> RunConfig:
         m, t, s = self.model, self.train, self.sync
-        for key, spec in (("model.factory", m.factory), ("data.preprocess", self.data.preprocess or "x:x")):
+        named = {"model.factory": m.factory}
+        if self.data.preprocess:
+            named["data.preprocess"] = self.data.preprocess
+        for key, spec in named.items():
             if spec.count(":") != 1 or not all(part.strip() for part in spec.split(":")):
                 raise ConfigError(f'{key} must be "package.module:function", not {spec!r}')
         if t.local_state_every_s < 0:

@@ -107,7 +107,7 @@ def process_samples(
     schema: list[dict] | None = None
     for batch in _batches(records, RECORDS_PER_CALL):
         arrays = check_arrays(fn(batch), f"data.preprocess {name}", schema)
-        schema = column_schema(arrays)
+        schema = schema or column_schema(arrays)  # every later batch is checked against the first
         parts.append(arrays)
     if not parts:
         raise PreprocessError(f"chunk {chunk.index}: no records to preprocess ({stats.as_dict()})")
