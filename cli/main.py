@@ -153,6 +153,37 @@ def compute(
 
 @app.command()
 @clear_errors
+def evaluator(
+    coordinator: CoordinatorOpt,
+    every: Annotated[
+        float | None, typer.Option(help="seconds between evaluations (default: the run's eval.every_s)")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: cpu)")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch intra-op threads (default: eval.threads)")
+    ] = None,
+    connect_timeout: ConnectOpt = 60.0,
+    worker_id: WorkerIdOpt = None,
+) -> None:
+    """Evaluator: the held-out loss of the published global model, now and then, for status."""
+    from diloco.evaluator import run_evaluator
+
+    setup_logging("evaluator")
+    sys.exit(
+        run_evaluator(
+            coordinator,
+            stop_on_signals(),
+            connect_timeout_s=connect_timeout,
+            worker_id=worker_id,
+            device=device,
+            threads=threads,
+            every_s=every,
+        )  # fmt: skip
+    )
+
+
+@app.command()
+@clear_errors
 def run(
     minutes: Annotated[
         float, typer.Option(help="wall-clock budget (0: until the data or token budget ends)")
@@ -193,7 +224,9 @@ def run(
     ] = 0.0,
     chaos_roles: Annotated[
         str,
-        typer.Option(help="comma-separated roles chaos may kill: coordinator,data,learner (default: all)"),
+        typer.Option(
+            help="comma-separated roles chaos may kill: coordinator,data,learner,evaluator (default: the first three)"
+        ),
     ] = "",
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -205,7 +238,7 @@ def run(
     if learners < 1 or data_workers < 1:
         raise DilocoError("--learners and --data-workers must be at least 1")
     roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
-    if unknown := set(roles) - {"coordinator", "data", "learner"}:
+    if unknown := set(roles) - {"coordinator", "data", "learner", "evaluator"}:
         raise DilocoError(f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))}")
     cfg = build_config(
         default_run_config(),

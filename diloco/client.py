@@ -167,6 +167,9 @@ class CoordinatorClient:
     def report_shard(self, shard_id: int, error: str) -> pb.ReportShardReply:
         return self.call("ReportShard", pb.ReportShardRequest(shard_id=shard_id, error=error))
 
+    def report_eval(self, request: pb.ReportEvalRequest) -> pb.ReportEvalReply:
+        return self.call("ReportEval", request)
+
     def finish(self, reason: str, timeout_s: float = 30.0) -> pb.FinishReply:
         return self.call("Finish", pb.FinishRequest(reason=reason), timeout_s)
 
@@ -243,9 +246,8 @@ class CoordinatorClient:
 
 
 def _role_name(role: int) -> str:
-    return {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "learner", pb.ROLE_OBSERVER: "observer"}.get(
-        role, "worker"
-    )
+    names = {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "learner", pb.ROLE_OBSERVER: "observer"}
+    return {**names, pb.ROLE_EVALUATOR: "evaluator"}.get(role, "worker")
 
 
 def rpc_error_message(e: grpc.RpcError) -> str:

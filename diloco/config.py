@@ -210,6 +210,20 @@ class CoordinatorConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The held-out loss of the published global model while the run trains (an evaluator role,
+    `diloco evaluator`; `diloco run` starts one): a curve beside the learners' training loss."""
+
+    # Seconds between evaluations, of a model that changed since the last one; 0: no evaluator.
+    every_s: float = 30.0
+    # Rows evaluated: the first max_batches × train.batch_size rows of the held-out split, in
+    # chunk order, the same rows every time (the final evaluation reads 64 batches).
+    max_batches: int = 16
+    # The evaluator's CPU threads (it shares the machine with learners).
+    threads: int = 1
+
+
+@dataclass
 class RunConfig:
     name: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -217,6 +231,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -319,6 +334,8 @@ class RunConfig:
             raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
         if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:
             raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
+        if self.eval.every_s < 0 or self.eval.max_batches < 1 or self.eval.threads < 1:
+            raise ConfigError("eval.every_s must be >= 0 (0: off), eval.max_batches and eval.threads >= 1")
         if self.coordinator.min_publish_interval_s < 0:
             raise ConfigError("coordinator.min_publish_interval_s must be >= 0")
         return self

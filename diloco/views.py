@@ -17,13 +17,27 @@ def progress_line(d: dict[str, Any], started: float) -> str:
         f"[{time.monotonic() - started:6.0f}s] chunks {d.get('chunks_done', 0)}/{d.get('chunks_total', 0)} "
         f"prepared {d.get('tokens_prepared', 0):,} trained {d.get('tokens_trained', 0):,} "
         f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
-        f"loss {f'{loss:.4f}' if loss else '-'}{metrics_text(d.get('train_metrics'))}"
+        f"loss {f'{loss:.4f}' if loss else '-'}{metrics_text(d.get('train_metrics'))} "
+        f"held-out {eval_text(d)}"
     )
 
 
 def metrics_text(metrics: dict[str, float] | None) -> str:
     """The model's own metrics, e.g. " accuracy 0.9130" ("" when it returns none)."""
     return "".join(f" {name} {value:.4f}" for name, value in sorted((metrics or {}).items()))
+
+
+def eval_text(d: dict[str, Any]) -> str:
+    """The latest held-out evaluation of the global model (the evaluator's), e.g. "2.4031
+    accuracy 0.9130 (versions [4, 4], 1,204,224 merged, 3 evals)"; "-" before the first."""
+    evals = d.get("evals") or []
+    if not evals:
+        return "-"
+    e = evals[-1]
+    return (
+        f"{e['loss']:.4f}{metrics_text(e.get('metrics'))} (versions {e['fragment_versions']}, "
+        f"{e['tokens_merged']:,} merged, {len(evals)} eval{'s' if len(evals) != 1 else ''})"
+    )
 
 
 def progress_table(d: dict[str, Any], started: float, name: str, minutes: float) -> Table:
@@ -45,6 +59,7 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     table.add_row("loss", f"{loss:.4f}" if loss else "-")
     if d.get("train_metrics"):
         table.add_row("train metrics", metrics_text(d["train_metrics"]).strip())
+    table.add_row("held-out eval", eval_text(d))
     learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
     table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
     return table
@@ -105,6 +120,7 @@ def status_lines(detail: dict[str, Any]) -> list[str]:
         f"tokens trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}, rounds {d['rounds']}",
         f"fragment versions {d['fragment_versions']}, last loss {d['last_loss']}"
         f"{metrics_text(d.get('train_metrics'))}",
+        f"held-out eval {eval_text(d)}",
         records_line(d.get("record_stats", {})),
         *(worker_line(w) for w in d["workers"]),
     ]
@@ -115,6 +131,8 @@ def worker_line(w: dict) -> str:
     line = f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
     if w["role"] == "data":
         return line + f"tokens={w.get('tokens_prepared', 0)} tokens/s={w.get('tokens_per_s', 0.0):,.0f}"
+    if w["role"] == "evaluator":
+        return line.rstrip()
     line += f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
     line += "".join(f" {k}={v:.4f}" for k, v in sorted((w.get("train_metrics") or {}).items()))
     if w["role"] == "compute" and w.get("wall_seconds"):

@@ -35,6 +35,8 @@ ROLE_OF_KIND = {
     "pull": "compute",
     "pull_join": "compute",
     "push": "compute",
+    "eval_pull": "evaluator",
+    "report_eval": "evaluator",
     "finish": "observer",
     "status": "observer",
 }
@@ -119,8 +121,8 @@ class WireCounter:
             self.add_out(kind, msg)
             yield msg
 
-    def totals(self, exclude_roles: Iterable[str] = ("observer",)) -> tuple[int, int]:
-        """(received, sent) of the job's own traffic: monitoring (observers) is left out."""
+    def totals(self, exclude_roles: Iterable[str] = ("observer", "evaluator")) -> tuple[int, int]:
+        """(received, sent) of the job's own traffic: monitoring (observers, evaluators) is left out."""
         skip = set(exclude_roles)
         with self._lock:
             return (

@@ -53,6 +53,8 @@ def default_run_config() -> RunConfig:
 # Warm spares per restarted role under chaos: two, so a second kill within a spare's warm-up (a
 # few seconds of imports) still finds one ready.
 SPARES_PER_ROLE = 2
+# The roles chaos kills unless told: the job's own.
+CHAOS_ROLES = ("coordinator", "data", "learner")
 
 
 @dataclass
@@ -147,6 +149,10 @@ class LocalRun:
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             self.group.spawn(f"learner-{i}", "learner", args)
+        if self.config.eval.every_s > 0:  # the held-out loss of the global model, while it trains
+            self.group.spawn(
+                "evaluator", "evaluator", ["evaluator", "--coordinator", address, "--worker-id", "evaluator"]
+            )
 
     def _stop_children(self) -> None:
         """Workers first, while the coordinator still answers: each returns its leases, sends its
@@ -233,7 +239,7 @@ class LocalRun:
         detail: dict[str, Any] = {}
         finish_sent = False
         chaos = (
-            ChaosPlan(self.options.chaos_interval, self.config.train.seed, self.options.chaos_roles)
+            ChaosPlan(self.options.chaos_interval, self.config.train.seed, self._chaos_roles())
             if self.options.chaos_interval
             else None
         )
@@ -286,8 +292,13 @@ class LocalRun:
         replacement skips the interpreter's start and the imports (diloco.local.spare). Started
         once the learners train (or at the first kill, if sooner): six processes importing torch
         beside the job's own would slow the job's start on a small machine."""
-        roles = list(self.options.chaos_roles or ("coordinator", "data", "learner"))
+        roles = list(self._chaos_roles())
         self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
+
+    def _chaos_roles(self) -> tuple[str, ...]:
+        """The roles chaos kills: those asked for, else the job's own (not the evaluator, which only
+        watches)."""
+        return self.options.chaos_roles or CHAOS_ROLES
 
     def _kill_one(self, chaos: ChaosPlan) -> None:
         """SIGKILL one random live process and start it again, as a supervisor would."""

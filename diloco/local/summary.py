@@ -131,6 +131,8 @@ def summarize(
         "tokens_prepared": d.get("tokens_prepared", 0),
         "first_loss": d.get("first_loss"),
         "train_metrics": d.get("train_metrics") or {},
+        # The global model's held-out loss while the run trained (the evaluator's reports).
+        "evals": d.get("evals") or [],
         "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
         "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
         "wire_bytes_by_role": d.get("wire_by_role", {}),

@@ -13,6 +13,7 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_DATA: _ClassVar[Role]
     ROLE_COMPUTE: _ClassVar[Role]
     ROLE_OBSERVER: _ClassVar[Role]
+    ROLE_EVALUATOR: _ClassVar[Role]
 
 class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ ROLE_UNSPECIFIED: Role
 ROLE_DATA: Role
 ROLE_COMPUTE: Role
 ROLE_OBSERVER: Role
+ROLE_EVALUATOR: Role
 RUN_STATE_UNSPECIFIED: RunState
 RUN_STATE_RUNNING: RunState
 RUN_STATE_FINISHING: RunState
@@ -466,3 +468,38 @@ class FinishReply(_message.Message):
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     run_state: RunState
     def __init__(self, run_state: _Optional[_Union[RunState, str]] = ...) -> None: ...
+
+class ReportEvalRequest(_message.Message):
+    __slots__ = ("worker_id", "fragment_versions", "tokens_merged", "loss", "metrics", "rows", "seconds")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_MERGED_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    fragment_versions: _containers.RepeatedScalarFieldContainer[int]
+    tokens_merged: int
+    loss: float
+    metrics: _containers.ScalarMap[str, float]
+    rows: int
+    seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., tokens_merged: _Optional[int] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., rows: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class ReportEvalReply(_message.Message):
+    __slots__ = ("accepted", "reason", "run_state")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RUN_STATE_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    run_state: RunState
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., run_state: _Optional[_Union[RunState, str]] = ...) -> None: ...

@@ -99,6 +99,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.FinishRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_coordinator__pb2.FinishReply.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/diloco.v1.Coordinator/ReportEval',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.ReportEvalRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ReportEvalReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -187,6 +192,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """Evaluators: the held-out loss of a published global model, for status and its curve.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -254,6 +266,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.FinishRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_coordinator__pb2.FinishReply.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ReportEvalRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.ReportEvalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -607,6 +624,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/Finish',
             diloco_dot_v1_dot_coordinator__pb2.FinishRequest.SerializeToString,
             diloco_dot_v1_dot_coordinator__pb2.FinishReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/ReportEval',
+            diloco_dot_v1_dot_coordinator__pb2.ReportEvalRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.ReportEvalReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,4 +67,7 @@ def test_digits_reach_95_percent_held_out_accuracy_with_two_learners(tmp_path: P
     # 5 views of every image, 8 passes over the train split, each sample merged exactly once
     assert summary["tokens_merged"] == summary["tokens_trained"] > 8 * 5 * 1797 * 0.7
     assert summary["eval_metrics"]["accuracy"] >= 0.95, summary["eval_metrics"]
+    # While it trained, the evaluator reported the global model's held-out loss and accuracy.
+    curve = summary["evals"]
+    assert curve and all(0.0 <= e["metrics"]["accuracy"] <= 1.0 for e in curve), curve
     assert summary["baseline_loss"] is None and summary["sample"] == ""

@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
+from diloco.coordinator.checkpoint import load_model_params
+from diloco.data.shard import read_shard
+from diloco.evaluate import evaluate
 from diloco.local.procs import ProcessGroup
+from diloco.model.factory import build_model
+from diloco.v1 import coordinator_pb2 as pb
 from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -131,9 +141,18 @@ def test_roles_run_by_hand_train_every_token_exactly_once(tiny_corpus: Path, tmp
         group.spawn("data-0", "data", ["data", "--coordinator", address])
         for i in range(2):
             group.spawn(f"learner-{i}", "learner", ["compute", "--coordinator", address, "--threads", "1"])
+        evaluator = group.spawn(
+            "evaluator", "evaluator", ["evaluator", "--coordinator", address, "--every", "1"]
+        )
         workers = group.by_role("data") + group.by_role("learner")
         assert group.wait(workers, timeout_s=180), "workers did not finish: " + group.tail(workers[-1])
         assert [c.proc.returncode for c in workers] == [0, 0, 0], [group.tail(c) for c in workers]
+        # Finished, the run's final model is evaluated once more, and the evaluator leaves.
+        with contextlib.closing(CoordinatorClient(address, pb.ROLE_OBSERVER)) as observer:
+            cfg = RunConfig.from_json(observer.join().config_json)
+            observer.finish("the data ran out")
+        assert group.wait([evaluator], timeout_s=60), group.tail(evaluator)
+        assert evaluator.proc.returncode == 0, group.tail(evaluator)
 
         status = run_cli(["status", "--coordinator", address, "--json"], timeout=30)
         assert status.returncode == 0, status.stderr
@@ -156,12 +175,37 @@ def test_roles_run_by_hand_train_every_token_exactly_once(tiny_corpus: Path, tmp
         assert detail["rounds"] >= 2
         assert sum(detail["fragment_versions"]) == detail["rounds"]
         assert_one_shard_per_chunk(workdir)
+        assert_final_model_evaluated(detail, workdir, cfg)
+        shown = run_cli(["status", "--coordinator", address], timeout=30)
+        assert f"held-out eval {detail['evals'][-1]['loss']:.4f}" in shown.stdout, shown.stdout
 
         coordinator = group.by_role("coordinator")[0]
         group.stop([coordinator], grace_s=15)
         assert coordinator.proc.returncode == 0
     finally:
         group.stop()
+
+
+def assert_final_model_evaluated(detail: dict, workdir: Path, cfg: RunConfig) -> None:
+    """The evaluator's last report is the final global model's loss on the first held-out rows,
+    the same number as evaluating the final checkpoint here; its pulls are not the learners'."""
+    evals = detail["evals"]
+    assert evals and all(math.isfinite(e["loss"]) for e in evals), evals
+    last = evals[-1]
+    assert last["fragment_versions"] == detail["fragment_versions"]
+    rows = cfg.eval.max_batches * cfg.train.batch_size
+    shards = [read_shard(s["uri"], s["checksum"]) for s in detail["eval_split"]["shards"]]
+    ids = np.concatenate([s.columns["input_ids"] for s in shards])[:rows]
+    model = build_model(cfg.model, 257, cfg.train.seed)
+    params = load_model_params(str(workdir / "checkpoints"), detail["fragment_versions"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    expected = evaluate(model, {"input_ids": ids}, cfg.train.batch_size, "cpu")
+    assert last["rows"] == expected.rows == len(ids)
+    assert last["loss"] == pytest.approx(expected.loss, rel=1e-5)
+    assert detail["wire_by_rpc"]["eval_pull"]["sent"] > 0
+    assert detail["wire_by_role"]["evaluator"]["sent"] >= detail["wire_by_rpc"]["eval_pull"]["sent"]
 
 
 def processes_mentioning(text: str) -> list[int]:

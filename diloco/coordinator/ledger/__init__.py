@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from diloco.coordinator.ledger.chunks import ChunksTable
 from diloco.coordinator.ledger.db import SCHEMA, LedgerBase, ledger_path
+from diloco.coordinator.ledger.evals import EvalsTable
 from diloco.coordinator.ledger.records import ChunkLease, Completion, MergeRecord, NoLease, ShardLease
 from diloco.coordinator.ledger.report import ReportTable
 from diloco.coordinator.ledger.rows import PushesTable
@@ -31,6 +32,6 @@ __all__ = [
 ]
 
 
-class Ledger(WorkersTable, ChunksTable, ShardsTable, PushesTable, ReportTable, LedgerBase):
+class Ledger(WorkersTable, ChunksTable, ShardsTable, PushesTable, ReportTable, EvalsTable, LedgerBase):
     """The run's ledger: one object, one transaction per method; each family of tables is a
-    mixin in a file of its own (workers, chunks, shards, rows, report) over the shared LedgerBase."""
+    mixin in a file of its own (workers, chunks, shards, rows, report, evals) over the shared LedgerBase."""

@@ -54,6 +54,11 @@ CREATE TABLE IF NOT EXISTS rounds (
   mean_loss REAL, reason TEXT, scale REAL NOT NULL DEFAULT 1.0, PRIMARY KEY (fragment, version)
 );
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS evals (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, worker_id TEXT NOT NULL,
+  versions TEXT NOT NULL, tokens_merged INTEGER NOT NULL, loss REAL NOT NULL,
+  metrics TEXT NOT NULL, rows INTEGER NOT NULL, seconds REAL NOT NULL
+);
 """
 
 

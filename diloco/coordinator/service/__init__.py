@@ -17,6 +17,7 @@ syncer.py and leases.py; this module only applies them under one lock.
 from __future__ import annotations
 
 from diloco.coordinator.service.chunks import ChunkRPCs
+from diloco.coordinator.service.evals import EvalRPCs
 from diloco.coordinator.service.membership import MembershipRPCs
 from diloco.coordinator.service.merger import Merger
 from diloco.coordinator.service.parameters import ParameterRPCs
@@ -39,6 +40,7 @@ class CoordinatorService(
     Merger,
     Publisher,
     StatusRPCs,
+    EvalRPCs,
     pb_grpc.CoordinatorServicer,
 ):
     """The gRPC servicer: each group of RPCs (and each background thread's job) is a mixin in a

@@ -105,6 +105,8 @@ class ParameterRPCs(ServiceBase):
         # steady-state bytes per token can be told from it.
         held = list(request.have_versions)
         kind = "pull" if held and all(v >= 0 for v in held) else "pull_join"
+        if self._role_of(request.worker_id) == "evaluator":
+            kind = "eval_pull"  # monitoring: kept out of the learners' bytes per token
         self.wire.unary_in(kind, request)
         if list(request.have_versions) and len(request.have_versions) != len(request.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_versions must match fragments")

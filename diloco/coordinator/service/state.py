@@ -17,7 +17,12 @@ from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.coordinator")
 
-ROLE_NAMES = {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "compute", pb.ROLE_OBSERVER: "observer"}
+ROLE_NAMES = {
+    pb.ROLE_DATA: "data",
+    pb.ROLE_COMPUTE: "compute",
+    pb.ROLE_OBSERVER: "observer",
+    pb.ROLE_EVALUATOR: "evaluator",
+}
 RUN_STATES = {
     "running": pb.RUN_STATE_RUNNING,
     "finishing": pb.RUN_STATE_FINISHING,

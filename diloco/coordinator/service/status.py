@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.evals import STATUS_EVALS
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
 )
@@ -95,6 +96,9 @@ class StatusRPCs(ServiceBase):
             "wire_by_role": self.wire.by_role(),
             "workers": workers,
             "uptime_s": round(now - self.started_at, 3),
+            # The held-out loss of published models over the run (the evaluator's reports).
+            "evals": self.ledger.evals(last=STATUS_EVALS),
+            "eval_split": self.ledger.eval_split(),
         }
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
