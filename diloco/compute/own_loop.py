@@ -59,6 +59,13 @@ class Run:
         return self._learner.progress.inner_steps
 
     @property
+    def resumed_at_step(self) -> int | None:
+        """The step this learner resumed at from its local state (worker_id + state_dir), or None:
+        it started from the global model."""
+        resumed = self._learner.resumed
+        return resumed.inner_steps if resumed is not None else None
+
+    @property
     def ended_because(self) -> str:
         return getattr(self._learner, "ended_because", "")
 

@@ -38,6 +38,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
 with diloco.connect(
     args.coordinator, model, optimizer, worker_id=args.worker_id, state_dir=args.state_dir
 ) as run:
+    if run.resumed_at_step is not None:  # a restart with the same --worker-id and --state-dir
+        print(f"{run.worker_id} resumed at step {run.resumed_at_step}", flush=True)
     for batch in run.batches():
         for group in optimizer.param_groups:  # linear warm-up over 20 steps, then constant
             group["lr"] = args.lr * min(1.0, (run.inner_steps + 1) / 20)

@@ -1,6 +1,7 @@
 """Your own training loop (diloco.connect), as examples/own-loop/train.py runs it: two learner
-processes of user code against a real coordinator and data worker. Every train token is merged
-exactly once, and the global model loaded into the user's own Llama has learned."""
+processes of user code against a real coordinator and data worker, one of them killed with
+SIGKILL and started again (it resumes its local state). Every train token is merged exactly once,
+and the global model loaded into the user's own Llama has learned."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from diloco.compute import local_state
+from diloco.compute.local_state import state_path
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.report import stored_run
 from diloco.data.shard import read_shard
 from diloco.local.procs import ProcessGroup
-from tests.support import REPO, ledger_rows, run_cli, start_coordinator
+from tests.support import REPO, ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +27,7 @@ SCRIPT = REPO / "examples/own-loop/train.py"
 
 
 @pytest.mark.timeout(300)
-def test_the_own_loop_example_trains_every_token_exactly_once(tiny_corpus: Path, tmp_path: Path) -> None:
+def test_the_own_loop_example_resumes_after_kill_9_and_trains_every_token_exactly_once(tiny_corpus: Path, tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     workdir = tmp_path / "coord"
@@ -34,23 +37,46 @@ def test_the_own_loop_example_trains_every_token_exactly_once(tiny_corpus: Path,
         address = start_coordinator(
             group, workdir,
             ["--dataset", str(tiny_corpus), "--set", "data.chunk_bytes=32768", "--set", "train.inner_steps=20",
-             "--set", "sync.overlap_steps=4", "--set", "data.eval_fraction=0.1"],
+             "--set", "sync.overlap_steps=4", "--set", "data.eval_fraction=0.1",
+             "--set", "train.local_state_every_s=0.2"],
         )  # fmt: skip
         group.spawn("data-0", "data", ["data", "--coordinator", address])
-        logs = [tmp_path / f"own-{i}.log" for i in range(2)]
-        for i, log in enumerate(logs):
+        state_dir = tmp_path / "own-state"
+
+        def start(i: int, log: Path) -> subprocess.Popen:
             with open(log, "wb") as out:
-                scripts.append(
-                    subprocess.Popen(
-                        [sys.executable, str(SCRIPT), "--coordinator", address, "--worker-id", f"own-{i}"],
-                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
-                        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-                    )
+                return subprocess.Popen(
+                    [sys.executable, str(SCRIPT), "--coordinator", address, "--worker-id", f"own-{i}",
+                     "--state-dir", str(state_dir)],
+                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                    env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
                 )  # fmt: skip
+
+        logs = [tmp_path / f"own-{i}.log" for i in range(2)]
+        scripts += [start(i, log) for i, log in enumerate(logs)]
+
+        # kill -9 of one user's script mid-run; started again with the same id, it resumes the
+        # state diloco kept on local disk for it.
+        path = state_path(state_dir, "own-1")
+
+        def saved_steps() -> int:
+            state = local_state.load(path, [[]] * 8) if path.exists() else None
+            return state.inner_steps if state else 0
+
+        wait_for(lambda: saved_steps() >= 10, 150, "own-1 to keep its state past step 10")
+        scripts[1].kill()
+        scripts[1].wait(10)
+        saved = saved_steps()
+        logs.append(tmp_path / "own-1-again.log")
+        scripts.append(start(1, logs[-1]))
         for proc, log in zip(scripts, logs, strict=True):
-            assert proc.wait(timeout=220) == 0, log.read_text()[-3000:]
-        outputs = [log.read_text() for log in logs]
+            if log.name != "own-1.log":
+                assert proc.wait(timeout=220) == 0, log.read_text()[-3000:]
+        outputs = [log.read_text() for log in (logs[0], logs[2])]
         assert all("done after" in out and "Traceback" not in out for out in outputs), outputs
+        resumed = [line for line in outputs[1].splitlines() if "own-1 resumed at step" in line]
+        assert resumed and int(resumed[0].split("step ")[1]) >= saved, outputs[1][-3000:]
+        assert not path.exists(), "a clean end leaves nothing to resume"
         audit = run_cli(["status", "--workdir", str(workdir), "--audit"], timeout=60)
         assert audit.returncode == 0, audit.stdout + audit.stderr
 
