@@ -62,12 +62,13 @@ def file_kind(uri: str) -> str | None:
 
 
 def is_splittable(uri: str) -> bool:
-    """Whether a file may be cut at byte offsets after newlines.
+    """Whether a file may be cut at byte offsets: after newlines (text, JSONL, CSV), or between
+    rows (.npy, see diloco.data.arrays).
 
     Compressed files must be decoded from their start, so each is one segment; parquet files are
     cut by row group instead (see diloco.data.chunks).
     """
-    return compression(uri) is None and file_kind(uri) in ("text", "jsonl", "csv")
+    return compression(uri) is None and file_kind(uri) in ("text", "jsonl", "csv", "npy")
 
 
 def stdlib_files() -> list[str]:

@@ -2,7 +2,9 @@
 
 Small files are grouped into one chunk up to about `chunk_bytes`; a larger file is cut into byte
 ranges that end just after a newline, found by reading a small window after each target offset,
-so partitioning a terabyte costs a few stat calls and kilobytes of reads, not a full scan.
+so partitioning a terabyte costs a few stat calls and kilobytes of reads, not a full scan (a CSV
+file is read once: only the quotes before a newline say whether it ends a record; a .npy file is
+cut between rows, from its header).
 A compressed file (.gz, .zst) cannot be cut by byte offset: it is one segment of its own. A
 parquet file is cut by row group, from its footer alone: a segment holds a range of row groups
 (small ones grouped up to about `chunk_bytes` of the text column's compressed bytes).
@@ -12,10 +14,13 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from dataclasses import dataclass
 
 from diloco import store
 from diloco.corpus import file_kind, is_splittable
+from diloco.data.arrays import npy_cuts
+from diloco.data.records import decoded_blocks
 from diloco.data.types import UNIT_BYTES, UNIT_ROW_GROUPS, ChunkSpec, RecordStats, Segment
 
 __all__ = ["UNIT_BYTES", "UNIT_ROW_GROUPS", "ChunkSpec", "Segment", "partition", "partition_dataset"]
@@ -46,9 +51,15 @@ def find_cut(uri: str, target: int, size: int) -> int:
 
 
 def file_segments(uri: str, size: int, chunk_bytes: int) -> list[Segment]:
-    """One file as segments of at least `chunk_bytes` (the last may be shorter), cut after newlines."""
+    """One file as segments of at least `chunk_bytes` (the last may be shorter), cut after newlines
+    (in a CSV file, only after newlines that end a record)."""
     if size <= chunk_bytes or not is_splittable(uri):
         return [Segment(uri, 0, size, True)]
+    kind = file_kind(uri)
+    if kind in ("csv", "npy"):
+        cuts = csv_cuts(uri, size, chunk_bytes) if kind == "csv" else npy_cuts(uri, size, chunk_bytes)
+        bounds = [0, *cuts, size]
+        return [Segment(uri, a, b, b == size) for a, b in zip(bounds, bounds[1:], strict=False)]
     segments: list[Segment] = []
     start = 0
     while start < size:
@@ -56,6 +67,39 @@ def file_segments(uri: str, size: int, chunk_bytes: int) -> list[Segment]:
         segments.append(Segment(uri, start, end, end == size))
         start = end
     return segments
+
+
+_QUOTE_OR_NEWLINE = re.compile(rb'["\n]')
+
+
+def csv_cuts(uri: str, size: int, chunk_bytes: int) -> list[int]:
+    """Where a CSV file may be cut, one pass over it: just after the first newline at or after
+    each target that is outside quotes. A quoted field may hold newlines, and a quote inside one
+    is doubled (RFC 4180), so a byte is inside quotes exactly when an odd number of quote
+    characters comes before it in the file."""
+    cuts: list[int] = []
+    quotes, offset, start = 0, 0, 0
+    for block in decoded_blocks(Segment(uri, 0, size, True), RecordStats()):
+        i = 0
+        while size - start > chunk_bytes:
+            j = max(i, start + chunk_bytes - 1 - offset)  # where the search for the next cut begins
+            if j >= len(block):
+                break
+            quotes += block.count(b'"', i, j)
+            i = len(block)
+            for m in _QUOTE_OR_NEWLINE.finditer(block, j):
+                if m.group() == b'"':
+                    quotes += 1
+                elif quotes % 2 == 0:
+                    start = offset + m.end()
+                    cuts.append(start)
+                    i = m.end()
+                    break
+            else:
+                break
+        quotes += block.count(b'"', i)
+        offset += len(block)
+    return [c for c in cuts if c < size]
 
 
 def parquet_segments(uri: str, chunk_bytes: int, text_field: str) -> list[Segment]:

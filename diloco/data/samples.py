@@ -23,6 +23,7 @@ import numpy as np
 
 from diloco import store
 from diloco.corpus import file_kind
+from diloco.data.arrays import npy_rows
 from diloco.data.records import decoded_blocks, iter_documents, jsonl_objects, record_lines
 from diloco.data.types import RecordStats, Segment
 
@@ -80,20 +81,24 @@ def _csv_records(segment: Segment, stats: RecordStats, max_bytes: int) -> Iterat
     lines = record_lines(decoded_blocks(segment, stats), max_bytes, stats)
     if segment.start == 0:
         next(lines, None)  # the header itself
-    for line in lines:
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError:
-            stats.skipped_undecodable += 1
+    # csv.reader over the lines, each with its newline back: a quoted field may span lines (the
+    # segments are cut only between records, see diloco.data.chunks.csv_cuts).
+    for values in csv.reader(_decoded_lines(lines, stats)):
+        if not values:
             continue
-        if not text.strip():
-            continue
-        values = next(csv.reader([text]), [])
         if len(values) != len(header):
             stats.skipped_missing_field += 1
             continue
         stats.records += 1
         yield {name: _number(v) for name, v in zip(header, values, strict=True)}
+
+
+def _decoded_lines(lines: Iterator[bytes], stats: RecordStats) -> Iterator[str]:
+    for line in lines:
+        try:
+            yield line.decode("utf-8") + "\n"
+        except UnicodeDecodeError:
+            stats.skipped_undecodable += 1
 
 
 def _number(value: str) -> Any:
@@ -119,8 +124,11 @@ def _parquet_records(segment: Segment, stats: RecordStats) -> Iterator[dict[str,
 
 def _array_records(segment: Segment, kind: str, stats: RecordStats) -> Iterator[dict[str, Any]]:
     # allow_pickle stays off: a .npy/.npz of objects is refused, never unpickled.
-    loaded = np.load(io.BytesIO(store.read_bytes(segment.uri)), allow_pickle=False)
-    arrays = {"array": loaded} if kind == "npy" else {name: loaded[name] for name in loaded.files}
+    if kind == "npy" and (segment.start > 0 or not segment.file_end):
+        arrays = {"array": npy_rows(segment.uri, segment.start, segment.end)}  # a cut: some rows
+    else:
+        loaded = np.load(io.BytesIO(store.read_bytes(segment.uri)), allow_pickle=False)
+        arrays = {"array": loaded} if kind == "npy" else {name: loaded[name] for name in loaded.files}
     lengths = {name: len(a) for name, a in arrays.items()}
     if len(set(lengths.values())) > 1:
         raise ValueError(f"{segment.uri}: arrays of different lengths {lengths}")

@@ -128,3 +128,38 @@ def test_a_preprocess_that_fails_fails_its_chunk(tmp_path: Path) -> None:
 
     with pytest.raises(PreprocessError, match="data.preprocess broken: column 'b'"):
         process_samples(chunk, broken, "broken", classes=[], max_record_bytes=1 << 20)
+
+
+def test_a_csv_file_is_cut_only_between_records_and_quoted_newlines_stay_in_their_field(
+    tmp_path: Path,
+) -> None:
+    from diloco.data.chunks import file_segments
+
+    path = tmp_path / "t.csv"
+    rows = [(i, f'line one\nline "two" of {i}' if i % 3 == 0 else f"plain {i}") for i in range(200)]
+    body = "".join(f'{i},"{text.replace(chr(34), chr(34) * 2)}"\n' for i, text in rows)
+    path.write_text("id,text\n" + body)
+    size = path.stat().st_size
+    for chunk_bytes in (7, 64, 100, 1000):
+        segments = file_segments(str(path), size, chunk_bytes)
+        assert segments[0].start == 0 and segments[-1].end == size and len(segments) > 1
+        assert all(a.end == b.start for a, b in zip(segments, segments[1:], strict=False))
+        got = []
+        for seg in segments:
+            got += records_of(str(path), start=seg.start, end=seg.end)
+        assert [(r["id"], r["text"]) for r in got] == rows, chunk_bytes
+
+
+def test_a_big_npy_file_is_cut_between_rows_and_every_row_is_read_once(tmp_path: Path) -> None:
+    from diloco.data.chunks import file_segments
+
+    array = np.arange(300 * 3 * 2, dtype=np.float32).reshape(300, 3, 2)
+    np.save(tmp_path / "a.npy", array)
+    uri = str(tmp_path / "a.npy")
+    size = Path(uri).stat().st_size
+    segments = file_segments(uri, size, 1000)  # 24-byte rows: 41 rows a segment
+    assert len(segments) == 8 and segments[-1].end == size
+    got = [r["array"] for seg in segments for r in records_of(uri, start=seg.start, end=seg.end)]
+    assert np.array_equal(np.stack(got), array)
+    np.save(tmp_path / "f.npy", np.asfortranarray(array))  # not laid out by rows: one segment
+    assert len(file_segments(str(tmp_path / "f.npy"), size, 1000)) == 1
