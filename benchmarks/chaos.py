@@ -33,6 +33,9 @@ def diloco_run(name: str, workdir: Path, args: list[str], timeout_s: float) -> d
         "--name",
         name,
         "--no-progress",
+        # The evaluator only watches: off, so the figures compare with the baselines' and earlier runs'.
+        "--set",
+        "eval.every_s=0",
         *args,
     ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}

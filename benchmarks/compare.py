@@ -68,7 +68,9 @@ def run_diloco(
     cmd = [
         sys.executable, "-m", "cli", "run", "--config", str(config_path), "--tokens", str(tokens),
         "--minutes", str(max_minutes), "--learners", str(workers), "--data-workers", "2",
-        "--workdir", str(workdir / name), "--name", name, "--no-progress", *flags,
+        "--workdir", str(workdir / name), "--name", name, "--no-progress",
+        "--set", "eval.every_s=0",  # the evaluator only watches; DDP and torchft have none
+        *flags,
     ]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(

@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,8 @@ from diloco.coordinator.wirecount import CountRequestStreams
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, store_root
 from diloco.data.chunks import mixed_order, partition_dataset
 from diloco.errors import DilocoError
+from diloco.observe.events import RunEvents
+from diloco.observe.http import ObserveServer
 from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from diloco.wire.tensors import parse_stream_message
@@ -90,11 +92,24 @@ class RunningCoordinator:
     service: CoordinatorService
     ledger: Ledger
     port: int
+    observers: list[ObserveServer] = field(default_factory=list)
 
     def stop(self, grace_s: float = 2.0) -> None:
+        for http in self.observers:
+            http.stop()
         self.service.stop()
         self.server.stop(grace_s).wait()
         self.ledger.close()
+
+
+@dataclass(frozen=True)
+class ObservePorts:
+    """Where the coordinator is watched from: Prometheus's /metrics and the status page (None: off,
+    0: any free port), on `host` (loopback unless told)."""
+
+    metrics_port: int | None = None
+    http_port: int | None = None
+    host: str = "127.0.0.1"
 
 
 def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
@@ -187,7 +202,11 @@ def tokenizer_hash(config: RunConfig, ledger: Ledger) -> str:
 
 
 def start_coordinator(
-    config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0
+    config: RunConfig,
+    workdir: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    observe: ObservePorts | None = None,
 ) -> RunningCoordinator:
     config.validate()
     check_port_free(host, port)
@@ -203,7 +222,10 @@ def start_coordinator(
     checkpoint_root = store.join(root, "checkpoints")
     for uri in (shard_root, checkpoint_root):
         store.makedirs(uri)
-    service = CoordinatorService(config, ledger, checkpoint_root, shard_root, tokenizer_hash=fingerprint)
+    service = CoordinatorService(
+        config, ledger, checkpoint_root, shard_root, tokenizer_hash=fingerprint, events=RunEvents(workdir),
+        workdir=workdir,
+    )  # fmt: skip
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
         options=grpc_options(config),
@@ -219,16 +241,57 @@ def start_coordinator(
         raise DilocoError(f"cannot listen on {host}:{port} (port in use or address unavailable)")
     server.start()
     service.start()
+    observers = start_observers(service, observe or ObservePorts())
     address = f"{host}:{bound}"
     info = {"address": address, "port": bound, "pid": os.getpid(), "epoch": service.epoch}
+    for o in sorted(observers, key=lambda o: not o.page):  # a /metrics of its own wins
+        info["metrics_url"] = o.url + "metrics"
+        info["http_port" if o.page else "metrics_port"] = o.port
+        if o.page:
+            info["page_url"] = o.url
     store.write_bytes_atomic(str(Path(workdir) / "coordinator.json"), json.dumps(info).encode())
     log.info("coordinator listening on %s epoch=%d", address, service.epoch)
-    return RunningCoordinator(server, service, ledger, bound)
+    for o in observers:
+        log.info("%s on %s", "status page" if o.page else "metrics", o.url)
+    return RunningCoordinator(server, service, ledger, bound, observers)
 
 
-def serve(config: RunConfig, workdir: str, host: str = "127.0.0.1", port: int = 0) -> None:
+def start_observers(service: CoordinatorService, ports: ObservePorts) -> list[ObserveServer]:
+    """The HTTP servers asked for: /metrics alone on metrics_port, the page (and /metrics) on http_port."""
+    wanted = [
+        (port, page)
+        for port, page in ((ports.metrics_port, False), (ports.http_port, True))
+        if port is not None
+    ]
+    servers = []
+    try:
+        for port, page in wanted:
+            servers.append(
+                ObserveServer(
+                    ports.host,
+                    port,
+                    metrics=service.metrics,
+                    detail=service.status_detail,
+                    events=service.events,
+                    page=page,
+                )  # fmt: skip
+            )
+    except OSError as e:
+        for s in servers:
+            s.stop()
+        raise DilocoError(f"cannot serve HTTP on {ports.host}: {e.strerror or e}") from e
+    return servers
+
+
+def serve(
+    config: RunConfig,
+    workdir: str,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    observe: ObservePorts | None = None,
+) -> None:
     """Run until SIGTERM or SIGINT, then stop accepting RPCs and close the ledger."""
-    running = start_coordinator(config, workdir, host, port)
+    running = start_coordinator(config, workdir, host, port, observe)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -57,6 +57,15 @@ SPARES_PER_ROLE = 2
 CHAOS_ROLES = ("coordinator", "data", "learner")
 
 
+def observe_ports(info: dict[str, Any]) -> list[str]:
+    """The HTTP ports a coordinator took (coordinator.json), as flags that take them again."""
+    flags = []
+    for key in ("http_port", "metrics_port"):
+        if info.get(key):
+            flags += [f"--{key.replace('_', '-')}", str(info[key])]
+    return flags
+
+
 @dataclass
 class LocalRunOptions:
     config: RunConfig = field(default_factory=default_run_config)
@@ -73,6 +82,9 @@ class LocalRunOptions:
     chaos_interval: float = 0.0
     # The roles chaos may kill (empty: coordinator, data and learner alike).
     chaos_roles: tuple[str, ...] = ()
+    # The coordinator's status page and Prometheus /metrics, on loopback (0: a free port; None: off).
+    http_port: int | None = 0
+    metrics_port: int | None = None
 
 
 @dataclass
@@ -118,13 +130,20 @@ class LocalRun:
             "--host",
             "127.0.0.1",
         ]
+        o = self.options
+        for flag, port in (("--http-port", o.http_port), ("--metrics-port", o.metrics_port)):
+            if port is not None:
+                args += [flag, str(port)]
         coordinator = self.group.spawn("coordinator", "coordinator", [*args, "--port", "0"])
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if info_path.exists():
                 info = json.loads(info_path.read_text())
-                # A restarted coordinator comes back on the same port: the workers only know it.
-                coordinator.args = [*args, "--port", str(info["port"])]
+                # A restarted coordinator comes back on the same ports: the workers (and the
+                # page's reader) only know those.
+                coordinator.args = [*args, "--port", str(info["port"]), *observe_ports(info)]
+                if info.get("page_url"):
+                    self.console.print(f"status page: {info['page_url']}", highlight=False, soft_wrap=True)
                 return info["address"]
             if not coordinator.alive:
                 raise DilocoError(f"coordinator exited early: {self._reason(coordinator)}")

@@ -10,6 +10,7 @@ from typing import Any
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
+from diloco.observe.events import METRICS_LOG, TENSORBOARD_DIR
 from diloco.tokenizer import load_tokenizer
 
 
@@ -133,6 +134,9 @@ def summarize(
         "train_metrics": d.get("train_metrics") or {},
         # The global model's held-out loss while the run trained (the evaluator's reports).
         "evals": d.get("evals") or [],
+        # The run's curves on disk (diloco.observe.events): `tensorboard --logdir`, or plot the jsonl.
+        "metrics_log": str(workdir / METRICS_LOG),
+        "tensorboard_dir": str(workdir / TENSORBOARD_DIR) if (workdir / TENSORBOARD_DIR).exists() else None,
         "wire_bytes": d.get("wire_bytes_in", 0) + d.get("wire_bytes_out", 0),
         "wire_bytes_by_rpc": d.get("wire_by_rpc", {}),
         "wire_bytes_by_role": d.get("wire_by_role", {}),

@@ -27,7 +27,9 @@ SCRIPT = REPO / "examples/own-loop/train.py"
 
 
 @pytest.mark.timeout(300)
-def test_the_own_loop_example_resumes_after_kill_9_and_trains_every_token_exactly_once(tiny_corpus: Path, tmp_path: Path) -> None:
+def test_the_own_loop_example_resumes_after_kill_9_and_trains_every_token_exactly_once(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     workdir = tmp_path / "coord"

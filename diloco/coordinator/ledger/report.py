@@ -24,6 +24,13 @@ class ReportTable(LedgerBase):
                 "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state = 'consumed'"
             ),
             "tokens_prepared": count("SELECT COALESCE(SUM(tokens), 0) FROM shards"),
+            "tokens_leased": count(
+                "SELECT COALESCE(SUM(tokens), 0) FROM shards WHERE split = 'train' AND state IN ('leased', 'consumed')"
+            ),
+            "chunks_by_state": {
+                r[0]: r[1]
+                for r in self._q("SELECT state, COUNT(*) FROM chunks GROUP BY state ORDER BY state")
+            },
             "rounds": count("SELECT COUNT(*) FROM rounds"),
             "quarantined": [
                 {"chunk": r["id"], "error": r["error"]}
@@ -39,6 +46,10 @@ class ReportTable(LedgerBase):
             "last_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed DESC LIMIT 1"),
             "counters": self.counters(),
         }
+
+    def last_push_times(self) -> dict[str, float]:
+        """When each worker's latest push arrived (the ledger's clock)."""
+        return {r[0]: r[1] for r in self._q("SELECT worker_id, MAX(received) FROM pushes GROUP BY worker_id")}
 
     def chunk_shard_pairs(self) -> list[tuple[int, int, str]]:
         """(chunk id, number of shards recorded for it, chunk state) for every chunk."""

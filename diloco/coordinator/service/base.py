@@ -22,7 +22,12 @@ from diloco.coordinator.service.state import (
 )
 from diloco.coordinator.wirecount import WireCounter
 from diloco.fragments import assign_fragments
+from diloco.observe.events import RunEvents
+from diloco.observe.prometheus import CoordinatorMetrics
 from diloco.v1 import coordinator_pb2 as pb
+
+# How often the run's rates are sampled as a "progress" event (curves of the page, TensorBoard).
+PROGRESS_EVERY_S = 5.0
 
 
 class ServiceBase:
@@ -33,6 +38,8 @@ class ServiceBase:
         checkpoint_root: str,
         shard_root: str,
         tokenizer_hash: str = "",
+        events: RunEvents | None = None,
+        workdir: str | None = None,
     ):
         self.config = config
         self.ledger = ledger
@@ -45,6 +52,10 @@ class ServiceBase:
         self.policy = config.sync  # what the syncer's decisions read
         self.cond = threading.Condition(threading.RLock())
         self.wire = WireCounter()
+        # What happened, for metrics.jsonl, TensorBoard and the page; Prometheus reads status.
+        self.events = events or RunEvents(None)
+        self.metrics = CoordinatorMetrics(self.status_detail, workdir)
+        self._progress_at: tuple[float, int, int] | None = None  # (monotonic, merged, wire) sampled last
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
@@ -66,7 +77,11 @@ class ServiceBase:
 
     # -- life cycle -----------------------------------------------------------------------------
 
+    def status_detail(self) -> dict:
+        raise NotImplementedError  # StatusRPCs
+
     def start(self) -> None:
+        self.events.record("start", epoch=self.epoch, run_state=self.run_state)
         self._ticker.start()
         self._merger.start()
         self._publisher.start()
@@ -81,6 +96,7 @@ class ServiceBase:
                 thread.join(timeout=5)
         if self._publisher.is_alive():
             self._publisher.join(timeout=publish_timeout_s)
+        self.events.close()
 
     def wait_published(self, timeout_s: float = 30.0) -> bool:
         """Until every push received so far is merged and published (for tools and tests)."""
@@ -170,6 +186,7 @@ class ServiceBase:
                 log.exception("syncer tick failed")
 
     def tick(self) -> None:
+        self._sample_progress(time.monotonic())
         self.ledger.reclaim_expired(
             self.config.coordinator.lease_ttl_s, self.config.coordinator.max_chunk_attempts
         )
@@ -187,6 +204,27 @@ class ServiceBase:
             if change.state is None:
                 return
             self._set_run_state(change.state, change.reason)
+
+    def _sample_progress(self, now: float) -> None:
+        """Every PROGRESS_EVERY_S, the run's rates as an event: merged tokens/s, wire bytes per
+        merged token (over the interval), learners alive."""
+        last = self._progress_at
+        if last is not None and now - last[0] < PROGRESS_EVERY_S:
+            return
+        merged = int(self.ledger.counter("tokens_merged"))
+        wire = sum(self.wire.totals())
+        self._progress_at = (now, merged, wire)
+        if last is None:
+            return
+        dt, dm, dw = now - last[0], merged - last[1], wire - last[2]
+        self.events.record(
+            "progress",
+            tokens_merged=merged,
+            merged_tokens_per_s=round(dm / dt, 1),
+            wire_bytes_per_token=round(dw / dm, 1) if dm > 0 else None,
+            learners_alive=len(self._live_learners()),
+            run_state=self.run_state,
+        )
 
     def _tokens_reported(self) -> int:
         """Tokens the learners say they trained: each one's latest count, plus the last counts of

@@ -130,6 +130,10 @@ class ChunkRPCs(ServiceBase):
             quarantined,
             request.error.splitlines()[0] if request.error else "",
         )
+        self.events.record(
+            "chunk_failed", chunk=request.chunk_id, worker_id=request.worker_id, quarantined=quarantined,
+            error=request.error.splitlines()[0][:200] if request.error else "",
+        )  # fmt: skip
         reply = pb.FailChunkReply(quarantined=quarantined)
         self.wire.add_out("fail_chunk", reply)
         return reply

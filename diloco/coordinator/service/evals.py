@@ -45,6 +45,11 @@ class EvalRPCs(ServiceBase):
                 request.rows,
                 request.seconds,
             )
+            self.events.record(
+                "eval", worker_id=request.worker_id, fragment_versions=list(request.fragment_versions),
+                tokens_merged=request.tokens_merged, loss=request.loss, metrics=dict(request.metrics),
+                rows=request.rows,
+            )  # fmt: skip
             log.info(
                 "eval worker=%s versions=%s loss=%.4f rows=%d",
                 request.worker_id,

@@ -24,6 +24,7 @@ class MembershipRPCs(ServiceBase):
         self.ledger.join(worker_id, role, request.host or "?")
         self._roles[worker_id] = role
         log.info("join worker=%s role=%s host=%s", worker_id, role, request.host)
+        self.events.record("join", worker_id=worker_id, role=role, host=request.host or "?")
         reply = pb.JoinReply(
             worker_id=worker_id,
             config_json=self.config.to_json(),
@@ -58,6 +59,14 @@ class MembershipRPCs(ServiceBase):
         }
         ttl = self.config.coordinator.lease_ttl_s
         self.ledger.heartbeat(request.worker_id, stats)
+        if role == "compute" and request.wall_seconds > 0:
+            self.events.record(
+                "learner", worker_id=request.worker_id, inner_steps=request.inner_steps,
+                tokens_trained=request.tokens_trained, loss=request.last_loss,
+                utilization=round(request.busy_seconds / request.wall_seconds, 4),
+                data_stall=round(request.data_stall_seconds / request.wall_seconds, 4),
+                metrics=stats["train_metrics"], tokens_merged=int(self.ledger.counter("tokens_merged")),
+            )  # fmt: skip
         lost_chunks, lost_shards = self.ledger.renew(
             request.worker_id, request.chunk_leases, request.shard_leases, ttl
         )
@@ -75,6 +84,7 @@ class MembershipRPCs(ServiceBase):
         self.wire.unary_in("leave", request, role)
         self.ledger.leave(request.worker_id)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
+        self.events.record("leave", worker_id=request.worker_id, role=role, reason=request.reason)
         with self.cond:
             self.cond.notify_all()  # one learner fewer: the merger may close a round now
         reply = pb.LeaveReply()

@@ -137,4 +137,9 @@ class ParameterRPCs(ServiceBase):
             # Tensors are replaced, never changed in place, so this snapshot stays consistent.
             groups = [g for p in newer() for g in self._pull_groups(p, have.get(p, -1))]
         piece = self.config.coordinator.stream_chunk_bytes
+        started, role = time.monotonic(), "evaluator" if kind == "eval_pull" else "compute"
         yield from self.wire.count_out(kind, stream_many(groups, piece))
+        self.metrics.pull_seconds.labels(role=role).observe(time.monotonic() - started)
+        self.metrics.pull_bytes.labels(role=role).observe(
+            sum(t.numel() * t.element_size() for _, tensors in groups for t in tensors.values())
+        )

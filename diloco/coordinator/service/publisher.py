@@ -89,6 +89,12 @@ class Publisher(ServiceBase):
             # The version before the published one stays as a fallback.
             obsolete, frag.files = frag.files[:-2], frag.files[-2:]
             self.cond.notify_all()
+        merged = int(self.ledger.counter("tokens_merged"))
+        for m in merges:
+            self.events.record(
+                "merge", fragment=p, version=m.version, pushes=len(m.push_ids), tokens=m.tokens,
+                mean_loss=m.mean_loss, reason=m.reason, tokens_merged=merged,
+            )  # fmt: skip
         for old in obsolete:
             checkpoint.remove_fragment(self.checkpoint_root, p, old)
         elapsed = time.monotonic() - started

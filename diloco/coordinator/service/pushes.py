@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -33,10 +34,15 @@ class PushRPCs(ServiceBase):
         if not self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S):
             self.ledger.bump("pushes_deferred")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pushes in flight; retry shortly")
+        started = time.monotonic()
         try:
-            return self._push_delta(request_iterator, context)
+            reply = self._push_delta(request_iterator, context)
         finally:
             self._push_slots.release()
+        self.metrics.push_seconds.observe(time.monotonic() - started)
+        if not reply.accepted:
+            self.metrics.refused(reply.reason)
+        return reply
 
     def _push_delta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
@@ -78,6 +84,7 @@ class PushRPCs(ServiceBase):
         codec = header.codec or "fp32"
         if codec != self.config.sync.codec:
             self.ledger.bump("pushes_malformed")
+            self.metrics.refused("malformed: wrong codec")
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"push uses codec {codec!r} but this run is configured for {self.config.sync.codec!r}",
@@ -87,6 +94,7 @@ class PushRPCs(ServiceBase):
                 tensors = self._receive_delta(header, frag.names, codec, messages)
             except (WireError, CodecError) as e:
                 self.ledger.bump("pushes_malformed")
+                self.metrics.refused("malformed")
                 log.warning("push refused worker=%s: %s", header.worker_id, e)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {e}")
             if header.tokens == 0 or header.inner_steps == 0:
@@ -146,6 +154,7 @@ class PushRPCs(ServiceBase):
                 raise WireError("only one header is allowed in a push")
             asm.add(msg.piece)
         received = asm.tensors()
+        self.metrics.push_bytes.observe(sum(t.numel() * t.element_size() for t in received.values()))
         if codec == "fp32":
             return received
         return {

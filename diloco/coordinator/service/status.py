@@ -40,6 +40,7 @@ class StatusRPCs(ServiceBase):
         now = self.clock()
         ttl = self.config.coordinator.lease_ttl_s
         workers = []
+        pushed_at = self.ledger.last_push_times()
         for w in self.ledger.workers():
             stats = json.loads(w["stats"])
             workers.append(
@@ -52,6 +53,11 @@ class StatusRPCs(ServiceBase):
                     "alive": w["state"] == "active" and now - w["last_seen"] < ttl,
                     **stats,
                     **(self._data_worker_rates(w["id"], summary["counters"]) if w["role"] == "data" else {}),
+                    **(
+                        {"last_push_age_s": round(now - pushed_at[w["id"]], 3)}
+                        if w["id"] in pushed_at
+                        else {}
+                    ),
                 }
             )
         wire_in, wire_out = self.wire.totals()

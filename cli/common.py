@@ -1,0 +1,76 @@
+"""What every command shares: option types, clear one-line errors, config building, signals."""
+
+from __future__ import annotations
+
+import functools
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import grpc
+import typer
+
+from diloco.config import ConfigError, RunConfig, parse_assignments
+from diloco.errors import DilocoError
+from diloco.store import StoreError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+ConfigOpt = Annotated[
+    Path | None,
+    # Rich reads "[model]" as markup and drops it: the brackets are escaped.
+    typer.Option("--config", help=r"run.toml with \[model], \[data], \[train], \[sync], \[coordinator]"),
+]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help='model factory "package.module:function" (default: the built-in GPT)'),
+]
+CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordinator's HOST:PORT")]
+WorkerIdOpt = Annotated[
+    str | None, typer.Option("--worker-id", help="a stable identity for this worker (default: generated)")
+]
+ConnectOpt = Annotated[
+    float, typer.Option("--connect-timeout", help="seconds to wait for the coordinator at start")
+]
+
+
+def clear_errors(fn: F) -> F:
+    """Expected failures become one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (DilocoError, ConfigError, StoreError) as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2) from None
+        except grpc.RpcError as e:
+            typer.echo(f"error: coordinator call failed: {e.code().name}: {e.details()}", err=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def build_config(
+    base: RunConfig, config: Path | None, sets: list[str] | None, flags: dict[str, Any]
+) -> RunConfig:
+    """base <- TOML file <- --set assignments <- dedicated flags; then validated."""
+    cfg = base.merged_with_toml(config) if config else base
+    cfg = cfg.with_overrides(parse_assignments(sets or []))
+    return cfg.with_overrides(flags).validate()
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGTERM / SIGINT set an event the worker loops watch: leases are returned, exit is 0."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

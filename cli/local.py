@@ -1,0 +1,114 @@
+"""`diloco run`: a whole job on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import ConfigOpt, ModelOpt, SetOpt, build_config, clear_errors
+from diloco.errors import DilocoError
+
+
+@clear_errors
+def run(
+    minutes: Annotated[
+        float, typer.Option(help="wall-clock budget (0: until the data or token budget ends)")
+    ] = 5.0,
+    tokens: Annotated[int, typer.Option(help="token budget over all learners (0: none)")] = 0,
+    learners: Annotated[int, typer.Option(help="learner processes (M)")] = 2,
+    data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
+    workdir: Annotated[Path | None, typer.Option(help="run directory (default: ./runs/<name>)")] = None,
+    name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
+    model: ModelOpt = None,
+    seed: Annotated[int | None, typer.Option(help="model init and sampling seed")] = None,
+    dataset: Annotated[str | None, typer.Option(help='"stdlib" (default), a directory, glob or file')] = None,
+    store: Annotated[
+        str | None, typer.Option(help="URI for shards and checkpoints (default: the run dir)")
+    ] = None,
+    inner_steps: Annotated[int | None, typer.Option(help="H: inner steps between syncs")] = None,
+    quorum: Annotated[
+        int | None, typer.Option(help="K: pushes a round needs (0: every live learner)")
+    ] = None,
+    fragments: Annotated[int | None, typer.Option(help="P: parameter fragments")] = None,
+    overlap: Annotated[
+        int | None, typer.Option(help="τ: inner steps between a push and applying its merge")
+    ] = None,
+    sync: Annotated[
+        bool, typer.Option("--sync", help="synchronous DiLoCo: quorum = every learner, one fragment, τ = 0")
+    ] = False,
+    merge: Annotated[str | None, typer.Option(help="mean | token | rda")] = None,
+    codec: Annotated[
+        str | None, typer.Option(help="how deltas travel: fp32 | bf16 | int8 | int4 (then zstd)")
+    ] = None,
+    pull_codec: Annotated[
+        str | None,
+        typer.Option(help="how merged fragments come back: fp32 (whole) or bf16 | int8 | int4 steps"),
+    ] = None,
+    slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
+    chaos_interval: Annotated[
+        float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
+    ] = 0.0,
+    chaos_roles: Annotated[
+        str,
+        typer.Option(
+            help="comma-separated roles chaos may kill: coordinator,data,learner,evaluator (default: the first three)"
+        ),
+    ] = "",
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    no_progress: Annotated[bool, typer.Option("--no-progress", help="no live progress display")] = False,
+    http_port: Annotated[
+        int, typer.Option(min=-1, max=65535, help="the status page's loopback port (0: a free one; -1: none)")
+    ] = 0,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="serve Prometheus /metrics on its own port too")
+    ] = None,
+) -> None:
+    """Run a whole job on this machine: coordinator, data workers and learners as processes."""
+    from diloco.local.launch import LocalRunOptions, default_run_config, run_local
+
+    if learners < 1 or data_workers < 1:
+        raise DilocoError("--learners and --data-workers must be at least 1")
+    roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
+    if unknown := set(roles) - {"coordinator", "data", "learner", "evaluator"}:
+        raise DilocoError(f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))}")
+    cfg = build_config(
+        default_run_config(),
+        config,
+        set_,
+        {
+            "train.seed": seed,
+            "model.factory": model,
+            "data.dataset": dataset,
+            "data.store": store,
+            "train.inner_steps": inner_steps,
+            "sync.quorum": quorum,
+            "sync.fragments": fragments,
+            "sync.merge": merge,
+            "sync.overlap_steps": overlap,
+            "sync.codec": codec,
+            "sync.pull_codec": pull_codec,
+            # The baseline every benchmark compares with; set before validation, so H ≤ the
+            # default τ is fine with --sync.
+            **({"sync.quorum": 0, "sync.fragments": 1, "sync.overlap_steps": 0} if sync else {}),
+        },
+    )
+    run_local(
+        LocalRunOptions(
+            config=cfg,
+            minutes=minutes,
+            tokens=tokens,
+            learners=learners,
+            data_workers=data_workers,
+            workdir=str(workdir) if workdir else None,
+            name=name,
+            slow_learner=slow_learner,
+            chaos_interval=chaos_interval,
+            chaos_roles=roles,
+            http_port=None if http_port < 0 else http_port,
+            metrics_port=metrics_port,
+            show_progress=not no_progress,
+        )
+    )

@@ -1,0 +1,139 @@
+"""The worker roles, one command each: coordinator, data, compute, evaluator (and the warm spare)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import (
+    ConfigOpt,
+    ConnectOpt,
+    CoordinatorOpt,
+    ModelOpt,
+    SetOpt,
+    WorkerIdOpt,
+    build_config,
+    clear_errors,
+    stop_on_signals,
+)
+from diloco.config import RunConfig
+from diloco.logs import setup_logging
+
+
+@clear_errors
+def coordinator(
+    workdir: Annotated[Path, typer.Option(help="state dir: ledger, checkpoints, shards (unless --store)")],
+    dataset: Annotated[
+        str | None, typer.Option(help='"stdlib", a directory, glob or file (local or s3://)')
+    ] = None,
+    store: Annotated[
+        str | None, typer.Option(help="URI where shards and checkpoints go (default: the workdir)")
+    ] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on (0: any free port)")] = 0,
+    metrics_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="serve Prometheus /metrics here (0: any free port)")
+    ] = None,
+    http_port: Annotated[
+        int | None, typer.Option(min=0, max=65535, help="serve the status page here (0: any free port)")
+    ] = None,
+    http_host: Annotated[str, typer.Option(help="address the page and /metrics listen on")] = "127.0.0.1",
+) -> None:
+    """Serve membership, leases, the syncer and status over gRPC (and, asked, /metrics and a page)."""
+    from diloco.coordinator.server import ObservePorts, serve
+
+    setup_logging("coordinator")
+    cfg = build_config(
+        RunConfig(), config, set_, {"data.dataset": dataset, "data.store": store, "model.factory": model}
+    )
+    serve(cfg, str(workdir), host, port, ObservePorts(metrics_port, http_port, http_host))
+
+
+@clear_errors
+def data(
+    coordinator: CoordinatorOpt, connect_timeout: ConnectOpt = 60.0, worker_id: WorkerIdOpt = None
+) -> None:
+    """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
+    from diloco.data.worker import run_data_worker
+
+    setup_logging("data")
+    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout, worker_id))
+
+
+@clear_errors
+def compute(
+    coordinator: CoordinatorOpt,
+    device: Annotated[
+        str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: the run's config)")
+    ] = None,
+    threads: Annotated[int | None, typer.Option(help="torch intra-op threads for this learner")] = None,
+    slow_factor: Annotated[
+        float, typer.Option(help="make this learner FACTOR× slower (straggler experiments)")
+    ] = 1.0,
+    connect_timeout: ConnectOpt = 60.0,
+    worker_id: WorkerIdOpt = None,
+    state_dir: Annotated[
+        str | None,
+        typer.Option(help="local directory for this learner's state: with --worker-id, a restart resumes it"),
+    ] = None,
+) -> None:
+    """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
+    from diloco.compute.learner import run_learner
+    from diloco.compute.overrides import LocalOverrides
+
+    setup_logging("learner")
+    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout, worker_id, state_dir)
+    sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
+
+
+@clear_errors
+def evaluator(
+    coordinator: CoordinatorOpt,
+    every: Annotated[
+        float | None, typer.Option(help="seconds between evaluations (default: the run's eval.every_s)")
+    ] = None,
+    device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: cpu)")] = None,
+    threads: Annotated[
+        int | None, typer.Option(help="torch intra-op threads (default: eval.threads)")
+    ] = None,
+    connect_timeout: ConnectOpt = 60.0,
+    worker_id: WorkerIdOpt = None,
+) -> None:
+    """Evaluator: the held-out loss of the published global model, now and then, for status."""
+    from diloco.evaluator import run_evaluator
+
+    setup_logging("evaluator")
+    sys.exit(
+        run_evaluator(
+            coordinator,
+            stop_on_signals(),
+            connect_timeout_s=connect_timeout,
+            worker_id=worker_id,
+            device=device,
+            threads=threads,
+            every_s=every,
+        )  # fmt: skip
+    )
+
+
+def standby(
+    role: Annotated[str, typer.Option(help="the role this spare warms up for: learner | data | coordinator")],
+) -> None:
+    """A warm spare (started by `diloco run` under chaos): import everything, then wait on stdin for
+    the command line of a process that died, and run it here."""
+    from diloco.local.spare import await_assignment, take_over, warm_up
+
+    warm_up(role)
+    assignment = await_assignment(sys.stdin)
+    if assignment is None:  # the supervisor is stopping and never needed us
+        sys.exit(0)
+    take_over(assignment)
+    from cli.main import app  # the whole CLI, to run the dead process's command line here
+
+    app(args=assignment.args, prog_name="diloco")

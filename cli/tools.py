@@ -1,0 +1,163 @@
+"""Tools around a run: its status, its model exported, tokenizers."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import clear_errors
+from diloco.errors import DilocoError
+from diloco.logs import setup_logging
+
+
+@clear_errors
+def status(
+    coordinator: Annotated[
+        str | None, typer.Option("--coordinator", help="a running coordinator's HOST:PORT")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the full status as JSON")] = False,
+    audit: Annotated[
+        bool, typer.Option("--audit", help="check the ledger's invariants; exit 1 on a violation")
+    ] = False,
+    workdir: Annotated[Path | None, typer.Option(help="a coordinator's state dir (for --audit)")] = None,
+    watch: Annotated[float, typer.Option(help="refresh every SECONDS until Ctrl-C (0: once)")] = 0.0,
+) -> None:
+    """Show a running coordinator's state, or (--audit --workdir DIR) prove its ledger's promises."""
+    from diloco.client import CoordinatorClient
+    from diloco.v1 import coordinator_pb2 as pb
+    from diloco.views import status_lines
+
+    if audit:
+        from diloco.coordinator.audit import audit as audit_ledger
+
+        if workdir is None:
+            raise DilocoError("--audit needs --workdir (the coordinator's state dir)")
+        report = audit_ledger(workdir)
+        typer.echo(
+            json.dumps(report.to_dict(), indent=2)
+            if as_json
+            else ("audit ok" if report.ok else "audit FAILED:\n  " + "\n  ".join(report.violations))
+        )
+        raise typer.Exit(0 if report.ok else 1)
+    if coordinator is None:
+        raise DilocoError("give --coordinator HOST:PORT (or --audit --workdir DIR)")
+    client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5)
+    client.wait_ready(5)
+    if watch > 0 and not as_json:
+        from rich.console import Console
+        from rich.live import Live
+        from rich.text import Text
+
+        with Live(Text(""), console=Console(), refresh_per_second=4) as live:
+            while True:  # until Ctrl-C (exit code 130, as every command)
+                live.update(Text("\n".join(status_lines(client.status()))))
+                time.sleep(watch)
+    detail = client.status()
+    client.close()
+    if as_json:
+        typer.echo(json.dumps(detail, indent=2))
+        return
+    for line in status_lines(detail):
+        typer.echo(line)
+
+
+@clear_errors
+def export(
+    run: Annotated[Path, typer.Argument(help="the run's directory (the coordinator's workdir)")],
+    out: Annotated[Path, typer.Option(help="directory to write the model to")],
+    format_: Annotated[
+        str, typer.Option("--format", help="hf (from_pretrained loads it) | safetensors (any model)")
+    ] = "safetensors",
+) -> None:
+    """Write the run's global model: a Hugging Face directory, or safetensors with its config."""
+    from diloco.export import export_run
+
+    for path in export_run(run, out, format_):
+        typer.echo(str(path))
+
+
+RunArg = Annotated[
+    Path | None, typer.Argument(help="a run's directory, or a weights file in one (its model.safetensors)")
+]
+LiveOpt = Annotated[
+    str | None, typer.Option("--coordinator", help="a live run's HOST:PORT: its latest published model")
+]
+
+
+@clear_errors
+def eval_(
+    run: RunArg = None,
+    coordinator: LiveOpt = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="evaluate on this data (made like the run's) instead of the held-out split"),
+    ] = None,
+    max_batches: Annotated[int, typer.Option(help="batches of train.batch_size rows at most (0: all)")] = 64,
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """The model's loss (and metrics) on the run's held-out split or on your data."""
+    from diloco.results import evaluate_loaded, load_model
+
+    result = evaluate_loaded(load_model(run, coordinator), dataset, max_batches or None)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(f"model {result['model']}")
+    typer.echo(f"data {result['data']}: {result['rows']:,} rows")
+    typer.echo(f"loss {result['loss']:.4f}")
+    for name, value in sorted(result["metrics"].items()):
+        typer.echo(f"{name} {value:.4f}")
+    if result.get("baseline_loss") is not None:
+        typer.echo(f"unigram baseline {result['baseline_loss']:.4f}")
+
+
+@clear_errors
+def generate(
+    run: RunArg = None,
+    coordinator: LiveOpt = None,
+    prompt: Annotated[str, typer.Option(help="the text to continue")] = "def ",
+    tokens: Annotated[int, typer.Option(min=1, help="tokens to sample")] = 200,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (0: greedy)")] = 0.8,
+    seed: Annotated[int, typer.Option(help="sampling seed: the same seed gives the same text")] = 0,
+) -> None:
+    """A token model continues the prompt."""
+    from diloco.results import generate_text, load_model
+
+    typer.echo(generate_text(load_model(run, coordinator), prompt, tokens, temperature, seed))
+
+
+@clear_errors
+def tokenizer_train(
+    dataset: Annotated[str, typer.Option(help='"stdlib", a directory, glob or file (local or s3://)')],
+    vocab: Annotated[int, typer.Option(help="vocabulary size, end-of-text included (>= 257)")],
+    store: Annotated[
+        str | None, typer.Option(help="URI of the run's store: writes <store>/tokenizer/tokenizer.json")
+    ] = None,
+    out: Annotated[
+        str | None, typer.Option(help="URI of the tokenizer.json to write (overrides --store)")
+    ] = None,
+    max_bytes: Annotated[
+        int, typer.Option(help="text sampled for training, spread over the files by size")
+    ] = 200_000_000,
+    text_field: Annotated[
+        str, typer.Option(help="the text field of .jsonl records and .parquet files")
+    ] = "text",
+) -> None:
+    """Train a byte-level BPE over a dataset's texts; print the tokenizer.json URI and its sha256."""
+    from diloco.tokenizer_train import default_output, train_tokenizer
+
+    setup_logging("tokenizer")
+    result = train_tokenizer(
+        dataset, vocab, out or default_output(store or "."), max_bytes=max_bytes, text_field=text_field
+    )
+    typer.echo(f"tokenizer {result.uri}")
+    typer.echo(f"sha256 {result.sha256}")
+    typer.echo(
+        f"vocab {result.vocab_size} (end-of-text id {result.eot_id}), trained on {result.sample_bytes:,} "
+        f"characters of {result.files} files"
+    )
+    typer.echo(f"use it with: --set data.tokenizer={result.uri}")

@@ -1,0 +1,140 @@
+"""The run's events over time: merges, evaluations, learner reports, progress samples, restarts.
+
+Each event is one JSON object {"kind", "at", ...}. It is appended to `<workdir>/metrics.jsonl`
+(a run can be plotted after the fact, with no server running), written as TensorBoard scalars
+under `<workdir>/tensorboard/` (`tensorboard --logdir runs/`), and kept in memory, the latest
+ones, for the status page. A restarted coordinator reads the tail of metrics.jsonl back, so the
+page's curves go on across restarts.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("diloco.observe")
+
+METRICS_LOG = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+# Events kept in memory for the page (a week-long run has far more; the file keeps them all).
+KEEP_EVENTS = 50_000
+
+
+def scalars(event: dict[str, Any]) -> Iterable[tuple[str, float, int]]:
+    """The TensorBoard scalars of one event: (tag, value, step), the step being the tokens merged
+    into the global model so far, so runs of other speeds line up."""
+    kind, step = event["kind"], int(event.get("tokens_merged") or 0)
+    if kind == "merge" and event.get("mean_loss") is not None:
+        yield "train/round_loss", float(event["mean_loss"]), step
+    elif kind == "eval":
+        yield "eval/loss", float(event["loss"]), step
+        for name, value in sorted((event.get("metrics") or {}).items()):
+            yield f"eval/{name}", float(value), step
+    elif kind == "learner" and event.get("loss"):
+        yield f"learner/{event['worker_id']}/loss", float(event["loss"]), step
+        yield f"learner/{event['worker_id']}/utilization", float(event.get("utilization", 0.0)), step
+    elif kind == "progress":
+        for key in ("merged_tokens_per_s", "wire_bytes_per_token", "learners_alive"):
+            if event.get(key) is not None:
+                yield f"run/{key}", float(event[key]), step
+
+
+class RunEvents:
+    """Where the coordinator records what happens. `directory` None: in memory only (tests, tools)."""
+
+    def __init__(
+        self,
+        directory: str | Path | None,
+        *,
+        clock: Callable[[], float] = time.time,
+        tensorboard: bool = True,
+    ):
+        self.clock = clock
+        self.directory = Path(directory) if directory is not None else None
+        self._lock = threading.Lock()
+        self._recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=KEEP_EVENTS)
+        self._file = None
+        self._writer = None
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._recent.extend(read_events(self.directory / METRICS_LOG, last=KEEP_EVENTS))
+            path = self.directory / METRICS_LOG
+            cut_short = _last_byte(path) not in (b"", b"\n")
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115
+            if cut_short:  # a kill mid-line: the next event starts a line of its own
+                self._file.write("\n")
+            if tensorboard:
+                self._writer = _tensorboard_writer(self.directory / TENSORBOARD_DIR)
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.directory / METRICS_LOG if self.directory is not None else None
+
+    @property
+    def tensorboard_dir(self) -> Path | None:
+        return self.directory / TENSORBOARD_DIR if self._writer is not None and self.directory else None
+
+    def record(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"kind": kind, "at": round(self.clock(), 3), **fields}
+        with self._lock:
+            self._recent.append(event)
+            if self._file is not None:
+                self._file.write(json.dumps(event, sort_keys=True) + "\n")
+                self._file.flush()
+            if self._writer is not None:
+                for tag, value, step in scalars(event):
+                    self._writer.add_scalar(tag, value, global_step=step, walltime=event["at"])
+        return event
+
+    def recent(self, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:
+        wanted = set(kinds) if kinds is not None else None
+        with self._lock:
+            return [e for e in self._recent if wanted is None or e["kind"] in wanted]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+
+
+def read_events(path: Path, last: int | None = None) -> list[dict[str, Any]]:
+    """The events of a metrics.jsonl (the `last` ones); a line cut short by a kill is skipped."""
+    if not path.exists():
+        return []
+    lines: collections.deque[str] = collections.deque(maxlen=last)
+    with open(path, encoding="utf-8") as f:
+        lines.extend(f)
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def _last_byte(path: Path) -> bytes:
+    if not path.exists() or path.stat().st_size == 0:
+        return b""
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1)
+
+
+def _tensorboard_writer(directory: Path) -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:  # tensorboard not installed: metrics.jsonl still has everything
+        log.warning("no TensorBoard event files (%s); metrics.jsonl has the same curves", e)
+        return None
+    return SummaryWriter(log_dir=str(directory), flush_secs=5)

@@ -1,0 +1,196 @@
+"""The coordinator's Prometheus metrics (prometheus-client), by Prometheus naming conventions.
+
+Most figures are read from the status detail at scrape time (a custom collector: one source for
+`diloco status`, the page and Prometheus, nothing counted twice); what only an event can tell —
+how long a push or pull took, how many bytes it carried, why a push was refused — is observed as
+it happens, in histograms and counters. Each coordinator has a registry of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# Bytes from a few KB (a small fragment, int4) to GBs (a large model's fragment in fp32).
+BYTE_BUCKETS = tuple(float(4**k) for k in range(5, 17))
+SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+AUDIT_EVERY_S = 60.0
+
+
+class CoordinatorMetrics:
+    """The registry a coordinator serves, with the event metrics its handlers observe."""
+
+    def __init__(self, detail: Callable[[], dict[str, Any]], workdir: str | Path | None = None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.push_seconds = Histogram(
+            "diloco_push_seconds", "Time to receive one delta push, from its first piece to the reply",
+            buckets=SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.push_bytes = Histogram(
+            "diloco_push_bytes", "Tensor bytes of one delta push, as encoded on the wire",
+            buckets=BYTE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.pull_seconds = Histogram(
+            "diloco_pull_seconds", "Time to stream one pull's fragments (long-poll wait excluded)",
+            ["role"], buckets=SECONDS_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.pull_bytes = Histogram(
+            "diloco_pull_bytes", "Tensor bytes of one pull", ["role"], buckets=BYTE_BUCKETS,
+            registry=self.registry,
+        )  # fmt: skip
+        self.pushes_refused = Counter(
+            "diloco_pushes_refused", "Delta pushes refused, by reason", ["reason"], registry=self.registry
+        )
+        self.registry.register(StatusCollector(detail, workdir))
+
+    def refused(self, reason: str) -> None:
+        # The reason's first words: a label, not a message (versions and numbers left out).
+        self.pushes_refused.labels(reason=reason_label(reason)).inc()
+
+
+def reason_label(reason: str) -> str:
+    words = [w for w in reason.replace(":", " ").replace(",", " ").split() if not any(c.isdigit() for c in w)]
+    return "_".join(words[:4]).lower() or "unknown"
+
+
+class StatusCollector(Collector):
+    """Gauges and counters from the coordinator's status detail, read when scraped."""
+
+    def __init__(self, detail: Callable[[], dict[str, Any]], workdir: str | Path | None):
+        self.detail = detail
+        self.workdir = workdir
+        self._audit: tuple[float, bool] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # the families depend on the run (its learners); none is declared ahead
+
+    def collect(self) -> Iterator[Metric]:
+        d = self.detail()
+        now = time.monotonic()
+        state = GaugeMetricFamily("diloco_run_state", "1 for the run's state", labels=["state"])
+        for s in ("running", "finishing", "finished"):
+            state.add_metric([s], 1.0 if d["run_state"] == s else 0.0)
+        yield state
+        yield GaugeMetricFamily(
+            "diloco_coordinator_epoch",
+            "Coordinator starts so far (restarts = epoch - 1)",
+            value=d["coordinator_epoch"],
+        )
+        yield GaugeMetricFamily("diloco_coordinator_uptime_seconds", "Since this start", value=d["uptime_s"])
+        for key, what in (
+            ("prepared", "made into shards by data workers"),
+            ("leased", "in train shards handed to learners"),
+            ("trained", "trained by learners (their reports)"),
+            ("merged", "merged into the global model, each once"),
+        ):
+            yield CounterMetricFamily(
+                f"diloco_tokens_{key}", f"Tokens (or samples) {what}", value=d.get(f"tokens_{key}", 0)
+            )
+        versions = GaugeMetricFamily("diloco_fragment_version", "Published version", labels=["fragment"])
+        merges = CounterMetricFamily(
+            "diloco_merges", "Merges (outer steps) of a fragment", labels=["fragment"]
+        )
+        for p, v in enumerate(d["fragment_versions"]):
+            versions.add_metric([str(p)], v)
+            merges.add_metric([str(p)], v)
+        yield versions
+        yield merges
+        yield CounterMetricFamily("diloco_rounds", "Rounds merged, every fragment", value=d["rounds"])
+        yield CounterMetricFamily(
+            "diloco_pushes_accepted", "Delta pushes taken into a round", value=d["pushes_received"]
+        )
+        wire = CounterMetricFamily(
+            "diloco_wire_bytes", "Bytes on the wire by RPC", labels=["rpc", "direction"]
+        )
+        for rpc, counts in sorted(d.get("wire_by_rpc", {}).items()):
+            wire.add_metric([rpc, "received"], counts.get("received", 0))
+            wire.add_metric([rpc, "sent"], counts.get("sent", 0))
+        yield wire
+        yield from self._chunks(d)
+        yield from self._workers(d)
+        yield from self._eval(d)
+        audit_ok = self._audit_ok(now)
+        if audit_ok is not None:
+            yield GaugeMetricFamily(
+                "diloco_audit_ok",
+                "1 when the ledger's promises hold (checked each minute)",
+                value=float(audit_ok),
+            )
+
+    @staticmethod
+    def _chunks(d: dict[str, Any]) -> Iterator[Metric]:
+        chunks = GaugeMetricFamily("diloco_chunks", "Raw chunks by state", labels=["state"])
+        for s, n in sorted(d.get("chunks_by_state", {}).items()):
+            chunks.add_metric([s], n)
+        yield chunks
+        yield GaugeMetricFamily(
+            "diloco_chunks_quarantined",
+            "Chunks given up on after repeated failures",
+            value=d["chunks_quarantined"],
+        )
+        yield GaugeMetricFamily("diloco_shards", "Shards recorded", value=d["shards_total"])
+
+    @staticmethod
+    def _workers(d: dict[str, Any]) -> Iterator[Metric]:
+        up = GaugeMetricFamily("diloco_worker_up", "1 while a worker heartbeats", labels=["worker", "role"])
+        util = GaugeMetricFamily(
+            "diloco_learner_utilization_ratio", "Share of a learner's time in inner steps", labels=["worker"]
+        )
+        stall = GaugeMetricFamily(
+            "diloco_learner_data_stall_ratio", "Share of a learner's time waiting for data", labels=["worker"]
+        )
+        loss = GaugeMetricFamily(
+            "diloco_learner_inner_loss", "A learner's last inner-step loss", labels=["worker"]
+        )
+        age = GaugeMetricFamily(
+            "diloco_learner_last_push_age_seconds", "Since a learner's last push", labels=["worker"]
+        )
+        trained = CounterMetricFamily(
+            "diloco_learner_tokens_trained", "Tokens a learner trained, this life", labels=["worker"]
+        )
+        data_rate = GaugeMetricFamily(
+            "diloco_data_worker_tokens_per_second", "A data worker's speed while it works", labels=["worker"]
+        )
+        for w in d["workers"]:
+            wid = w["worker_id"]
+            up.add_metric([wid, w["role"]], 1.0 if w["alive"] else 0.0)
+            if w["role"] == "compute":
+                wall = w.get("wall_seconds") or 0.0
+                util.add_metric([wid], w.get("busy_seconds", 0.0) / wall if wall else 0.0)
+                stall.add_metric([wid], w.get("data_stall_seconds", 0.0) / wall if wall else 0.0)
+                loss.add_metric([wid], w.get("last_loss") or 0.0)
+                trained.add_metric([wid], w.get("tokens_trained", 0))
+                if w.get("last_push_age_s") is not None:
+                    age.add_metric([wid], w["last_push_age_s"])
+            elif w["role"] == "data":
+                data_rate.add_metric([wid], w.get("tokens_per_s", 0.0))
+        yield from (up, util, stall, loss, age, trained, data_rate)
+
+    @staticmethod
+    def _eval(d: dict[str, Any]) -> Iterator[Metric]:
+        evals = d.get("evals") or []
+        if not evals:
+            return
+        last = evals[-1]
+        yield GaugeMetricFamily(
+            "diloco_eval_loss", "Held-out loss of the latest evaluated global model", value=last["loss"]
+        )
+        metric = GaugeMetricFamily("diloco_eval_metric", "The model's own held-out metrics", labels=["name"])
+        for name, value in sorted(last.get("metrics", {}).items()):
+            metric.add_metric([name], value)
+        yield metric
+
+    def _audit_ok(self, now: float) -> bool | None:
+        if self.workdir is None:
+            return None
+        if self._audit is None or now - self._audit[0] >= AUDIT_EVERY_S:
+            from diloco.coordinator.audit import audit
+
+            self._audit = (now, audit(self.workdir, check_files=False).ok)
+        return self._audit[1]

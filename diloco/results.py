@@ -1,0 +1,152 @@
+"""Using a run's model without writing code: evaluate it, sample from it.
+
+    diloco eval RUN [--dataset URI]            loss (and metrics) on the held-out split, or on your data
+    diloco eval --coordinator HOST:PORT        the live run's latest published model
+    diloco generate RUN --prompt TEXT          a token model continues the prompt
+
+RUN is a run's directory (the coordinator's workdir), or a weights file inside one (e.g. its
+`model.safetensors`). The model is built by the run's factory, so the machine needs the model's
+code installed, like a learner. Data given with --dataset goes through the run's own data path
+(its tokenizer and packing, or its preprocess), into shards in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
+from diloco.coordinator.report import read_only, stored_run
+from diloco.data.chunks import partition_dataset
+from diloco.data.makers import shard_maker
+from diloco.data.shard import UNIT_TOKENS, read_shard
+from diloco.errors import DilocoError
+from diloco.evaluate import EvalResult, can_sample, evaluate, sample_text, unigram_entropy
+from diloco.export import global_model
+from diloco.model.factory import build_model
+from diloco.model.weights import check_matches, load_weights
+from diloco.tokenizer import load_tokenizer
+from diloco.v1 import coordinator_pb2 as pb
+
+EVAL_MAX_BATCHES = 64  # as the final evaluation of `diloco run`
+
+
+@dataclass
+class LoadedModel:
+    cfg: RunConfig
+    model: torch.nn.Module
+    source: str  # where its parameters came from, for the output
+    eval_shards: list[dict[str, Any]]  # the run's held-out split: {"uri", "checksum"}
+
+
+def load_model(run: str | Path | None, coordinator: str | None) -> LoadedModel:
+    if (run is None) == (coordinator is None):
+        raise DilocoError("give a run directory (or a weights file in one), or --coordinator HOST:PORT")
+    return _from_coordinator(coordinator) if coordinator else _from_run(Path(run))  # type: ignore[arg-type]
+
+
+def _from_run(path: Path) -> LoadedModel:
+    if path.is_file():  # weights of the run's model, e.g. <run>/model.safetensors
+        workdir = path.parent
+        cfg = RunConfig.from_json(_stored_config(workdir))
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        mine = {n: p.detach() for n, p in model.named_parameters()}
+        loaded = load_weights(str(path))
+        check_matches(mine, loaded, str(path))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(loaded[name])
+        source = str(path)
+    else:
+        workdir = path
+        cfg, model, versions = global_model(path)
+        source = f"{path} at versions {versions}"
+    with read_only(workdir) as db:
+        shards = db.execute(
+            "SELECT uri, checksum FROM shards WHERE split = 'eval' ORDER BY chunk_id"
+        ).fetchall()
+    return LoadedModel(cfg, model.eval(), source, [{"uri": u, "checksum": c} for u, c in shards])
+
+
+def _stored_config(workdir: Path) -> str:
+    try:
+        return stored_run(workdir)[0]
+    except FileNotFoundError as e:
+        raise DilocoError(f"{e}: a weights file is read beside its run's ledger") from e
+
+
+def _from_coordinator(address: str) -> LoadedModel:
+    """The live run's latest published model, pulled as an evaluator would."""
+    client = CoordinatorClient(address, pb.ROLE_EVALUATOR, retry_deadline_s=10)
+    try:
+        reply = client.join(10)
+        cfg = client.config
+        assert cfg is not None
+        if not reply.fragment_versions:
+            raise DilocoError(f"{address}: the run has no parameters yet")
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        pulled = {n: t for _, ts in client.pull(list(range(reply.num_fragments))) for n, t in ts.items()}
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(pulled[name])
+        split = client.status().get("eval_split", {}).get("shards", [])
+        versions = list(reply.fragment_versions)
+    finally:
+        client.leave("done")
+        client.close()
+    return LoadedModel(cfg, model.eval(), f"{address} at versions {versions}", split)
+
+
+def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray], str]:
+    """Your data as the run's shards hold it: partitioned, made by the run's shard maker (its
+    tokenizer and packing, or its preprocess) into a temporary directory, and read back."""
+    d = cfg.with_overrides({"data.dataset": dataset})
+    from diloco.coordinator.workdir import dataset_files
+
+    files = dataset_files(d)
+    chunks = partition_dataset(files, d.data.chunk_bytes, 0.0, d.data.text_field).chunks
+    if not chunks:
+        raise DilocoError(f"dataset {dataset!r} has no data")
+    maker = shard_maker(d, load_tokenizer(d.data.tokenizer))
+    with tempfile.TemporaryDirectory(prefix="diloco-eval-") as tmp:
+        shards = [read_shard(maker.make(c, str(Path(tmp) / f"{c.index}.shard")).info.uri) for c in chunks]
+    return {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}, shards[
+        0
+    ].unit
+
+
+def held_out_columns(loaded: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
+    if not loaded.eval_shards:
+        raise DilocoError("the run has no held-out split: give --dataset")
+    shards = [read_shard(s["uri"], s["checksum"]) for s in loaded.eval_shards]
+    return {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}, shards[
+        0
+    ].unit
+
+
+def evaluate_loaded(loaded: LoadedModel, dataset: str | None, max_batches: int | None) -> dict[str, Any]:
+    columns, unit = dataset_columns(loaded.cfg, dataset) if dataset else held_out_columns(loaded)
+    result: EvalResult = evaluate(
+        loaded.model, columns, loaded.cfg.train.batch_size, "cpu", max_batches, loaded.cfg.model.factory
+    )
+    out: dict[str, Any] = {"model": loaded.source, "data": dataset or "held-out split", "rows": result.rows,
+                           "loss": result.loss, "metrics": result.metrics}  # fmt: skip
+    if unit == UNIT_TOKENS:
+        vocab = loaded.cfg.model.vocab_size
+        out["baseline_loss"] = unigram_entropy([columns["input_ids"][: result.rows]], vocab)
+    return out
+
+
+def generate_text(loaded: LoadedModel, prompt: str, tokens: int, temperature: float, seed: int) -> str:
+    if not can_sample(loaded.model):
+        raise DilocoError(
+            f"the run's model ({loaded.cfg.model.factory}) has no logits(input_ids) to sample from"
+        )
+    tokenizer = load_tokenizer(loaded.cfg.data.tokenizer)
+    return sample_text(loaded.model, tokenizer, prompt, tokens, "cpu", seed=seed, temperature=temperature)

@@ -1,0 +1,140 @@
+"""Watching a live run: Prometheus scrapes the coordinator's /metrics, a real browser (headless
+Chromium from Debian's packages) loads its status page, and the curves are on disk afterwards
+(metrics.jsonl and TensorBoard event files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support import REPO, run_cli, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def chromium() -> str:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        if os.environ.get("CI"):  # .ci/run installs it: missing there is a failure, not a skip
+            pytest.fail("chromium is not installed (.ci/run installs it with apt-get)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return binary
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read().decode()
+
+
+def browse(url: str, *extra: str) -> str:
+    """What headless Chromium makes of the page once its scripts ran (the DOM as HTML)."""
+    result = subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--virtual-time-budget=2500", *extra, url],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+@pytest.mark.timeout(300)
+def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    browser = chromium()  # before the run: no run at all when the browser is missing
+    assert browser
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "0.75",
+         "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "20",
+         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        page = wait_for(
+            lambda: next((m.group(0) for line in output if (m := re.search(r"http://127\.0\.0\.1:\d+/", line))), None),
+            120, "the status page's URL",
+        )  # fmt: skip
+        info = json.loads((workdir / "coordinator.json").read_text())
+        assert info["page_url"] == page and info["metrics_url"] != page + "metrics"  # --metrics-port: its own
+
+        def ready() -> bool:
+            d = json.loads(get(page + "api/status"))
+            learners = [
+                w for w in d["workers"] if w["role"] == "compute" and w["alive"] and w.get("last_loss")
+            ]
+            return len(learners) == 2 and d["rounds"] >= 2 and bool(d["evals"])
+
+        wait_for(ready, 150, "two learners training, two merges and an evaluation")
+
+        # Prometheus: the text exposition parses, and says what the run is doing.
+        families = {f.name: f for f in text_string_to_metric_families(get(info["metrics_url"]))}
+        value = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
+        assert value["diloco_tokens_merged_total"] > 0 and value["diloco_rounds_total"] >= 2
+        assert value["diloco_push_seconds_count"] >= 2 and value["diloco_push_bytes_sum"] > 0
+        assert value["diloco_eval_loss"] > 0
+        running = [s for s in families["diloco_run_state"].samples if s.labels["state"] == "running"]
+        assert running[0].value == 1
+        up = {
+            s.labels["worker"] for s in families["diloco_worker_up"].samples if s.labels["role"] == "compute"
+        }
+        assert up == {"learner-0", "learner-1"}
+        assert {s.labels["role"] for s in families["diloco_pull_bytes"].samples} >= {"compute", "evaluator"}
+        assert get(page + "metrics").startswith("# HELP")  # the page's port serves /metrics too
+
+        # A real browser: the learners' rows and curves with points, and a screenshot of it all.
+        dom = browse(page, "--dump-dom")
+        assert 'data-loaded="true"' in dom, dom[:2000]
+        assert len(re.findall(r'<tr class="learner[^"]*" data-worker="learner-\d"', dom)) == 2, dom
+        points = [int(n) for n in re.findall(r'class="curve" data-name="[^"]*" data-points="(\d+)"', dom)]
+        assert points and max(points) >= 2, dom
+        shot = tmp_path / "page.png"
+        browse(page, f"--screenshot={shot}", "--window-size=1280,1800")
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+
+        # The live run's latest model, evaluated from the command line.
+        live = run_cli(["eval", "--coordinator", info["address"], "--json", "--max-batches", "4"], timeout=90)
+        assert live.returncode == 0, live.stderr
+        assert (
+            json.loads(live.stdout)["rows"] == 4 * 16 and info["address"] in json.loads(live.stdout)["model"]
+        )
+
+        assert proc.wait(timeout=150) == 0, "".join(output)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(30)
+    # After the run, with no server: the model evaluated and sampled, and the curves on disk.
+    summary = json.loads((workdir / "summary.json").read_text())
+    evaluated = run_cli(["eval", str(workdir), "--json"], timeout=90)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert json.loads(evaluated.stdout)["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+    samples = [
+        run_cli(["generate", str(workdir), "--prompt", "def f", "--seed", "3"], timeout=90) for _ in "ab"
+    ]
+    assert samples[0].returncode == 0 and samples[0].stdout.startswith("def f"), samples[0].stderr
+    assert samples[0].stdout == samples[1].stdout  # the same seed, the same text
+    kinds = {json.loads(line)["kind"] for line in Path(summary["metrics_log"]).read_text().splitlines()}
+    assert {"start", "join", "merge", "learner", "eval", "progress"} <= kinds
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(summary["tensorboard_dir"])
+    board.Reload()
+    tags = set(board.Tags()["scalars"])
+    assert {"train/round_loss", "eval/loss", "learner/learner-0/loss"} <= tags, tags
+    assert len(board.Scalars("train/round_loss")) >= 2
