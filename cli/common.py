@@ -34,6 +34,12 @@ CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordina
 WorkerIdOpt = Annotated[
     str | None, typer.Option("--worker-id", help="a stable identity for this worker (default: generated)")
 ]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port", min=0, max=65535, help="serve Prometheus /metrics here (0: any free port)"
+    ),
+]
 ConnectOpt = Annotated[
     float, typer.Option("--connect-timeout", help="seconds to wait for the coordinator at start")
 ]

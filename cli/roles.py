@@ -12,6 +12,7 @@ from cli.common import (
     ConfigOpt,
     ConnectOpt,
     CoordinatorOpt,
+    MetricsPortOpt,
     ModelOpt,
     SetOpt,
     WorkerIdOpt,
@@ -37,9 +38,7 @@ def coordinator(
     model: ModelOpt = None,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on (0: any free port)")] = 0,
-    metrics_port: Annotated[
-        int | None, typer.Option(min=0, max=65535, help="serve Prometheus /metrics here (0: any free port)")
-    ] = None,
+    metrics_port: MetricsPortOpt = None,
     http_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="serve the status page here (0: any free port)")
     ] = None,
@@ -57,13 +56,16 @@ def coordinator(
 
 @clear_errors
 def data(
-    coordinator: CoordinatorOpt, connect_timeout: ConnectOpt = 60.0, worker_id: WorkerIdOpt = None
+    coordinator: CoordinatorOpt,
+    connect_timeout: ConnectOpt = 60.0,
+    worker_id: WorkerIdOpt = None,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
     from diloco.data.worker import run_data_worker
 
     setup_logging("data")
-    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout, worker_id))
+    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout, worker_id, metrics_port))
 
 
 @clear_errors
@@ -82,13 +84,16 @@ def compute(
         str | None,
         typer.Option(help="local directory for this learner's state: with --worker-id, a restart resumes it"),
     ] = None,
+    metrics_port: MetricsPortOpt = None,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.learner import run_learner
     from diloco.compute.overrides import LocalOverrides
 
     setup_logging("learner")
-    overrides = LocalOverrides(device, threads, slow_factor, connect_timeout, worker_id, state_dir)
+    overrides = LocalOverrides(
+        device, threads, slow_factor, connect_timeout, worker_id, state_dir, metrics_port
+    )
     sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
 
 

@@ -29,7 +29,7 @@ def status(
     """Show a running coordinator's state, or (--audit --workdir DIR) prove its ledger's promises."""
     from diloco.client import CoordinatorClient
     from diloco.v1 import coordinator_pb2 as pb
-    from diloco.views import status_lines
+    from diloco.views import status_tables
 
     if audit:
         from diloco.coordinator.audit import audit as audit_ledger
@@ -47,36 +47,50 @@ def status(
         raise DilocoError("give --coordinator HOST:PORT (or --audit --workdir DIR)")
     client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5)
     client.wait_ready(5)
-    if watch > 0 and not as_json:
-        from rich.console import Console
-        from rich.live import Live
-        from rich.text import Text
+    from rich.console import Console
 
-        with Live(Text(""), console=Console(), refresh_per_second=4) as live:
+    console = Console(width=160)
+    if watch > 0 and not as_json:
+        from rich.live import Live
+
+        with Live(status_tables(client.status()), console=console, refresh_per_second=4) as live:
             while True:  # until Ctrl-C (exit code 130, as every command)
-                live.update(Text("\n".join(status_lines(client.status()))))
                 time.sleep(watch)
+                live.update(status_tables(client.status()))
     detail = client.status()
     client.close()
     if as_json:
         typer.echo(json.dumps(detail, indent=2))
         return
-    for line in status_lines(detail):
-        typer.echo(line)
+    console.print(status_tables(detail))
 
 
 @clear_errors
 def export(
-    run: Annotated[Path, typer.Argument(help="the run's directory (the coordinator's workdir)")],
     out: Annotated[Path, typer.Option(help="directory to write the model to")],
+    run: Annotated[
+        Path | None, typer.Argument(help="the run's directory (the coordinator's workdir)")
+    ] = None,
+    coordinator: Annotated[
+        str | None, typer.Option("--coordinator", help="a live run's HOST:PORT: its latest published model")
+    ] = None,
     format_: Annotated[
         str, typer.Option("--format", help="hf (from_pretrained loads it) | safetensors (any model)")
     ] = "safetensors",
 ) -> None:
     """Write the run's global model: a Hugging Face directory, or safetensors with its config."""
-    from diloco.export import export_run
+    from diloco.export import export_run, write_model
 
-    for path in export_run(run, out, format_):
+    if coordinator is not None and run is None:
+        from diloco.results import load_model
+
+        loaded = load_model(None, coordinator)
+        written = write_model(loaded.cfg, loaded.model, loaded.versions, out, format_)
+    elif run is not None and coordinator is None:
+        written = export_run(run, out, format_)
+    else:
+        raise DilocoError("give a run directory or --coordinator HOST:PORT")
+    for path in written:
         typer.echo(str(path))
 
 

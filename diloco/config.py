@@ -163,6 +163,10 @@ class SyncConfig:
     nesterov: bool = True
     # How many versions behind the fragment's current one a push may be based on and still merge.
     max_staleness: int = 16
+    # A delta whose norm is more than this many times the median of the fragment's last accepted
+    # ones (scaled by its steps over H) is refused as an outlier: one broken or hostile learner
+    # cannot throw the model away. 0: no check. Needs a few accepted deltas first.
+    max_delta_norm_ratio: float = 10.0
     # γ: the adaptive grace window after quorum is γ·(τ·step_time − time_to_quorum − sync_time).
     # Above 1 the first pusher's merge may come after its τ steps: it never waits for it (it
     # applies the merge when it comes, keeping the steps since its push), so the price of a
@@ -214,8 +218,10 @@ class EvalConfig:
     """The held-out loss of the published global model while the run trains (an evaluator role,
     `diloco evaluator`; `diloco run` starts one): a curve beside the learners' training loss."""
 
-    # Seconds between evaluations, of a model that changed since the last one; 0: no evaluator.
+    # Seconds between evaluations, of a model that changed since the last one; 0: by merges only.
     every_s: float = 30.0
+    # Or (also) after this many merges, every fragment's counted, since the last evaluation; 0: by time.
+    every_merges: int = 0
     # Rows evaluated: the first max_batches × train.batch_size rows of the held-out split, in
     # chunk order, the same rows every time (the final evaluation reads 64 batches).
     max_batches: int = 16
@@ -334,8 +340,10 @@ class RunConfig:
             raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
         if self.coordinator.stream_chunk_bytes * 2 > self.coordinator.max_message_bytes:
             raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
-        if self.eval.every_s < 0 or self.eval.max_batches < 1 or self.eval.threads < 1:
-            raise ConfigError("eval.every_s must be >= 0 (0: off), eval.max_batches and eval.threads >= 1")
+        if self.eval.every_s < 0 or self.eval.every_merges < 0:
+            raise ConfigError("eval.every_s and eval.every_merges must be >= 0 (both 0: no evaluator)")
+        if self.eval.max_batches < 1 or self.eval.threads < 1:
+            raise ConfigError("eval.max_batches and eval.threads must be >= 1")
         if self.coordinator.min_publish_interval_s < 0:
             raise ConfigError("coordinator.min_publish_interval_s must be >= 0")
         return self

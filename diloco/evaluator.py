@@ -54,10 +54,12 @@ def eval_due(
     rows_ready: int,
     rows_wanted: int,
     split_complete: bool,
+    every_merges: int = 0,
 ) -> EvalDecision:
     """Whether to evaluate now: a published model (every fragment merged at least once) that
-    differs from the one evaluated last, `every_s` after the last evaluation, on held-out rows
-    that are all there (the rows wanted, or the whole split when it holds fewer)."""
+    differs from the one evaluated last, `every_s` after the last evaluation or `every_merges`
+    merges after it (whichever comes first; 0: not that way; both 0: every new model), on held-out
+    rows that are all there (the rows wanted, or the whole split when it holds fewer)."""
     if not versions or min(versions) < 1:
         return EvalDecision(False, "no merged model yet")
     if rows_ready < rows_wanted and not split_complete:
@@ -66,9 +68,17 @@ def eval_due(
         return EvalDecision(False, "the held-out split is empty")
     if evaluated == versions:
         return EvalDecision(False, f"versions {versions} already evaluated")
-    if last_at is not None and now - last_at < every_s:
-        return EvalDecision(False, f"next evaluation in {every_s - (now - last_at):.1f}s")
-    return EvalDecision(True, f"versions {versions}")
+    if last_at is None or (every_s <= 0 and every_merges <= 0):
+        return EvalDecision(True, f"versions {versions}")
+    merges = sum(versions) - sum(evaluated or [])
+    if every_merges > 0 and merges >= every_merges:
+        return EvalDecision(True, f"{merges} merges since the last evaluation")
+    if every_s > 0 and now - last_at >= every_s:
+        return EvalDecision(True, f"{now - last_at:.1f}s since the last evaluation")
+    waits = ([f"{every_s - (now - last_at):.1f}s"] if every_s > 0 else []) + (
+        [f"{every_merges - merges} merge(s)"] if every_merges > 0 else []
+    )
+    return EvalDecision(False, f"next evaluation in {' or '.join(waits)}")
 
 
 class HeldOutRows:
@@ -150,6 +160,7 @@ class Evaluator:
                 decision = eval_due(
                     time.monotonic(), last_at, 0.0 if finished else every_s, versions, evaluated,
                     rows.ready_rows(split), rows.wanted, bool(split.get("complete")),
+                    0 if finished else cfg.eval.every_merges,
                 )  # fmt: skip
                 if decision.due:
                     evaluated = self._evaluate(model, device, rows.load(split), cfg, status)
@@ -157,7 +168,7 @@ class Evaluator:
                 if finished:
                     log.info("the run finished after %d evaluation(s)", self.evaluations)
                     break
-                self.stop.wait(min(POLL_S, every_s) if every_s > 0 else POLL_S)
+                self.stop.wait(POLL_S)
         finally:
             self.stop.set()
             self.client.leave("finished")

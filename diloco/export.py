@@ -2,6 +2,7 @@
 
     diloco export RUN --format hf --out DIR           AutoModelForCausalLM.from_pretrained(DIR)
     diloco export RUN --format safetensors --out DIR  model.safetensors + config.json (any model)
+    diloco export --coordinator HOST:PORT --out DIR   a live run's latest published model
 
 RUN is the run's directory (the coordinator's workdir). The model is built by the run's factory,
 so the machine that exports needs the model's code installed, like a learner.
@@ -45,10 +46,18 @@ def global_model(workdir: str | Path) -> tuple[RunConfig, nn.Module, list[int]]:
 
 
 def export_run(workdir: str | Path, out: str | Path, fmt: str) -> list[Path]:
-    """Write the global model to `out` in format `fmt`; the files written."""
+    """Write the run's global model to `out` in format `fmt`; the files written."""
     if fmt not in FORMATS:
         raise DilocoError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    cfg, model, versions = global_model(workdir)
+    return write_model(*global_model(workdir), out, fmt)
+
+
+def write_model(
+    cfg: RunConfig, model: nn.Module, versions: list[int], out: str | Path, fmt: str
+) -> list[Path]:
+    """Write `model` (the run's, at `versions`) to `out` in format `fmt`; the files written."""
+    if fmt not in FORMATS:
+        raise DilocoError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":

@@ -43,6 +43,7 @@ class LoadedModel:
     model: torch.nn.Module
     source: str  # where its parameters came from, for the output
     eval_shards: list[dict[str, Any]]  # the run's held-out split: {"uri", "checksum"}
+    versions: list[int]  # the published versions it holds ([] for a weights file)
 
 
 def load_model(run: str | Path | None, coordinator: str | None) -> LoadedModel:
@@ -62,7 +63,7 @@ def _from_run(path: Path) -> LoadedModel:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(loaded[name])
-        source = str(path)
+        source, versions = str(path), []
     else:
         workdir = path
         cfg, model, versions = global_model(path)
@@ -71,7 +72,7 @@ def _from_run(path: Path) -> LoadedModel:
         shards = db.execute(
             "SELECT uri, checksum FROM shards WHERE split = 'eval' ORDER BY chunk_id"
         ).fetchall()
-    return LoadedModel(cfg, model.eval(), source, [{"uri": u, "checksum": c} for u, c in shards])
+    return LoadedModel(cfg, model.eval(), source, [{"uri": u, "checksum": c} for u, c in shards], versions)
 
 
 def _stored_config(workdir: Path) -> str:
@@ -100,7 +101,7 @@ def _from_coordinator(address: str) -> LoadedModel:
     finally:
         client.leave("done")
         client.close()
-    return LoadedModel(cfg, model.eval(), f"{address} at versions {versions}", split)
+    return LoadedModel(cfg, model.eval(), f"{address} at versions {versions}", split, versions)
 
 
 def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray], str]:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
 
 
@@ -110,34 +110,57 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     console.print(f"summary: {path}", soft_wrap=True)  # a path is copied whole: never wrapped
 
 
-def status_lines(detail: dict[str, Any]) -> list[str]:
-    """`diloco status`: the run, its data, its training, and one line per worker."""
+STATUS_COLUMNS = ("worker", "role", "state", "device", "steps", "tokens", "loss", "utilization", "data stall",
+                  "last push", "lag", "metrics")  # fmt: skip
+
+
+def status_tables(detail: dict[str, Any]) -> Group:
+    """`diloco status`: the run (data, training, the held-out eval) and a table of its workers."""
     d = detail
-    return [
-        f"run {d['run_state']} epoch {d['coordinator_epoch']}",
-        f"chunks {d['chunks_done']}/{d['chunks_total']} done, {d['chunks_quarantined']} quarantined",
-        f"shards {d['shards_total']} ({d['shards_consumed']} consumed), tokens prepared {d['tokens_prepared']:,}",
-        f"tokens trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}, rounds {d['rounds']}",
-        f"fragment versions {d['fragment_versions']}, last loss {d['last_loss']}"
-        f"{metrics_text(d.get('train_metrics'))}",
-        f"held-out eval {eval_text(d)}",
-        records_line(d.get("record_stats", {})),
-        *(worker_line(w) for w in d["workers"]),
-    ]
+    run = Table(title=f"run {d['run_state']} · coordinator epoch {d['coordinator_epoch']}", show_header=False)
+    run.add_row(
+        "chunks", f"{d['chunks_done']}/{d['chunks_total']} done, {d['chunks_quarantined']} quarantined"
+    )
+    run.add_row("shards", f"{d['shards_total']} ({d['shards_consumed']} consumed)")
+    run.add_row(
+        "tokens",
+        f"prepared {d['tokens_prepared']:,}, trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}",
+    )
+    run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}")
+    loss = d.get("last_loss")
+    run.add_row("last loss", (f"{loss:.4f}" if loss else "-") + metrics_text(d.get("train_metrics")))
+    run.add_row("held-out eval", eval_text(d))
+    run.add_row("records", records_line(d.get("record_stats", {})).removeprefix("records "))
+    workers = Table(title="workers")
+    for column in STATUS_COLUMNS:
+        workers.add_column(
+            column, justify="left" if column in ("worker", "role", "state", "metrics") else "right"
+        )
+    for w in d["workers"]:
+        workers.add_row(*worker_cells(w))
+    return Group(run, workers)
 
 
-def worker_line(w: dict) -> str:
+def worker_cells(w: dict[str, Any]) -> list[str]:
     """One worker in `diloco status`: a learner's progress and data stall, a data worker's tokens/s."""
-    line = f"  {w['worker_id']:<32} {w['role']:<8} {'alive' if w['alive'] else w['state']:<6} "
+    state = "alive" if w["alive"] else w["state"]
     if w["role"] == "data":
-        return line + f"tokens={w.get('tokens_prepared', 0)} tokens/s={w.get('tokens_per_s', 0.0):,.0f}"
-    if w["role"] == "evaluator":
-        return line.rstrip()
-    line += f"steps={w.get('inner_steps', 0)} tokens={w.get('tokens_trained', 0)}"
-    line += "".join(f" {k}={v:.4f}" for k, v in sorted((w.get("train_metrics") or {}).items()))
-    if w["role"] == "compute" and w.get("wall_seconds"):
-        line += f" data-stall={w.get('data_stall_seconds', 0.0) / w['wall_seconds']:.1%}"
-    return line
+        return [w["worker_id"], "data", state, "", "", f"{w.get('tokens_prepared', 0):,}", "", "", "", "", "",
+                f"{w.get('tokens_per_s', 0.0):,.0f} tokens/s"]  # fmt: skip
+    if w["role"] != "compute":
+        return [w["worker_id"], w["role"], state, *[""] * 9]
+    wall = w.get("wall_seconds") or 0.0
+    age = w.get("last_push_age_s")
+    return [
+        w["worker_id"], "learner", state, w.get("device", ""), f"{w.get('inner_steps', 0):,}",
+        f"{w.get('tokens_trained', 0):,}",
+        f"{w['last_loss']:.4f}" if w.get("last_loss") else "-",
+        f"{w.get('busy_seconds', 0.0) / wall:.1%}" if wall else "-",
+        f"{w.get('data_stall_seconds', 0.0) / wall:.1%}" if wall else "-",
+        f"{age:.1f} s ago" if age is not None else "-",
+        str(w["version_lag"]) if w.get("version_lag") is not None else "-",
+        metrics_text(w.get("train_metrics")).strip(),
+    ]  # fmt: skip
 
 
 def records_line(stats: dict) -> str:

@@ -84,6 +84,7 @@ class Learner(KeepsLocalState, EndGame):
         reply, cfg = joined.reply, joined.cfg
         self.epoch, self.run_id = reply.coordinator_epoch, reply.run_id
         self.cfg, self.device = cfg, joined.device
+        self.progress.device = str(joined.device)
         self.model, self.optimizer, self.params, self.frags = (
             joined.model,
             joined.optimizer,
@@ -369,4 +370,24 @@ class Learner(KeepsLocalState, EndGame):
 def run_learner(
     address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
 ) -> int:
-    return Learner(address, overrides, stop).run()
+    learner = Learner(address, overrides, stop)
+    port = learner.overrides.metrics_port
+    if port is None:
+        return learner.run()
+    from diloco.observe.worker_metrics import serve_worker_metrics
+
+    def snapshot() -> dict[str, float]:
+        p = learner.progress
+        return {
+            "inner_steps": p.inner_steps, "tokens_trained": p.tokens_trained, "busy_seconds": p.busy_s,
+            "data_stall_seconds": p.stall_s, "sync_wait_seconds": p.sync_wait_s,
+            "inner_loss": 0.0 if math.isnan(p.last_loss) else p.last_loss,
+            "tokens_per_second": p.tokens_trained / p.busy_s if p.busy_s else 0.0,
+        }  # fmt: skip
+
+    server = serve_worker_metrics("learner", port, "127.0.0.1", snapshot, lambda: learner.client.worker_id)
+    log.info("metrics on http://127.0.0.1:%d/metrics", server.server_port)
+    try:
+        return learner.run()
+    finally:
+        server.shutdown()

@@ -18,3 +18,5 @@ class LocalOverrides:
     worker_id: str | None = None
     # Where this learner keeps its state on local disk (with a stable worker_id only; None: off).
     state_dir: str | None = None
+    # Serve this learner's own Prometheus metrics on this loopback port (0: any free one; None: off).
+    metrics_port: int | None = None

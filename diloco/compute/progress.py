@@ -26,6 +26,7 @@ class Progress:
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_steps: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
+    device: str = ""  # where the learner computes, once it knows
 
     def wall_s(self) -> float:
         return (self.ended or time.monotonic()) - self.started
@@ -68,6 +69,7 @@ class Progress:
             wall_seconds=self.wall_s(),
             data_stall_seconds=self.stall_s,
             sync_wait_seconds=self.sync_wait_s,
+            device=self.device,
         )
 
     def summary(self) -> str:

@@ -7,6 +7,7 @@ Synchronous DiLoCo is the special case quorum = every live learner, one fragment
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -205,13 +206,18 @@ class MergeAccumulator:
         self.sums: dict[str, torch.Tensor] = {}
         self.norms: dict[str, float] = {}  # rda: Σ w·‖delta‖ per tensor
         self.total_weight = 0.0
+        self.reference = 0.0  # the first delta's weight; the others are folded in relative to it
         self.count = 0
 
     def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False) -> None:
         """Fold one delta in with its (unnormalised) weight. With `consume`, the delta's fp32
         tensors may become the sums (the caller drops the delta)."""
-        if weight <= 0:
-            raise ValueError(f"a delta's merge weight must be positive, got {weight}")
+        if not 0 < weight < math.inf:
+            raise ValueError(f"a delta's merge weight must be positive and finite, got {weight}")
+        # Weights are taken relative to the round's first (in float64): the fp32 sums then hold
+        # deltas times ratios near 1, whatever the tokens² / steps of a large run (or a lie).
+        self.reference = self.reference or weight
+        weight = weight / self.reference
         # Checked before anything is added, so a refused delta leaves the sums as they were.
         if self.count and (
             set(delta) != set(self.sums) or any(delta[n].shape != t.shape for n, t in self.sums.items())

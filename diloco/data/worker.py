@@ -146,5 +146,25 @@ def run_data_worker(
     stop: threading.Event | None = None,
     connect_timeout_s: float = 60.0,
     worker_id: str | None = None,
+    metrics_port: int | None = None,
 ) -> int:
-    return DataWorker(address, stop, connect_timeout_s, worker_id).run()
+    worker = DataWorker(address, stop, connect_timeout_s, worker_id)
+    if metrics_port is None:
+        return worker.run()
+    from diloco.observe.worker_metrics import serve_worker_metrics
+
+    def snapshot() -> dict[str, float]:
+        return {
+            "chunks_done": worker.chunks_done,
+            "tokens_prepared": worker.tokens_out,
+            "busy_seconds": worker.busy_s,
+        }
+
+    server = serve_worker_metrics(
+        "data", metrics_port, "127.0.0.1", snapshot, lambda: worker.client.worker_id
+    )
+    log.info("metrics on http://127.0.0.1:%d/metrics", server.server_port)
+    try:
+        return worker.run()
+    finally:
+        server.shutdown()

@@ -168,7 +168,9 @@ class LocalRun:
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             self.group.spawn(f"learner-{i}", "learner", args)
-        if self.config.eval.every_s > 0:  # the held-out loss of the global model, while it trains
+        if (
+            self.config.eval.every_s > 0 or self.config.eval.every_merges > 0
+        ):  # the held-out loss of the global model, while it trains
             self.group.spawn(
                 "evaluator", "evaluator", ["evaluator", "--coordinator", address, "--worker-id", "evaluator"]
             )

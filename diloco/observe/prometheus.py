@@ -151,6 +151,11 @@ class StatusCollector(Collector):
         age = GaugeMetricFamily(
             "diloco_learner_last_push_age_seconds", "Since a learner's last push", labels=["worker"]
         )
+        lag = GaugeMetricFamily(
+            "diloco_learner_version_lag",
+            "Versions a learner's last push was behind its fragment",
+            labels=["worker"],
+        )
         trained = CounterMetricFamily(
             "diloco_learner_tokens_trained", "Tokens a learner trained, this life", labels=["worker"]
         )
@@ -168,9 +173,11 @@ class StatusCollector(Collector):
                 trained.add_metric([wid], w.get("tokens_trained", 0))
                 if w.get("last_push_age_s") is not None:
                     age.add_metric([wid], w["last_push_age_s"])
+                if w.get("version_lag") is not None:
+                    lag.add_metric([wid], w["version_lag"])
             elif w["role"] == "data":
                 data_rate.add_metric([wid], w.get("tokens_per_s", 0.0))
-        yield from (up, util, stall, loss, age, trained, data_rate)
+        yield from (up, util, stall, loss, age, lag, trained, data_rate)
 
     @staticmethod
     def _eval(d: dict[str, Any]) -> Iterator[Metric]:

@@ -4,6 +4,7 @@ Chromium from Debian's packages) loads its status page, and the curves are on di
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from diloco.client import CoordinatorClient
+from diloco.v1 import coordinator_pb2 as pb
 from tests.support import REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -56,7 +59,7 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
     assert browser
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "0.75",
+        [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "3",
          "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "20",
          "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
@@ -81,6 +84,17 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
             return len(learners) == 2 and d["rounds"] >= 2 and bool(d["evals"])
 
         wait_for(ready, 150, "two learners training, two merges and an evaluation")
+
+        # The live run's latest model, from the command line: evaluated and exported.
+        live = run_cli(["eval", "--coordinator", info["address"], "--json", "--max-batches", "4"], timeout=90)
+        assert live.returncode == 0, live.stderr
+        evaluated_live = json.loads(live.stdout)
+        assert evaluated_live["rows"] == 4 * 16 and info["address"] in evaluated_live["model"]
+        exported = run_cli(
+            ["export", "--coordinator", info["address"], "--out", str(tmp_path / "live")], timeout=90
+        )
+        assert exported.returncode == 0, exported.stderr
+        assert json.loads((tmp_path / "live" / "config.json").read_text())["versions"], exported.stdout
 
         # Prometheus: the text exposition parses, and says what the run is doing.
         families = {f.name: f for f in text_string_to_metric_families(get(info["metrics_url"]))}
@@ -107,13 +121,9 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         browse(page, f"--screenshot={shot}", "--window-size=1280,1800")
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
-        # The live run's latest model, evaluated from the command line.
-        live = run_cli(["eval", "--coordinator", info["address"], "--json", "--max-batches", "4"], timeout=90)
-        assert live.returncode == 0, live.stderr
-        assert (
-            json.loads(live.stdout)["rows"] == 4 * 16 and info["address"] in json.loads(live.stdout)["model"]
-        )
-
+        # Seen enough: the run is asked to finish (as an operator would), and ends as ever.
+        with contextlib.closing(CoordinatorClient(info["address"], pb.ROLE_OBSERVER)) as operator:
+            operator.finish("the test has seen the page")
         assert proc.wait(timeout=150) == 0, "".join(output)[-3000:]
     finally:
         if proc.poll() is None:

@@ -177,7 +177,9 @@ def test_roles_run_by_hand_train_every_token_exactly_once(tiny_corpus: Path, tmp
         assert_one_shard_per_chunk(workdir)
         assert_final_model_evaluated(detail, workdir, cfg)
         shown = run_cli(["status", "--coordinator", address], timeout=30)
-        assert f"held-out eval {detail['evals'][-1]['loss']:.4f}" in shown.stdout, shown.stdout
+        eval_row = next(line for line in shown.stdout.splitlines() if "held-out eval" in line)
+        assert f"{detail['evals'][-1]['loss']:.4f}" in eval_row, shown.stdout
+        assert sum("learner" in line and "learner-" in line for line in shown.stdout.splitlines()) == 2
 
         coordinator = group.by_role("coordinator")[0]
         group.stop([coordinator], grace_s=15)

@@ -23,7 +23,8 @@ def sync_run(corpus: Path, workdir: Path, seed: int) -> dict:
         ["run", "--sync", "--dataset", str(corpus), "--tokens", "40000", "--minutes", "2",
          "--learners", "2", "--data-workers", "2", "--inner-steps", "10", "--seed", str(seed),
          "--workdir", str(workdir), "--no-progress",
-         "--set", "data.chunk_bytes=65536", "--set", "model.kwargs.n_layer=1", "--set", "train.batch_size=4"],
+         "--set", "data.chunk_bytes=65536", "--set", "model.kwargs.n_layer=1", "--set", "train.batch_size=4",
+         "--set", "eval.every_s=0"],  # no evaluator: three short runs, each a process fewer
         timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

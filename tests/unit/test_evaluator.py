@@ -14,9 +14,17 @@ from tests.unit.coordinator.test_ledger import TTL, complete, make
 
 
 def due(
-    now=100.0, last_at=None, every_s=30.0, versions=(2, 2), evaluated=None, ready=64, wanted=64, done=False
+    now=100.0,
+    last_at=None,
+    every_s=30.0,
+    versions=(2, 2),
+    evaluated=None,
+    ready=64,
+    wanted=64,
+    done=False,
+    merges=0,
 ):
-    return eval_due(now, last_at, every_s, list(versions), evaluated, ready, wanted, done)
+    return eval_due(now, last_at, every_s, list(versions), evaluated, ready, wanted, done, merges)
 
 
 def test_the_first_merged_model_is_evaluated_once_the_rows_are_there() -> None:
@@ -36,6 +44,16 @@ def test_evaluations_are_spaced_and_never_repeat_a_model() -> None:
     assert not same.due and "already evaluated" in same.reason
     # A finished run's final model is evaluated at once (the caller passes every_s = 0).
     assert due(now=101.0, last_at=100.0, every_s=0.0, evaluated=[2, 1]).due
+
+
+def test_evaluations_can_come_every_so_many_merges_or_seconds_whichever_first() -> None:
+    by_merges = {"now": 101.0, "last_at": 100.0, "every_s": 0.0}
+    assert not due(**by_merges, versions=(3, 2), evaluated=[2, 1], merges=4).due
+    assert "2 merge(s)" in due(**by_merges, versions=(3, 2), evaluated=[2, 1], merges=4).reason
+    assert due(**by_merges, versions=(4, 3), evaluated=[2, 1], merges=4).due
+    both = {"now": 101.0, "last_at": 100.0, "every_s": 30.0, "merges": 4}
+    assert "29.0s or 2 merge(s)" in due(**both, versions=(3, 2), evaluated=[2, 1]).reason
+    assert due(**{**both, "now": 131.0}, versions=(3, 2), evaluated=[2, 1]).due
 
 
 def request(**fields) -> pb.ReportEvalRequest:

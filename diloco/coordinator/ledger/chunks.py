@@ -79,9 +79,13 @@ class ChunksTable(LedgerBase):
             ).fetchone()
             if prior is not None:
                 return Completion(prior["chunk_id"] == chunk_id, "already recorded", prior["id"])
-            chunk = db.execute("SELECT state, split FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
+            chunk = db.execute(
+                "SELECT state, split, attempts FROM chunks WHERE id = ?", (chunk_id,)
+            ).fetchone()
             if chunk is None:
                 return Completion(False, f"unknown chunk {chunk_id}")
+            if chunk["attempts"] == 0:  # nobody was ever given it: nobody made its shard
+                return Completion(False, f"chunk {chunk_id} was never leased")
             if chunk["state"] == "done":
                 return Completion(False, "chunk already has a shard")
             if chunk["state"] == "quarantined":

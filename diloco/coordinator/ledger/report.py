@@ -47,9 +47,14 @@ class ReportTable(LedgerBase):
             "counters": self.counters(),
         }
 
-    def last_push_times(self) -> dict[str, float]:
-        """When each worker's latest push arrived (the ledger's clock)."""
-        return {r[0]: r[1] for r in self._q("SELECT worker_id, MAX(received) FROM pushes GROUP BY worker_id")}
+    def last_pushes(self) -> dict[str, tuple[float, int, int]]:
+        """Each worker's latest push: when it arrived (the ledger's clock), its fragment and the
+        version it was based on."""
+        rows = self._q(
+            "SELECT worker_id, received, fragment, base_version FROM pushes p WHERE received = "
+            "(SELECT MAX(received) FROM pushes q WHERE q.worker_id = p.worker_id)"
+        )
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
 
     def chunk_shard_pairs(self) -> list[tuple[int, int, str]]:
         """(chunk id, number of shards recorded for it, chunk state) for every chunk."""

@@ -7,6 +7,7 @@ import json
 import grpc
 
 from diloco import store
+from diloco.coordinator import limits
 from diloco.coordinator.ledger import ChunkLease, NoLease
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
@@ -65,12 +66,23 @@ class ChunkRPCs(ServiceBase):
         self._require_worker(request.worker_id, context)
         if not request.completion_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion_id is required")
-        if not request.shard_uri.startswith(self.shard_root.rstrip("/") + "/"):
+        if not limits.uri_under(request.shard_uri, self.shard_root):
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"shard {request.shard_uri!r} is outside the shard store"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"shard {limits.cut_text(request.shard_uri, 300)!r} is outside the shard store",
             )
+        if problem := limits.numbers_problem(
+            (f, float(getattr(request, f)))
+            for f in ("rows", "tokens", "bytes_in", "shard_bytes", "dropped_tokens", "seconds")
+        ):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.rows and request.tokens % request.rows:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be a whole number of rows")
+        if any(
+            limits.id_problem(k, "a record stat") or not 0 <= v <= limits.MAX_COUNT
+            for k, v in request.record_stats.items()
+        ):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "record_stats: short names, counts in [0, 2^50]")
         if request.schema:
             refusal = self._schema_refusal(request.schema)
             if refusal:
@@ -120,6 +132,7 @@ class ChunkRPCs(ServiceBase):
     def FailChunk(self, request: pb.FailChunkRequest, context: grpc.ServicerContext) -> pb.FailChunkReply:
         self.wire.unary_in("fail_chunk", request)
         self._require_worker(request.worker_id, context)
+        request.error = limits.cut_text(request.error)
         quarantined = self.ledger.fail_chunk(
             request.worker_id, request.chunk_id, request.error, self.config.coordinator.max_chunk_attempts
         )

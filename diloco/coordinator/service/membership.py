@@ -6,6 +6,7 @@ import uuid
 
 import grpc
 
+from diloco.coordinator import limits
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -20,6 +21,9 @@ class MembershipRPCs(ServiceBase):
         self.wire.unary_in("join", request, role)
         if role is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs a role")
+        problem = limits.id_problem(request.worker_id) or limits.id_problem(request.host, "host")
+        if problem:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.ledger.join(worker_id, role, request.host or "?")
         self._roles[worker_id] = role
@@ -46,6 +50,8 @@ class MembershipRPCs(ServiceBase):
         role = self._role_of(request.worker_id)
         self.wire.unary_in("heartbeat", request, role)
         self._require_worker(request.worker_id, context)
+        if problem := limits.heartbeat_problem(request):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad heartbeat: {problem}")
         stats = {
             "inner_steps": request.inner_steps,
             "tokens_trained": request.tokens_trained,
@@ -56,6 +62,7 @@ class MembershipRPCs(ServiceBase):
             "data_stall_seconds": request.data_stall_seconds,
             "sync_wait_seconds": request.sync_wait_seconds,
             "train_metrics": dict(request.train_metrics),
+            **({"device": request.device} if request.device else {}),
         }
         ttl = self.config.coordinator.lease_ttl_s
         self.ledger.heartbeat(request.worker_id, stats)
@@ -83,6 +90,7 @@ class MembershipRPCs(ServiceBase):
         role = self._role_of(request.worker_id)
         self.wire.unary_in("leave", request, role)
         self.ledger.leave(request.worker_id)
+        request.reason = limits.cut_text(request.reason, 512)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
         self.events.record("leave", worker_id=request.worker_id, role=role, reason=request.reason)
         with self.cond:

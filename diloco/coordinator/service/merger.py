@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from diloco.coordinator import syncer
 from diloco.coordinator.ledger import MergeRecord
 from diloco.coordinator.service.base import ServiceBase
@@ -84,17 +86,26 @@ class Merger(ServiceBase):
             return
         contributors = {q.arrival.worker_id for q in pending}
         scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
-        outer_grad = summed.acc.result(scale)
-        params, momentum = syncer.outer_step(
-            frag.params,
-            frag.momentum,
-            outer_grad,
-            self.policy.outer_lr,
-            self.policy.outer_momentum,
-            self.policy.nesterov,
-            fraction=scale,
-            consume=True,
-        )
+        try:
+            outer_grad = summed.acc.result(scale)
+            params, momentum = syncer.outer_step(
+                frag.params,
+                frag.momentum,
+                outer_grad,
+                self.policy.outer_lr,
+                self.policy.outer_momentum,
+                self.policy.nesterov,
+                fraction=scale,
+                consume=True,
+            )
+        except (RuntimeError, ValueError) as e:  # the sum is spent: the round cannot be tried again
+            return self._refuse_round(frag, contributors, f"the merge failed ({e}): the round was refused")
+        if not all(torch.isfinite(t).all() for t in (*params.values(), *momentum.values())):
+            # Every delta was finite, yet their merge is not: nothing changes, and the round's
+            # pushes are refused (their rows go back to the pool) rather than poisoning the model.
+            return self._refuse_round(
+                frag, contributors, "the merged result is not finite: the round was refused"
+            )
         version = frag.version + 1
         tokens = sum(q.arrival.tokens for q in pending)
         steps = sum(q.arrival.steps for q in pending)
@@ -122,6 +133,18 @@ class Merger(ServiceBase):
             elapsed,
         )
         self.cond.notify_all()  # the publisher
+
+    def _refuse_round(self, frag: FragmentState, contributors: set[str], why: str) -> None:
+        """Drop a round whose merge cannot be made: its pushes refused with `why` (their rows go back
+        to the pool), the fragment as it was, a fresh round open."""
+        p = frag.round.fragment
+        log.error("fragment %d: %s (pushes of %s)", p, why, sorted(contributors))
+        self.ledger.drop_pushes([q.push_id for q in frag.pending], why)
+        for _ in frag.pending:
+            self.metrics.refused(why)
+        self.events.record("merge_refused", fragment=p, version=frag.version, reason=why)
+        frag.pending, frag.sum = [], self._new_sum()
+        frag.round = syncer.RoundState(p, frag.version, self.clock())
 
     def _unpublished_merge_of(self, fragment: int, push_id: str) -> int | None:
         with self.cond:

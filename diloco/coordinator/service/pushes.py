@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 
 import grpc
 import torch
 
-from diloco.coordinator import syncer
+from diloco.coordinator import limits, syncer
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
@@ -89,6 +90,11 @@ class PushRPCs(ServiceBase):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"push uses codec {codec!r} but this run is configured for {self.config.sync.codec!r}",
             )
+        if not empty and (problem := limits.push_problem(header, self.config)):
+            self.ledger.bump("pushes_malformed")
+            self.metrics.refused("malformed: out of bounds")
+            log.warning("push refused worker=%s: %s", header.worker_id, problem)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {problem}")
         if not empty:
             try:
                 tensors = self._receive_delta(header, frag.names, codec, messages)
@@ -103,8 +109,18 @@ class PushRPCs(ServiceBase):
             for _ in messages:
                 pass
 
+        norm_per_h = 0.0
+        if tensors:
+            norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+            # A delta of more than H steps is compared per H steps; a shorter one as it is (it
+            # is smaller, never an outlier for being short).
+            norm_per_h = norm / max(1.0, header.inner_steps / self.config.train.inner_steps)
+        # An outlier is refused like a stale push: recorded with its reason, its rows left to train.
+        outlier = limits.norm_outlier(norm_per_h, frag.recent_norms, self.config.sync.max_delta_norm_ratio)
         with self.cond:
-            reply, fold = self._accept_push(header, tensors, empty)
+            reply, fold = self._accept_push(header, tensors, empty, outlier)
+            if fold is not None and norm_per_h > 0:
+                frag.recent_norms.append(norm_per_h)
             self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
         if fold is not None:
             self._fold(header, tensors, *fold)
@@ -162,7 +178,7 @@ class PushRPCs(ServiceBase):
         }
 
     def _accept_push(
-        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool
+        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool, refuse: str = ""
     ) -> tuple[pb.PushReply, tuple[RoundSum, float] | None]:
         """Record a push in its round (lock held); returns the reply, and for a delta to merge,
         the round's sum to fold it into with its weight."""
@@ -179,7 +195,11 @@ class PushRPCs(ServiceBase):
             frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
             return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version), None
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
-        stale = syncer.staleness_refusal(self.policy.max_staleness, header.version, frag.version)
+        stale = (
+            syncer.staleness_refusal(self.policy.max_staleness, header.version, frag.version)
+            or refuse
+            or None
+        )
         # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
         refusal = (
             self.ledger.record_push(

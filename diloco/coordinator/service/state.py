@@ -3,6 +3,7 @@ handler shares."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from collections.abc import Iterator
@@ -82,6 +83,8 @@ class FragmentState:
     # published version -> (the published version before it, the encoded blobs of the step
     # between their broadcasts), the last few.
     chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
+    # The norms per H steps of the last accepted deltas (the outlier check, limits.norm_outlier).
+    recent_norms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=32))
 
 
 def moving_average(current: float, sample: float, weight: float = 0.2) -> float:

@@ -35,12 +35,21 @@ class StatusRPCs(ServiceBase):
             "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
         }
 
+    @staticmethod
+    def _last_push(push: tuple[float, int, int], now: float, versions: list[int]) -> dict[str, Any]:
+        """How long ago a learner last pushed, and how many versions its base was behind its
+        fragment's published version now."""
+        at, fragment, base = push
+        lag = versions[fragment] - base if fragment < len(versions) else None
+        return {"last_push_age_s": round(now - at, 3), "version_lag": lag}
+
     def status_detail(self) -> dict[str, Any]:
         summary = self.ledger.summary()
         now = self.clock()
         ttl = self.config.coordinator.lease_ttl_s
         workers = []
-        pushed_at = self.ledger.last_push_times()
+        pushed = self.ledger.last_pushes()
+        versions = [f.published_version for f in self.fragments]
         for w in self.ledger.workers():
             stats = json.loads(w["stats"])
             workers.append(
@@ -53,11 +62,7 @@ class StatusRPCs(ServiceBase):
                     "alive": w["state"] == "active" and now - w["last_seen"] < ttl,
                     **stats,
                     **(self._data_worker_rates(w["id"], summary["counters"]) if w["role"] == "data" else {}),
-                    **(
-                        {"last_push_age_s": round(now - pushed_at[w["id"]], 3)}
-                        if w["id"] in pushed_at
-                        else {}
-                    ),
+                    **(self._last_push(pushed[w["id"]], now, versions) if w["id"] in pushed else {}),
                 }
             )
         wire_in, wire_out = self.wire.totals()

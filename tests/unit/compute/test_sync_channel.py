@@ -31,7 +31,9 @@ def test_an_unreachable_syncer_counts_from_the_first_failed_push_not_the_clients
     channel = SyncChannel(client, stop, pull_wait_s=1.0, held=lambda p: 0)
     channel.start()
     try:
-        channel.submit(pb.TensorHeader(fragment=0, version=0, push_id="p1", codec="fp32"), {"w": torch.ones(2)})
+        channel.submit(
+            pb.TensorHeader(fragment=0, version=0, push_id="p1", codec="fp32"), {"w": torch.ones(2)}
+        )
         deadline = time.monotonic() + 20
         while channel.unreachable_for() == 0 and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -24,7 +24,7 @@ from diloco.local.summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.views import worker_line
+from diloco.views import STATUS_COLUMNS, worker_cells
 from tests.support import commit_merge
 
 
@@ -65,13 +65,15 @@ def test_data_plane_metrics_from_status_detail() -> None:
     assert data_plane_metrics({}, 0.0)["data_tokens_per_s"] == 0.0
 
 
-def test_status_lines_show_data_stall_and_data_worker_speed() -> None:
+def test_status_shows_data_stall_and_data_worker_speed() -> None:
     learner = {"worker_id": "learner-0", "role": "compute", "alive": True, "state": "active",
                "inner_steps": 10, "tokens_trained": 1290, "wall_seconds": 8.0, "data_stall_seconds": 2.0}  # fmt: skip
     data = {"worker_id": "data-0", "role": "data", "alive": False, "state": "left",
             "tokens_prepared": 12345, "tokens_per_s": 61234.4}  # fmt: skip
-    assert worker_line(learner).endswith("steps=10 tokens=1290 data-stall=25.0%")
-    assert worker_line(data).endswith("left   tokens=12345 tokens/s=61,234")
+    cells = dict(zip(STATUS_COLUMNS, worker_cells(learner), strict=True))
+    assert (cells["steps"], cells["tokens"], cells["data stall"]) == ("10", "1,290", "25.0%")
+    cells = dict(zip(STATUS_COLUMNS, worker_cells(data), strict=True))
+    assert (cells["state"], cells["tokens"], cells["metrics"]) == ("left", "12,345", "61,234 tokens/s")
 
 
 @pytest.mark.timeout(90)

@@ -52,3 +52,20 @@ def test_a_refusal_reason_becomes_a_label_without_its_numbers() -> None:
     assert reason_label("stale: base version 3 is 17 behind 20") == "stale_base_version_is"
     assert reason_label("malformed") == "malformed"
     assert reason_label("") == "unknown"
+
+
+def test_a_learner_serves_its_own_metrics_over_http() -> None:
+    import urllib.request
+
+    from diloco.observe.worker_metrics import serve_worker_metrics
+
+    counters = {"inner_steps": 7, "tokens_trained": 896, "inner_loss": 2.5}
+    server = serve_worker_metrics("learner", 0, "127.0.0.1", lambda: counters, lambda: "learner-3")
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    got = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["diloco_learner_inner_steps_total"] == ({"worker": "learner-3"}, 7)
+    assert got["diloco_learner_inner_loss"][1] == 2.5 and got["diloco_learner_busy_seconds_total"][1] == 0

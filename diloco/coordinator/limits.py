@@ -1,0 +1,102 @@
+"""Bounds on what a caller may send: pure checks, each returning why a value is refused ("" when
+it is fine). Without them one bad (or hostile) call could poison the run for good: a finite but
+huge delta with a huge token count merged into inf parameters, 2^62 tokens overflowed the
+ledger's sums, a 3 MB worker id made every Status reply exceed the message limit."""
+
+from __future__ import annotations
+
+import math
+import posixpath
+import statistics
+from collections.abc import Iterable, Sequence
+
+from diloco.config import RunConfig
+from diloco.v1 import coordinator_pb2 as pb
+
+MAX_ID_BYTES = 256
+MAX_TEXT_BYTES = 4096  # error texts and reasons kept (longer ones are cut)
+# Integers that reach SQLite or a float: far above any real run, far below int63 and float's 2^53.
+MAX_COUNT = 1 << 50
+# A push's inner steps since its base: H per push, more after an outage or a stall, never this many.
+MAX_STEPS_PER_H = 1000
+
+
+def id_problem(value: str, what: str = "worker id") -> str:
+    if len(value.encode()) > MAX_ID_BYTES:
+        return f"{what} is longer than {MAX_ID_BYTES} bytes"
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        return f"{what} holds control characters"
+    return ""
+
+
+def numbers_problem(values: Iterable[tuple[str, float]]) -> str:
+    """Counters and times: finite, in [0, MAX_COUNT]."""
+    for name, value in values:
+        if not math.isfinite(value) or not 0 <= value <= MAX_COUNT:
+            return f"{name} = {value!r} is not a count in [0, 2^50]"
+    return ""
+
+
+def heartbeat_problem(request: pb.HeartbeatRequest) -> str:
+    fields = ("inner_steps", "tokens_trained", "busy_seconds", "kept_busy_seconds", "wall_seconds",
+              "data_stall_seconds", "sync_wait_seconds")  # fmt: skip
+    problem = numbers_problem((f, float(getattr(request, f))) for f in fields)
+    if problem:
+        return problem
+    if not math.isfinite(request.last_loss):
+        return "last_loss is not finite"
+    if len(request.train_metrics) > 32 or any(not math.isfinite(v) for v in request.train_metrics.values()):
+        return "train_metrics: at most 32, all finite"
+    if any(id_problem(k, "a metric's name") for k in request.train_metrics) or id_problem(
+        request.device, "device"
+    ):
+        return "train_metrics names and device: short, no control characters"
+    return ""
+
+
+def push_problem(header: pb.TensorHeader, cfg: RunConfig) -> str:
+    """A delta's claims, bounded: its steps by H, its tokens by what that many batches can hold,
+    its losses and step time finite. (Its rows are checked by the ledger against its spans.)"""
+    h, batch, row = cfg.train.inner_steps, cfg.train.batch_size, cfg.model.seq_len + 1
+    if not 1 <= header.inner_steps <= MAX_STEPS_PER_H * h:
+        return f"inner_steps {header.inner_steps} is not in [1, {MAX_STEPS_PER_H} × H]"
+    if not 1 <= header.tokens <= header.inner_steps * batch * row:
+        return f"tokens {header.tokens} is more than {header.inner_steps} steps of {batch} rows of {row} tokens hold"
+    for name in ("mean_loss", "first_loss", "step_time_s"):
+        value = getattr(header, name)
+        if not math.isfinite(value) or value < 0:
+            return f"{name} = {value!r} is not a finite, non-negative number"
+    return ""
+
+
+MIN_NORM_HISTORY = 4
+
+
+def norm_outlier(norm_per_h: float, recent: Sequence[float], ratio: float) -> str:
+    """Why a delta is refused as an outlier ("" when it is not): its norm (per H steps, when it
+    holds more) is more than `ratio` × the median of the fragment's recent accepted deltas'."""
+    if ratio <= 0 or len(recent) < MIN_NORM_HISTORY:
+        return ""
+    median = statistics.median(recent)
+    if median > 0 and norm_per_h > ratio * median:
+        return (
+            f"delta norm {norm_per_h:.3g} per H steps is {norm_per_h / median:.0f}× the median of the fragment's "
+            f"last {len(recent)} ({median:.3g}; sync.max_delta_norm_ratio = {ratio:g})"
+        )
+    return ""
+
+
+def uri_under(uri: str, root: str) -> bool:
+    """Whether `uri` names a file strictly under `root` once normalized: the same scheme, no `..`
+    climbing out, nothing but a path after the root."""
+    scheme, _, rest = uri.rpartition("://") if "://" in uri else ("", "", uri)
+    root_scheme, _, root_rest = root.rpartition("://") if "://" in root else ("", "", root)
+    if scheme != root_scheme or "\x00" in rest:
+        return False
+    path, base = posixpath.normpath(rest), posixpath.normpath(root_rest)
+    return path.startswith(base.rstrip("/") + "/") and path == rest.rstrip("/")
+
+
+def cut_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:
+    data = text.encode()
+    return text if len(data) <= limit else data[:limit].decode(errors="ignore") + " [cut]"

@@ -1,0 +1,58 @@
+"""A worker's own Prometheus metrics (`diloco compute --metrics-port`, `diloco data --metrics-port`):
+what it has done in this life, read from its counters when scraped. The coordinator's /metrics
+has the whole run; these are for a machine's own dashboards and alerts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# name -> (kind, help); a snapshot's key is the name without the role's prefix.
+LEARNER = {
+    "inner_steps": ("counter", "Inner steps taken"),
+    "tokens_trained": ("counter", "Tokens (or samples) trained"),
+    "busy_seconds": ("counter", "Time in inner steps"),
+    "data_stall_seconds": ("counter", "Time waiting for data"),
+    "sync_wait_seconds": ("counter", "Time waiting for the syncer"),
+    "inner_loss": ("gauge", "The last inner step's loss"),
+    "tokens_per_second": ("gauge", "Tokens per second of inner-step time"),
+}
+DATA_WORKER = {
+    "chunks_done": ("counter", "Chunks made into shards"),
+    "tokens_prepared": ("counter", "Tokens (or samples) written to shards"),
+    "busy_seconds": ("counter", "Time making shards"),
+}
+
+
+class SnapshotCollector(Collector):
+    def __init__(
+        self,
+        prefix: str,
+        spec: dict[str, tuple[str, str]],
+        snapshot: Callable[[], dict[str, float]],
+        worker_id: Callable[[], str],
+    ):
+        self.prefix, self.spec, self.snapshot, self.worker_id = prefix, spec, snapshot, worker_id
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.snapshot()
+        for key, (kind, what) in self.spec.items():
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            metric = family(f"{self.prefix}_{key}", what, labels=["worker"])
+            metric.add_metric([self.worker_id()], float(values.get(key, 0.0)))
+            yield metric
+
+
+def serve_worker_metrics(
+    role: str, port: int, host: str, snapshot: Callable[[], dict[str, float]], worker_id: Callable[[], str]
+) -> Any:
+    """Start serving on a daemon thread; returns the server (its .server_port, .shutdown())."""
+    prefix, spec = ("diloco_learner", LEARNER) if role == "learner" else ("diloco_data_worker", DATA_WORKER)
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(SnapshotCollector(prefix, spec, snapshot, worker_id))
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server

@@ -1,0 +1,161 @@
+"""Regression tests for the attacks of issue 14 that need no identity to stop, each against a real
+coordinator: what used to be accepted (and poisoned the run for good) is refused with its reason,
+and changes nothing."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from diloco.client import CoordinatorClient
+from diloco.coordinator import limits
+from diloco.v1 import coordinator_pb2 as pb
+from tests.support import delta_header, tiny_coordinator
+
+
+def refused(call) -> str:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    return caught.value.details()
+
+
+def params_of(running) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for f in running.service.fragments for n, t in f.params.items()}
+
+
+def wait_until(predicate, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_a_huge_delta_cannot_throw_the_model_away(tiny_corpus: Path, tmp_path: Path) -> None:
+    overrides = {"sync.max_staleness": 100, "data.epochs": 4}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
+        # Tokens no batch could hold (the weight tokens²/steps once overflowed the fp32 sums):
+        header = delta_header(learner, "fp32", "huge-tokens")
+        header.tokens = 1 << 60
+        details = refused(lambda: learner.push(header, {n: torch.full_like(t, 1e3) for n, t in init.items()}))
+        assert "tokens" in details
+        # Honest deltas make the fragment's history; then one 10^4 times as large is an outlier.
+        for i in range(5):
+            honest = delta_header(learner, "fp32", f"honest-{i}")
+            honest.version = running.service.fragments[0].version
+            assert learner.push(honest, {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}).accepted
+            wait_until(lambda i=i: running.service.fragments[0].version >= i + 1, "an honest merge")
+        before = params_of(running)
+        header = delta_header(learner, "fp32", "huge-values")
+        header.version = running.service.fragments[0].version
+        reply = learner.push(header, {n: torch.randn_like(t) * 10.0 for n, t in init.items()})
+        assert not reply.accepted and "median" in reply.reason, reply
+        assert running.ledger.push_state("huge-values")["state"] == "dropped"
+        time.sleep(0.5)
+        after = params_of(running)
+        assert all(torch.equal(before[n], after[n]) for n in before), "a refused push changed the model"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("outer_lr", [1e38, 1e39])  # overflows to inf; fails to convert (it raised)
+def test_a_merge_that_is_not_finite_is_refused_and_changes_nothing(
+    tiny_corpus: Path, tmp_path: Path, outer_lr: float
+) -> None:
+    with tiny_coordinator(tiny_corpus, tmp_path, {}) as (running, learner, init):
+        before = params_of(running)
+        running.service.policy.outer_lr = outer_lr  # a merge of finite deltas that overflows fp32
+        header = delta_header(learner, "fp32", "overflows")
+        assert learner.push(header, {n: torch.full_like(t, 10.0) for n, t in init.items()}).accepted
+        wait_until(lambda: running.ledger.push_state("overflows")["state"] != "pending", "the round to close")
+        state = running.ledger.push_state("overflows")
+        assert state["state"] == "dropped" and "the round was refused" in state["reason"], dict(state)
+        assert running.service.fragments[0].version == 0
+        after = params_of(running)
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        # The fragment is not wedged: the next honest round merges.
+        running.service.policy.outer_lr = 0.7
+        honest = delta_header(learner, "fp32", "honest")
+        assert learner.push(honest, {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}).accepted
+        wait_until(lambda: running.service.fragments[0].version == 1, "the honest merge")
+
+
+@pytest.mark.timeout(120)
+def test_shards_outside_the_store_and_chunks_never_leased_are_refused(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    with tiny_coordinator(tiny_corpus, tmp_path, {"data.epochs": 2}) as (running, learner, _):
+        data = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_DATA)
+        data.join()
+        try:
+            root = running.service.shard_root
+            escape = pb.CompleteChunkRequest(
+                chunk_id=1, completion_id="x", shard_uri=f"{root}/../../../../etc/passwd", rows=1, tokens=129
+            )
+            assert "outside the shard store" in refused(lambda: data.complete_chunk(escape))
+            huge = pb.CompleteChunkRequest(
+                chunk_id=1, completion_id="y", shard_uri=f"{root}/1.shard", rows=1, tokens=1 << 62
+            )
+            assert "2^50" in refused(lambda: data.complete_chunk(huge))
+            status = learner.status()  # still answers: no sum overflowed
+            assert status["tokens_prepared"] < limits.MAX_COUNT
+            pending = running.ledger._one("SELECT id FROM chunks WHERE attempts = 0 LIMIT 1")
+            if pending is not None:
+                never = pb.CompleteChunkRequest(
+                    chunk_id=pending,
+                    completion_id="z",
+                    shard_uri=f"{root}/{pending}.shard",
+                    rows=1,
+                    tokens=129,
+                )
+                reply = data.complete_chunk(never)
+                assert not reply.accepted and "never leased" in reply.reason
+        finally:
+            data.close()
+
+
+@pytest.mark.timeout(120)
+def test_oversized_ids_and_impossible_counters_are_refused(tiny_corpus: Path, tmp_path: Path) -> None:
+    with tiny_coordinator(tiny_corpus, tmp_path, {}) as (running, learner, _):
+        address = f"127.0.0.1:{running.port}"
+        giant = CoordinatorClient(address, pb.ROLE_COMPUTE, worker_id="w" * (3 << 20))
+        try:
+            assert "longer than" in refused(lambda: giant.join(10))
+        finally:
+            giant.close()
+        for bad in (
+            pb.HeartbeatRequest(inner_steps=(1 << 64) - 1),
+            pb.HeartbeatRequest(busy_seconds=math.inf),
+            pb.HeartbeatRequest(last_loss=math.nan),
+        ):
+            assert "bad heartbeat" in refused(lambda bad=bad: learner.heartbeat(bad))
+        assert learner.status()["workers"]  # Status still fits and answers
+
+
+def test_uris_are_normalized_before_the_root_check() -> None:
+    assert limits.uri_under("/r/shards/1.shard", "/r/shards")
+    assert limits.uri_under("s3://b/run/shards/a/1.shard", "s3://b/run/shards/")
+    assert not limits.uri_under("/r/shards/../state/ledger.sqlite", "/r/shards")
+    assert not limits.uri_under("/r/shards", "/r/shards")
+    assert not limits.uri_under("/r/shardsX/1", "/r/shards")
+    assert not limits.uri_under("file:///r/shards/1", "/r/shards")
+    assert not limits.uri_under("/r/shards//1", "/r/shards")  # not in normal form
+
+
+def test_push_claims_are_bounded_by_what_its_steps_can_hold() -> None:
+    from diloco.config import RunConfig
+
+    cfg = RunConfig()  # H 50, batch 16, rows of 129 tokens
+    ok = pb.TensorHeader(inner_steps=50, tokens=50 * 16 * 129)
+    assert limits.push_problem(ok, cfg) == ""
+    assert "tokens" in limits.push_problem(pb.TensorHeader(inner_steps=50, tokens=50 * 16 * 129 + 1), cfg)
+    assert "inner_steps" in limits.push_problem(pb.TensorHeader(inner_steps=0, tokens=1), cfg)
+    assert "inner_steps" in limits.push_problem(pb.TensorHeader(inner_steps=10**9, tokens=1), cfg)
+    assert "mean_loss" in limits.push_problem(
+        pb.TensorHeader(inner_steps=1, tokens=1, mean_loss=math.inf), cfg
+    )
