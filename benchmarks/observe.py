@@ -166,7 +166,7 @@ def page_load(repeats: int) -> dict[str, Any]:
                 capture_output=True, text=True, timeout=120, check=True,
             ).stdout  # fmt: skip
             found = re.search(r'data-render-ms="(\d+)"', dom)
-            rows = len(re.findall(r'<tr class="learner', dom))
+            rows = len(re.findall(r'<tr class="learner[^"]*" data-worker="learner-\d+"', dom))
             if found and rows == LEARNERS:
                 renders.append(int(found.group(1)))
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -80,3 +82,51 @@ def stop_on_signals() -> threading.Event:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     return stop
+
+
+def with_security(fn: F) -> F:
+    """Give a command the identity flags every role takes (--tls-cert/--tls-key/--tls-ca,
+    --token-file, --insecure); given, they go into the environment, where every client and the
+    coordinator of this process find them (diloco.security.transport)."""
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+        for name, annotation, default in (
+            (
+                "tls_cert",
+                Annotated[str | None, typer.Option(help="this role's certificate (diloco certs issue)")],
+                None,
+            ),
+            ("tls_key", Annotated[str | None, typer.Option(help="its private key")], None),
+            (
+                "tls_ca",
+                Annotated[str | None, typer.Option(help="the run's CA certificate: mutual TLS")],
+                None,
+            ),
+            (
+                "token_file",
+                Annotated[str | None, typer.Option(help="a shared token instead of certificates")],
+                None,
+            ),
+            (
+                "insecure",
+                Annotated[bool, typer.Option(help="coordinator: allow plaintext beyond loopback")],
+                False,
+            ),
+        )
+    ]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from diloco.security.transport import ENV, INSECURE_ENV, TOKEN_FILE_ENV
+
+        values = {k: kwargs.pop(k) for k in ("tls_cert", "tls_key", "tls_ca", "token_file", "insecure")}
+        for key, variable in (*((f"tls_{k}", v) for k, v in ENV.items()), ("token_file", TOKEN_FILE_ENV)):
+            if values[key]:
+                os.environ[variable] = str(values[key])
+        if values["insecure"]:
+            os.environ[INSECURE_ENV] = "1"
+        return fn(*args, **kwargs)
+
+    signature = inspect.signature(fn, eval_str=True)  # the commands use postponed annotations
+    wrapper.__signature__ = signature.replace(parameters=[*signature.parameters.values(), *extra])  # type: ignore[attr-defined]
+    return wrapper  # type: ignore[return-value]

@@ -65,6 +65,9 @@ def run(
     metrics_port: Annotated[
         int | None, typer.Option(min=0, max=65535, help="serve Prometheus /metrics on its own port too")
     ] = None,
+    tls: Annotated[
+        bool, typer.Option(help="mutual TLS between the job's processes (certificates in <workdir>/tls)")
+    ] = True,
 ) -> None:
     """Run a whole job on this machine: coordinator, data workers and learners as processes."""
     from diloco.local.launch import LocalRunOptions, default_run_config, run_local
@@ -109,6 +112,7 @@ def run(
             chaos_roles=roles,
             http_port=None if http_port < 0 else http_port,
             metrics_port=metrics_port,
+            tls=tls,
             show_progress=not no_progress,
         )
     )

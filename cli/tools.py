@@ -175,3 +175,27 @@ def tokenizer_train(
         f"characters of {result.files} files"
     )
     typer.echo(f"use it with: --set data.tokenizer={result.uri}")
+
+
+@clear_errors
+def certs_init(out: Annotated[Path, typer.Option(help="directory for the CA (ca.crt, ca.key)")]) -> None:
+    """Make the run's certificate authority."""
+    from diloco.security.certs import init_ca
+
+    typer.echo(str(init_ca(out)))
+
+
+@clear_errors
+def certs_issue(
+    out: Annotated[Path, typer.Option(help="the CA's directory; the certificate is written there too")],
+    role: Annotated[str, typer.Option(help="coordinator | learner | data | evaluator | observer | operator")],
+    name: Annotated[str, typer.Option(help="the worker's name: its worker id (--worker-id)")],
+    host: Annotated[
+        list[str] | None, typer.Option(help="a coordinator's address other than 127.0.0.1 (repeatable)")
+    ] = None,
+) -> None:
+    """Issue a certificate for one worker (or the coordinator), signed by the run's CA."""
+    from diloco.security.certs import issue
+
+    files = issue(out, role, name, out, tuple(host or ()))
+    typer.echo(f"--tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}")

@@ -23,6 +23,7 @@ import grpc
 
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
+from diloco.security.transport import Security, client_channel
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -51,14 +52,29 @@ def backoff_delay(
 
 
 class CoordinatorClient:
-    def __init__(self, address: str, role: int, retry_deadline_s: float = 60.0, worker_id: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        role: int,
+        retry_deadline_s: float = 60.0,
+        worker_id: str | None = None,
+        security: Security | None = None,
+    ):
         self.address = address
         self.role = role
         self.retry_deadline_s = retry_deadline_s
-        self.worker_id = worker_id or f"{_role_name(role)}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-        self.channel = grpc.insecure_channel(
+        # mTLS, a token, or neither: given, else this process's (its flags put them in the environment).
+        self.security = security if security is not None else Security.from_env()
+        # With a certificate, the worker is who the certificate names.
+        self.worker_id = (
+            worker_id
+            or self.security.name()
+            or f"{_role_name(role)}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        )
+        self.channel = client_channel(
             address,
-            options=[
+            self.security,
+            [
                 ("grpc.max_send_message_length", CLIENT_MESSAGE_LIMIT),
                 ("grpc.max_receive_message_length", CLIENT_MESSAGE_LIMIT),
                 ("grpc.keepalive_time_ms", 20_000),

@@ -26,6 +26,7 @@ from diloco.data.chunks import mixed_order, partition_dataset
 from diloco.errors import DilocoError
 from diloco.observe.events import RunEvents
 from diloco.observe.http import ObserveServer
+from diloco.security.transport import Guard, Security, add_port, check_listen
 from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from diloco.wire.tensors import parse_stream_message
@@ -207,8 +208,13 @@ def start_coordinator(
     host: str = "127.0.0.1",
     port: int = 0,
     observe: ObservePorts | None = None,
+    security: Security | None = None,
 ) -> RunningCoordinator:
     config.validate()
+    # mTLS, a token, or neither: given, else this process's (its flags put them in the environment).
+    security = security if security is not None else Security.from_env()
+    if warning := check_listen(host, security):
+        log.warning("%s", warning)
     check_port_free(host, port)
     keep_freed_memory()
     ledger, config = open_ledger(config, workdir)
@@ -229,11 +235,17 @@ def start_coordinator(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
         options=grpc_options(config),
-        interceptors=[CountRequestStreams(service.wire, STREAMED_REQUEST_KINDS, parse_stream_message)],
+        interceptors=[
+            Guard(security, on_refused=service.caller_refused),
+            CountRequestStreams(service.wire, STREAMED_REQUEST_KINDS, parse_stream_message),
+        ],
+    )
+    service.security_mode = security.mode + (
+        " (insecure)" if security.insecure and security.mode == "none" else ""
     )
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(server, f"{host}:{port}", security)
     except RuntimeError:
         bound = 0
     if not bound:

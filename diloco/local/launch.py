@@ -31,6 +31,9 @@ from diloco.errors import DilocoError
 from diloco.local.chaos import ChaosPlan
 from diloco.local.procs import Child, ProcessGroup
 from diloco.local.summary import cold_start_warning, job_report, summarize
+from diloco.local.tls import SUPERVISOR, run_certificates, tls_args
+from diloco.security.certs import TlsFiles
+from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.views import print_summary, progress_line, progress_table
 
@@ -85,6 +88,8 @@ class LocalRunOptions:
     # The coordinator's status page and Prometheus /metrics, on loopback (0: a free port; None: off).
     http_port: int | None = 0
     metrics_port: int | None = None
+    # Mutual TLS between every process (certificates made in <workdir>/tls); False: plaintext.
+    tls: bool = True
 
 
 @dataclass
@@ -109,12 +114,20 @@ class LocalRun:
             # not the whole corpus at the start.
             cfg = cfg.with_overrides({"data.max_ready_shards": 2 * o.learners})
         self.config = cfg.with_overrides({"name": self.name}).validate()
+        self.certificates: dict[str, TlsFiles] = {}  # made at start when options.tls
         self.kills: dict[str, int] = {}
         self.group = ProcessGroup(
             self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
         )
 
     # -- processes ------------------------------------------------------------------------------
+
+    def _tls(self, name: str) -> list[str]:
+        """The TLS flags of one process of the job (none when the job runs plaintext)."""
+        return tls_args(self.certificates[name]) if self.certificates else []
+
+    def _supervisor_security(self) -> Security:
+        return Security(tls=self.certificates[SUPERVISOR]) if self.certificates else Security()
 
     def _start_coordinator(self) -> str:
         info_path = self.workdir / "coordinator.json"
@@ -134,6 +147,7 @@ class LocalRun:
         for flag, port in (("--http-port", o.http_port), ("--metrics-port", o.metrics_port)):
             if port is not None:
                 args += [flag, str(port)]
+        args += self._tls("coordinator")
         coordinator = self.group.spawn("coordinator", "coordinator", [*args, "--port", "0"])
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -159,21 +173,26 @@ class LocalRun:
     def _start_workers(self, address: str) -> None:
         o = self.options
         for i in range(o.data_workers):
-            self.group.spawn(
-                f"data-{i}", "data", ["data", "--coordinator", address, "--worker-id", f"data-{i}"]
-            )
+            args = ["data", "--coordinator", address, "--worker-id", f"data-{i}", *self._tls(f"data-{i}")]
+            self.group.spawn(f"data-{i}", "data", args)
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
             args += ["--worker-id", f"learner-{i}", "--state-dir", str(self.workdir / "learner-state")]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
-            self.group.spawn(f"learner-{i}", "learner", args)
+            self.group.spawn(f"learner-{i}", "learner", [*args, *self._tls(f"learner-{i}")])
         if (
             self.config.eval.every_s > 0 or self.config.eval.every_merges > 0
         ):  # the held-out loss of the global model, while it trains
-            self.group.spawn(
-                "evaluator", "evaluator", ["evaluator", "--coordinator", address, "--worker-id", "evaluator"]
-            )
+            args = [
+                "evaluator",
+                "--coordinator",
+                address,
+                "--worker-id",
+                "evaluator",
+                *self._tls("evaluator"),
+            ]
+            self.group.spawn("evaluator", "evaluator", args)
 
     def _stop_children(self) -> None:
         """Workers first, while the coordinator still answers: each returns its leases, sends its
@@ -195,6 +214,12 @@ class LocalRun:
     def run(self) -> dict[str, Any]:
         self._check_inputs()
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.options.tls:
+            o = self.options
+            names = {"coordinator": "coordinator", "evaluator": "evaluator"}
+            names.update({f"data-{i}": "data" for i in range(o.data_workers)})
+            names.update({f"learner-{i}": "learner" for i in range(o.learners)})
+            self.certificates = run_certificates(self.workdir, names)
         started = time.monotonic()
         started_at = time.time()
         self.console.print(
@@ -207,7 +232,7 @@ class LocalRun:
             address = self._start_coordinator()
             self._warn_if_no_eval_split()
             self._start_workers(address)
-            observer = CoordinatorClient(address, pb.ROLE_OBSERVER)
+            observer = CoordinatorClient(address, pb.ROLE_OBSERVER, security=self._supervisor_security())
             detail = self._watch(observer, started)
             train_seconds = time.monotonic() - started
             self._wind_down(observer)

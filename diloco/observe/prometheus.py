@@ -47,6 +47,10 @@ class CoordinatorMetrics:
         self.pushes_refused = Counter(
             "diloco_pushes_refused", "Delta pushes refused, by reason", ["reason"], registry=self.registry
         )
+        self.calls_refused = Counter(
+            "diloco_calls_refused", "Calls refused for their identity (token, role, worker id)", ["rpc"],
+            registry=self.registry,
+        )  # fmt: skip
         self.registry.register(StatusCollector(detail, workdir))
 
     def refused(self, reason: str) -> None:

@@ -20,6 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.client import CoordinatorClient
+from diloco.security.certs import TlsFiles
+from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import REPO, run_cli, wait_for
 
@@ -59,9 +61,9 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
     assert browser
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "3",
+        [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "0",
          "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "20",
-         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072"],
+         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072", "--set", "data.epochs=4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -85,13 +87,24 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
 
         wait_for(ready, 150, "two learners training, two merges and an evaluation")
 
-        # The live run's latest model, from the command line: evaluated and exported.
-        live = run_cli(["eval", "--coordinator", info["address"], "--json", "--max-batches", "4"], timeout=90)
+        # The live run's latest model, from the command line: evaluated and exported. The job
+        # runs mutual TLS (certificates in <workdir>/tls): a user's own tools get one from its CA.
+        issued = run_cli(
+            ["certs", "issue", "--out", str(workdir / "tls"), "--role", "evaluator", "--name", "cli"],
+            timeout=60,
+        )
+        assert issued.returncode == 0, issued.stderr
+        tls = issued.stdout.split()
+        plain = run_cli(["eval", "--coordinator", info["address"], "--json"], timeout=90)
+        assert plain.returncode != 0  # no certificate, no model
+        live = run_cli(
+            ["eval", "--coordinator", info["address"], "--json", "--max-batches", "4", *tls], timeout=90
+        )
         assert live.returncode == 0, live.stderr
         evaluated_live = json.loads(live.stdout)
         assert evaluated_live["rows"] == 4 * 16 and info["address"] in evaluated_live["model"]
         exported = run_cli(
-            ["export", "--coordinator", info["address"], "--out", str(tmp_path / "live")], timeout=90
+            ["export", "--coordinator", info["address"], "--out", str(tmp_path / "live"), *tls], timeout=90
         )
         assert exported.returncode == 0, exported.stderr
         assert json.loads((tmp_path / "live" / "config.json").read_text())["versions"], exported.stdout
@@ -122,7 +135,12 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
         # Seen enough: the run is asked to finish (as an operator would), and ends as ever.
-        with contextlib.closing(CoordinatorClient(info["address"], pb.ROLE_OBSERVER)) as operator:
+        supervisor = Security(
+            tls=TlsFiles(*(str(workdir / "tls" / f) for f in ("supervisor.crt", "supervisor.key", "ca.crt")))
+        )
+        with contextlib.closing(
+            CoordinatorClient(info["address"], pb.ROLE_OBSERVER, security=supervisor)
+        ) as operator:
             operator.finish("the test has seen the page")
         assert proc.wait(timeout=150) == 0, "".join(output)[-3000:]
     finally:

@@ -56,6 +56,7 @@ class ServiceBase:
         self.events = events or RunEvents(None)
         self.metrics = CoordinatorMetrics(self.status_detail, workdir)
         self._progress_at: tuple[float, int, int] | None = None  # (monotonic, merged, wire) sampled last
+        self.security_mode = "none"  # how callers are told apart (the server sets it)
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
@@ -79,6 +80,12 @@ class ServiceBase:
 
     def status_detail(self) -> dict:
         raise NotImplementedError  # StatusRPCs
+
+    def caller_refused(self, method: str, why: str) -> None:
+        """A call the guard refused (no identity, the wrong role, another's worker id): counted."""
+        self.ledger.bump("calls_refused")
+        self.metrics.calls_refused.labels(rpc=method).inc()
+        log.warning("refused %s: %s", method, why)
 
     def start(self) -> None:
         self.events.record("start", epoch=self.epoch, run_state=self.run_state)

@@ -107,6 +107,8 @@ class StatusRPCs(ServiceBase):
             "wire_by_role": self.wire.by_role(),
             "workers": workers,
             "uptime_s": round(now - self.started_at, 3),
+            "security": self.security_mode,
+            "calls_refused": int(counters.get("calls_refused", 0)),
             # The held-out loss of published models over the run (the evaluator's reports).
             "evals": self.ledger.evals(last=STATUS_EVALS),
             "eval_split": self.ledger.eval_split(),

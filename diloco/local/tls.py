@@ -1,0 +1,32 @@
+"""`diloco run`'s certificates: a CA in `<workdir>/tls/` and one certificate per process, so the
+embedded default runs the way a real deployment should (mutual TLS, each role its identity).
+Made once; a run started again in the same workdir (or a restarted process) reuses them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diloco.security.certs import TlsFiles, init_ca, issue
+
+# The supervisor itself: it reads status and asks the run to finish.
+SUPERVISOR = "supervisor"
+
+
+def run_certificates(workdir: Path, names: dict[str, str]) -> dict[str, TlsFiles]:
+    """name -> role: each a certificate (made when missing), by name."""
+    directory = workdir / "tls"
+    if not (directory / "ca.key").exists():
+        init_ca(directory, name=f"diloco run {workdir.name}")
+    made = {}
+    for name, role in {**names, SUPERVISOR: "operator"}.items():
+        cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+        made[name] = (
+            TlsFiles(str(cert), str(key), str(directory / "ca.crt"))
+            if cert.exists() and key.exists()
+            else issue(directory, role, name)
+        )
+    return made
+
+
+def tls_args(files: TlsFiles) -> list[str]:
+    return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]

@@ -1,0 +1,283 @@
+"""How roles reach the coordinator safely: mutual TLS, or a shared token, or (on loopback) neither.
+
+    mtls   every connection is TLS and carries a client certificate signed by the run's CA; the
+           coordinator takes the caller's role and name from it (diloco.security.certs): a
+           learner's certificate cannot lease chunks, nor heartbeat for another learner
+    token  every call carries `authorization: Bearer <token>`, compared in constant time; the
+           token's holders are trusted alike (a small set-up's shortcut)
+    none   plaintext, no identity: refused beyond loopback unless --insecure says so
+
+A role's settings come from its flags (`--tls-cert/--tls-key/--tls-ca`, `--token-file`,
+`--insecure`), which the CLI puts in the environment (DILOCO_TLS_CERT, DILOCO_TLS_KEY,
+DILOCO_TLS_CA, DILOCO_TOKEN, DILOCO_INSECURE), where every client of the process finds them.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import ipaddress
+import os
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from diloco.errors import DilocoError
+from diloco.security.certs import TlsFiles, subject_of
+from diloco.v1 import coordinator_pb2 as pb
+
+ENV = {"cert": "DILOCO_TLS_CERT", "key": "DILOCO_TLS_KEY", "ca": "DILOCO_TLS_CA"}
+TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV = "DILOCO_TOKEN", "DILOCO_TOKEN_FILE", "DILOCO_INSECURE"
+
+# Who may call what (the certificate's role); Status is anyone's with an identity.
+ANY = ("learner", "data", "evaluator", "observer", "operator")
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "Join": ANY, "Heartbeat": ANY, "Leave": ANY, "Status": ANY,
+    "LeaseChunk": ("data",), "CompleteChunk": ("data",), "FailChunk": ("data",),
+    "LeaseShard": ("learner",), "ReportShard": ("learner",), "InitParameters": ("learner",),
+    "PushDelta": ("learner",), "PullParameters": ("learner", "evaluator"),
+    "ReportEval": ("evaluator",), "Finish": ("operator",),
+}  # fmt: skip
+# The role a certificate must hold to join as each Role.
+JOIN_ROLE = {pb.ROLE_COMPUTE: ("learner",), pb.ROLE_DATA: ("data",), pb.ROLE_EVALUATOR: ("evaluator",),
+             pb.ROLE_OBSERVER: ("observer", "operator")}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Security:
+    tls: TlsFiles | None = None
+    token: str = ""
+    insecure: bool = False
+
+    @property
+    def mode(self) -> str:
+        return "mtls" if self.tls else "token" if self.token else "none"
+
+    @classmethod
+    def from_env(cls) -> Security:
+        paths = {k: os.environ.get(v, "") for k, v in ENV.items()}
+        if any(paths.values()) and not all(paths.values()):
+            raise DilocoError("TLS needs all three of --tls-cert, --tls-key and --tls-ca")
+        token = os.environ.get(TOKEN_ENV, "")
+        if not token and os.environ.get(TOKEN_FILE_ENV):
+            token = read_token(os.environ[TOKEN_FILE_ENV])
+        return cls(
+            TlsFiles(**paths) if all(paths.values()) else None, token, os.environ.get(INSECURE_ENV) == "1"
+        )
+
+    def to_env(self) -> dict[str, str]:
+        env = {ENV[k]: getattr(self.tls, k) for k in ENV} if self.tls else {}
+        if self.token:
+            env[TOKEN_ENV] = self.token
+        if self.insecure:
+            env[INSECURE_ENV] = "1"
+        return env
+
+    def name(self) -> str | None:
+        """The name in this role's certificate (its worker id), if it has one."""
+        return subject_of(Path(self.tls.cert).read_bytes())[1] if self.tls else None
+
+
+def read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as e:
+        raise DilocoError(f"cannot read the token file: {e}") from e
+    if len(token) < 16:
+        raise DilocoError(f"{path}: a token must be at least 16 characters")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def check_listen(host: str, security: Security) -> str:
+    """Refuse to serve plaintext beyond loopback (anyone reaching the port would drive the run);
+    returns a warning to print when --insecure allows it anyway."""
+    if security.mode != "none" or is_loopback(host):
+        return ""
+    if not security.insecure:
+        raise DilocoError(
+            f"listening on {host} without TLS or a token lets anyone who reaches the port drive the run: "
+            "give --tls-cert/--tls-key/--tls-ca (diloco certs) or --token-file, or --insecure to accept it"
+        )
+    return (
+        f"serving on {host} without TLS or a token (--insecure): anyone who reaches the port drives the run"
+    )
+
+
+# -- the client's side -------------------------------------------------------------------------
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                     grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
+    """Adds the token to every call's metadata."""
+
+    def __init__(self, token: str):
+        self.header = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: Any) -> _CallDetails:
+        metadata = [*(d.metadata or []), self.header]
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):  # noqa: ANN001, ANN201
+        return continuation(self._details(details), requests)
+
+
+def client_channel(address: str, security: Security, options: list[tuple[str, Any]]) -> grpc.Channel:
+    if security.tls:
+        cert, key, ca = security.tls.read()
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return grpc.secure_channel(address, creds, options=options)
+    channel = grpc.insecure_channel(address, options=options)
+    return grpc.intercept_channel(channel, _TokenMetadata(security.token)) if security.token else channel
+
+
+# -- the server's side -------------------------------------------------------------------------
+
+
+def add_port(server: grpc.Server, address: str, security: Security) -> int:
+    if security.tls:
+        cert, key, ca = security.tls.read()
+        creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        return server.add_secure_port(address, creds)
+    return server.add_insecure_port(address)
+
+
+def caller_problem(method: str, role: str, name: str, request: Any) -> str:
+    """Why this caller may not make this call ("" when it may): its role, and in the request the
+    worker id it acts as (its certificate's name) and, at join, the role it joins as."""
+    if role not in ALLOWED.get(method, ()):
+        return f"a {role or 'certificate without a role'} may not call {method}"
+    worker_id = getattr(request, "worker_id", None)
+    if worker_id and worker_id != name:
+        return f"{name} ({role}) may not act as {worker_id!r}"
+    if method == "Join" and role not in JOIN_ROLE.get(request.role, ()):
+        return f"a {role} certificate may not join as {pb.Role.Name(request.role)}"
+    return ""
+
+
+class Guard(grpc.ServerInterceptor):
+    """Every RPC checked before its handler runs: the token, or the certificate's role and name."""
+
+    def __init__(self, security: Security, on_refused: Callable[[str, str], None] | None = None):
+        self.security = security
+        self.on_refused = on_refused or (lambda method, why: None)
+        self._subjects: dict[bytes, tuple[str, str]] = {}
+
+    def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
+        method = details.method.rsplit("/", 1)[-1]
+        if self.security.mode == "token":
+            sent = dict(details.invocation_metadata or ()).get("authorization", "")
+            handler = continuation(details)
+            if handler is not None and not hmac.compare_digest(
+                sent.encode(), f"Bearer {self.security.token}".encode()
+            ):
+                self.on_refused(method, "no valid token")
+                return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "this coordinator needs its token")
+            return handler
+        handler = continuation(details)
+        if self.security.mode != "mtls" or handler is None:
+            return handler
+        return self._checked(handler, method)
+
+    def _subject(self, context: grpc.ServicerContext) -> tuple[str, str]:
+        pem = (context.auth_context().get("x509_pem_cert") or [b""])[0]
+        if pem not in self._subjects:
+            self._subjects[pem] = subject_of(pem) if pem else ("", "")
+        return self._subjects[pem]
+
+    def _deny(self, context: grpc.ServicerContext, method: str, why: str) -> None:
+        self.on_refused(method, why)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+    def _checked(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if handler.unary_unary or handler.unary_stream:
+            inner = handler.unary_unary or handler.unary_stream
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                role, name = self._subject(context)
+                if why := caller_problem(method, role, name, request):
+                    self._deny(context, method, why)
+                return inner(request, context)
+
+            kind = (
+                grpc.unary_unary_rpc_method_handler
+                if handler.unary_unary
+                else grpc.unary_stream_rpc_method_handler
+            )
+            return kind(unary, handler.request_deserializer, handler.response_serializer)
+
+        inner_stream = handler.stream_unary
+
+        def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            role, name = self._subject(context)
+            if why := caller_problem(method, role, name, None):
+                self._deny(context, method, why)
+            return inner_stream(_header_checked(requests, name, role, method, self, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(
+            stream, handler.request_deserializer, handler.response_serializer
+        )
+
+
+def _header_checked(
+    requests: Iterator[Any], name: str, role: str, method: str, guard: Guard, context: Any
+) -> Iterator[Any]:
+    """A streamed push or init: its header (the first message) must be the caller's own."""
+    for i, message in enumerate(requests):
+        header = message.header if i == 0 and message.WhichOneof("kind") == "header" else None
+        if header is not None and header.worker_id and header.worker_id != name:
+            guard._deny(context, method, f"{name} ({role}) may not act as {header.worker_id!r}")
+        yield message
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that refuses the call."""
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, why)
+
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(
+            refuse, handler.request_deserializer, handler.response_serializer
+        )
+    return grpc.stream_unary_rpc_method_handler(
+        refuse, handler.request_deserializer, handler.response_serializer
+    )
