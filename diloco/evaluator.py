@@ -26,7 +26,7 @@ import torch
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig
-from diloco.data.shard import read_shard
+from diloco.data.shard import concat_columns, read_shard
 from diloco.evaluate import evaluate
 from diloco.model.factory import build_model
 from diloco.role import heartbeat_thread, refusing
@@ -104,10 +104,7 @@ class HeldOutRows:
         uris = [s["uri"] for s in shards]
         if self.columns is None or uris != self._from:
             read = [read_shard(s["uri"], s["checksum"]) for s in shards]
-            self.columns = {
-                name: np.concatenate([r.columns[name] for r in read])[: self.wanted]
-                for name in read[0].columns
-            }
+            self.columns = {name: c[: self.wanted] for name, c in concat_columns(read).items()}
             self._from = uris
         return self.columns
 

@@ -25,7 +25,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.report import read_only, stored_run
 from diloco.data.chunks import partition_dataset
 from diloco.data.makers import shard_maker
-from diloco.data.shard import UNIT_TOKENS, read_shard
+from diloco.data.shard import UNIT_TOKENS, concat_columns, read_shard
 from diloco.errors import DilocoError
 from diloco.evaluate import EvalResult, can_sample, evaluate, sample_text, unigram_entropy
 from diloco.export import global_model
@@ -117,18 +117,14 @@ def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray]
     maker = shard_maker(d, load_tokenizer(d.data.tokenizer))
     with tempfile.TemporaryDirectory(prefix="diloco-eval-") as tmp:
         shards = [read_shard(maker.make(c, str(Path(tmp) / f"{c.index}.shard")).info.uri) for c in chunks]
-    return {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}, shards[
-        0
-    ].unit
+    return concat_columns(shards), shards[0].unit
 
 
 def held_out_columns(loaded: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
     if not loaded.eval_shards:
         raise DilocoError("the run has no held-out split: give --dataset")
     shards = [read_shard(s["uri"], s["checksum"]) for s in loaded.eval_shards]
-    return {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}, shards[
-        0
-    ].unit
+    return concat_columns(shards), shards[0].unit
 
 
 def evaluate_loaded(loaded: LoadedModel, dataset: str | None, max_batches: int | None) -> dict[str, Any]:

@@ -322,6 +322,11 @@ def write_shard(
     )
 
 
+def concat_columns(shards: list[Shard]) -> dict[str, np.ndarray]:
+    """The shards' rows as one array per column, in the shards' order."""
+    return {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}
+
+
 def read_shard(uri: str, expected_checksum: str | None = None) -> Shard:
     data = store.read_bytes(uri)
     try:

@@ -8,14 +8,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from diloco import store
 from diloco.config import RunConfig
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.workdir import store_root
-from diloco.data.shard import UNIT_TOKENS, read_shard
+from diloco.data.shard import UNIT_TOKENS, concat_columns, read_shard
 from diloco.evaluate import can_sample, evaluate, sample_text, unigram_entropy
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
@@ -34,7 +33,7 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
     if not (versions and shards):
         return {"eval_loss": None, "eval_metrics": {}, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
-    columns = {name: np.concatenate([s.columns[name] for s in shards]) for name in shards[0].columns}
+    columns = concat_columns(shards)
     model = build_model(cfg.model, vocab, cfg.train.seed)
     params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
     with torch.no_grad():

@@ -50,9 +50,9 @@ class ReportTable(LedgerBase):
     def last_pushes(self) -> dict[str, tuple[float, int, int]]:
         """Each worker's latest push: when it arrived (the ledger's clock), its fragment and the
         version it was based on."""
+        # One pass: with MAX(), SQLite takes the other bare columns from the row holding the max.
         rows = self._q(
-            "SELECT worker_id, received, fragment, base_version FROM pushes p WHERE received = "
-            "(SELECT MAX(received) FROM pushes q WHERE q.worker_id = p.worker_id)"
+            "SELECT worker_id, MAX(received), fragment, base_version FROM pushes GROUP BY worker_id"
         )
         return {r[0]: (r[1], r[2], r[3]) for r in rows}
 

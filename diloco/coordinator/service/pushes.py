@@ -111,7 +111,10 @@ class PushRPCs(ServiceBase):
 
         norm_per_h = 0.0
         if tensors:
-            norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+            # Accumulated in float64 without a float64 copy of the delta.
+            norm = math.hypot(
+                *(float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in tensors.values())
+            )
             # A delta of more than H steps is compared per H steps; a shorter one as it is (it
             # is smaller, never an outlier for being short).
             norm_per_h = norm / max(1.0, header.inner_steps / self.config.train.inner_steps)

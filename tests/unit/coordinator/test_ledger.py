@@ -628,3 +628,11 @@ def test_a_push_dropped_by_a_restart_is_taken_afresh_and_counted_once(tmp_path, 
     assert ledger.counter("rows_trained_twice") == 2
     assert ledger.counter("pushes_revived") == 1
     ledger.close()
+
+
+def test_a_chunk_never_leased_cannot_be_completed(ledger):
+    make(ledger, ["train", "train"])
+    refused = complete(ledger, "d1", 2)  # nobody was given chunk 2
+    assert not refused.accepted and "never leased" in refused.reason
+    lease = ledger.lease_chunk("d1", TTL)
+    assert isinstance(lease, ChunkLease) and complete(ledger, "d1", lease.chunk_id).accepted
