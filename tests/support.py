@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from cli.main import app
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger, MergeRecord, ledger_path
@@ -26,7 +29,25 @@ from diloco.local.procs import Child, ProcessGroup
 from diloco.model import build_model
 from diloco.v1 import coordinator_pb2 as pb
 
+try:  # typer >= 0.2x ships its own copy of click
+    from typer._click.exceptions import UsageError
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import UsageError
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_diloco(args: list[str]) -> typer.Context:
+    """Parse argv as `diloco ARGS` the way the CLI would, without running anything: the command's
+    context, its options in `.params`. Raises UsageError (unknown command or option, a missing
+    value or required option, a value of the wrong type). The compose demo's and the Kubernetes and
+    Slurm manifests' commands are checked with it (tests/e2e/test_compose.py, tests/unit/test_deploy.py)."""
+    group = typer.main.get_command(app)
+    name, *rest = (str(a) for a in args)
+    command = group.get_command(group.context_class(group), name)
+    if command is None:
+        raise UsageError(f"no such command: {name}")
+    return command.make_context(name, rest, resilient_parsing=False)
 
 
 class FakeClock:

@@ -18,17 +18,11 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-import typer
 import yaml
 
-from cli.main import app
 from diloco.corpus import resolve_dataset, stdlib_files
 from diloco.testing.seaweed import SeaweedS3
-
-try:  # typer >= 0.2x ships its own copy of click
-    from typer._click.exceptions import UsageError
-except ImportError:  # older typer runs on click itself
-    from click.exceptions import UsageError
+from tests.support import UsageError, parse_diloco
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -38,18 +32,6 @@ SEED_SCRIPT = ROOT / "docker" / "seed_corpus.py"
 
 def load() -> dict:
     return yaml.safe_load(COMPOSE.read_text())
-
-
-def parse_diloco(args: list[str]) -> typer.Context:
-    """Parse argv as `diloco ARGS` the way the CLI would, without running anything: the command's
-    context, its options in `.params`. Raises UsageError (unknown command or option, a missing
-    value or required option, a value of the wrong type)."""
-    group = typer.main.get_command(app)
-    name, *rest = (str(a) for a in args)
-    command = group.get_command(group.context_class(group), name)
-    if command is None:
-        raise UsageError(f"no such command: {name}")
-    return command.make_context(name, rest, resilient_parsing=False)
 
 
 def diloco_services(spec: dict) -> dict[str, dict]:
