@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from cli import local, roles, tools
+from cli import local, roles, simulate, tools
 from cli.common import with_security
 
 app = typer.Typer(
@@ -31,6 +31,8 @@ for name, command in (
 ):
     app.command(name)(with_security(command))
 app.command()(local.run)
+app.command()(simulate.simulate)
+app.command()(simulate.tune)
 app.command(hidden=True)(roles.standby)
 
 tokenizer_app = typer.Typer(help="Tokenizers for `data.tokenizer`.", no_args_is_help=True)

@@ -1,0 +1,203 @@
+"""The simulator's inputs: one keyword-only dataclass per part, each field with its default's source.
+
+Defaults and where they come from (every one not measured here is an assumption, and the README
+lists them beside the table):
+
+- Failure rate: one interruption per chip-year (the Decoupled DiLoCo paper's setting, arXiv
+  2604.21428). For scale: the Llama 3 paper (arXiv 2407.21783) reports 466 job interruptions in
+  54 days on 16,384 GPUs (419 unexpected, ~78% of those hardware), one per ~2.8 h, i.e. one per
+  ~5.2 GPU-years: the paper's setting is five times harsher than Llama 3's fleet.
+- Recovery: the Gemini 2.5 report describes slice-granularity elasticity whose reconfiguration
+  costs on the order of tens of seconds per interruption, against ten minutes or more when a job
+  waits for healthy machines to be rescheduled. We could not check its exact figures here, so
+  `restart_s` (30 s: a hot spare swapped in and the program restarted from in-memory state) and
+  `reconfigure_s` (10 s) are assumptions in that spirit; `restart_s=600` is the no-spare case.
+- Model and link: 12 B parameters over 5 Gbit/s (the paper's cross-region run: a 12 B model over
+  2-5 Gbit/s of wide-area network, as reported in its announcement), int4 deltas, 50 ms RTT.
+- The outer loop: this project's defaults (H = 50, P = 2, tau = 10, K = 1; diloco.config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+SECONDS_PER_YEAR = 365.25 * 24 * 3600
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    """How chips fail."""
+
+    mtbi_years: float = 1.0
+    """Mean time between interruptions of one chip, in years (Poisson unless weibull_shape)."""
+    weibull_shape: float | None = None
+    """Weibull shape k of each slice's time between failures (k < 1: infant mortality, k > 1:
+    wear-out); None: Poisson. Each slice is a renewal process of mean MTBI / chips per slice."""
+    trace: tuple[float, ...] | None = None
+    """Measured failure times (seconds from the start) instead of a random process."""
+    trace_units: tuple[int, ...] | None = None
+    """For each trace time, the learner (or slice) it hit; None: a uniformly random one."""
+    coordinator_mtbi_s: float | None = None
+    """Mean seconds between coordinator failures (Poisson); None: the coordinator never fails."""
+    coordinator_trace: tuple[float, ...] | None = None
+    """Measured coordinator failure times instead of coordinator_mtbi_s."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryConfig:
+    """What a failure costs to come back from."""
+
+    restart_s: float = 30.0
+    """From a failure to the failed program running again: a hot spare slice swapped in, the
+    program (the whole job for DP, one learner for DiLoCo) restarted, state loaded from in-memory
+    replicas. Assumption (see the module docstring)."""
+    startup_s: float = 0.0
+    """Software start-up after restart_s, up to the first step, the pull of global state aside
+    (process, imports, join, model build, first batch, first step). Measured by --calibrate."""
+    reconfigure_s: float = 10.0
+    """Elastic DP's pause to drop a failed slice and go on smaller. Assumption."""
+    repair_s: float = 3600.0
+    """How long a failed slice is out of service before it is back (elastic DP runs without it
+    that long; a bounded spare pool refills at this pace). Assumption."""
+    spares: int | None = None
+    """Hot spare slices; None: always one at hand. With a number, a restart that finds none waits
+    for the next repaired slice."""
+    state_every_s: float = 0.0
+    """How often a program's training state is kept where a failure does not lose it (in-memory
+    replicas, local disk): 0 means every step, so a failure loses only the step in progress."""
+    state_lag_s: float = 0.0
+    """How long after a save it is safe (the write's own time): the state a failure falls back to
+    is at least this old. Measured by --calibrate (local state on disk)."""
+    state_survives: bool = True
+    """Whether a DiLoCo learner's kept state survives its failure. False: it falls back to its last
+    complete set of landed pushes (every fragment pushed since). DP's kept state (its checkpoint)
+    always survives."""
+    rejoin_pull_s: float | None = None
+    """Seconds a restarted learner spends pulling the global model; None: from the link model."""
+    coordinator_restart_s: float = 30.0
+    """From a coordinator failure to it serving again from its durable ledger. Assumption."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkConfig:
+    """The model on the wire: how long one fragment takes to travel (costs.sync_seconds)."""
+
+    params: float = 12e9
+    """Model parameters (12 B: the paper's cross-region run)."""
+    codec: str = "int4"
+    """How deltas and merged fragments travel: fp32 | bf16 | int8 | int4 (diloco.wire.codecs)."""
+    bits_per_param: float | None = None
+    """Measured bits per parameter on the wire (after zstd); None: the codec's nominal size."""
+    bandwidth_gbps: float = 5.0
+    """Each learner's link to the syncer, in Gbit/s (the paper's run: 2-5 Gbit/s)."""
+    rtt_s: float = 0.05
+    """Round-trip time of that link, in seconds."""
+    merge_s: float = 0.0
+    """Coordinator time to fold one push and publish a fragment (measured by --calibrate)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OuterConfig:
+    """The outer loop of DiLoCo (this project's defaults)."""
+
+    inner_steps: int = 50
+    """H: inner steps between two syncs of a fragment."""
+    fragments: int = 2
+    """P: parameter fragments, one pushed every H / P steps."""
+    overlap_steps: int = 10
+    """tau: steps between a push and the application of its merge (Decoupled keeps training)."""
+    quorum: int = 1
+    """K: pushes a round needs; fewer live learners than K halt merging."""
+    halt_bound_s: float = 300.0
+    """How long learners keep stepping while merging is halted (coordinator down, or fewer than K
+    learners alive) before they stop: sync.max_unreachable_s."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerConfig:
+    """Slow chips: a synchronous group steps at the pace of its slowest slice."""
+
+    jitter_sigma: float = 0.0
+    """Per-step log-normal noise (sigma) of each slice's step time; a group of n slices takes the
+    expected maximum of n draws per step."""
+    slow_share: float = 0.0
+    """Share of slices (DP) or learners (DiLoCo) that are persistently slower."""
+    slow_factor: float = 1.0
+    """How much slower they are (step time multiplier)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One simulated job."""
+
+    chips: int = 1_200_000
+    """Chips allocated to the job."""
+    learners: int = 8
+    """M: DiLoCo learners (ignored when chips_per_learner is set)."""
+    chips_per_learner: int | None = None
+    """Chips per learner; M = chips // chips_per_learner."""
+    slice_chips: int = 256
+    """Chips that fail together and that elastic DP drops and re-adds as one (a few hosts' worth
+    of accelerators on one interconnect). Assumption."""
+    hours: float = 24.0
+    """Simulated wall time."""
+    seed: int = 0
+    """Seed of every random draw: the same seed, the same run."""
+    step_s: float = 2.0
+    """Nominal time of one inner (or DP) step. Assumption for a large model."""
+    dp_exposed_comm_s: float = 0.0
+    """DP's all-reduce time per step not hidden behind compute (0: one datacenter, overlapped)."""
+    step_efficiency: float = 1.0
+    """Share of a stepping program's time inside its steps (data stalls, syncs on the training
+    thread aside). Measured by --calibrate."""
+    job_startup_s: float = 0.0
+    """The job's own start-up before its first step, paid once (measured by --calibrate)."""
+    wind_down_s: float = 0.0
+    """Time at the end of the job with no steps (final pushes, exit), paid once."""
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+    @property
+    def m(self) -> int:
+        """The number of DiLoCo learners."""
+        if self.chips_per_learner:
+            return max(1, self.chips // self.chips_per_learner)
+        return max(1, self.learners)
+
+    @property
+    def horizon_s(self) -> float:
+        return self.hours * 3600.0
+
+    @property
+    def slices(self) -> int:
+        """Slices of the whole job (at least one per learner)."""
+        return max(self.m, self.chips // max(1, self.slice_chips))
+
+    def with_(self, **changes: object) -> SimConfig:
+        """A copy with some top-level fields changed."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    def check(self) -> None:
+        """Refuse inputs that make no sense, with the reason."""
+        problems = []
+        if self.chips < 1:
+            problems.append(f"chips must be >= 1, got {self.chips}")
+        if self.hours <= 0:
+            problems.append(f"hours must be > 0, got {self.hours}")
+        if self.step_s <= 0:
+            problems.append(f"step_s must be > 0, got {self.step_s}")
+        if self.failure.mtbi_years <= 0:
+            problems.append(f"mtbi_years must be > 0, got {self.failure.mtbi_years}")
+        if self.outer.fragments < 1 or self.outer.inner_steps < 1:
+            problems.append("inner_steps and fragments must be >= 1")
+        if self.outer.quorum < 1:
+            problems.append(f"quorum must be >= 1, got {self.outer.quorum}")
+        if self.link.bandwidth_gbps <= 0:
+            problems.append(f"bandwidth must be > 0, got {self.link.bandwidth_gbps} Gbit/s")
+        if not 0 < self.step_efficiency <= 1:
+            problems.append(f"step_efficiency must be in (0, 1], got {self.step_efficiency}")
+        if problems:
+            raise ValueError("; ".join(problems))

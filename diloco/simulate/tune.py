@@ -1,0 +1,135 @@
+"""`diloco tune`: H, fragments P, overlap tau, the codec and the data chunk size for a measured
+step time and a given link, from the simulator's own sync-time model (costs.sync_times).
+
+The choice, in order of what costs model quality most (this project's measurements):
+- H: the smallest of 50, 100, 200, 500 whose syncs the link carries with room to spare (the
+  whole model once per H steps at most LINK_LOAD of the bandwidth). Larger H means fewer outer
+  steps; from a random init H > 200 has ended worse (README, H = 500 runs). H below 50 is not
+  proposed: the outer optimizer's defaults were tuned at 50.
+- the codec: at that H, the most precise one that fits (int4 against fp32 at equal tokens moved
+  the eval loss by +0.34% on average, benchmarks/codec_loss.py; staying precise is still free).
+- tau: the steps a fragment's round trip (push, merge, pull) takes, plus one, and never fewer
+  than the default 10: the sync hides behind compute, and the grace window (a share of tau steps)
+  keeps rounds whole (fewer single-push rounds: the README's outer_sim figures).
+- P: the fewest fragments (at least 2, the default) whose merge is back, tau steps after its
+  push, before the next fragment's push is due (tau <= H / P).
+- chunk size: the raw bytes a learner trains through in about CHUNK_TARGET_S, so leases are few
+  and a lost lease re-does little (from the run's tokens per chunk and tokens per second).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from diloco.simulate.config import LinkConfig, OuterConfig
+from diloco.simulate.costs import CODEC_BITS, sync_times, transfer_seconds
+
+H_CHOICES = (50, 100, 200, 500)
+P_CHOICES = (2, 4, 8, 16)
+CODECS = ("fp32", "bf16", "int8", "int4")  # most precise first
+LINK_LOAD = 0.4  # at most this share of the link carries syncs: room for rejoin pulls, and a round
+# trip (twice a fragment's push time) still shorter than a push interval
+CHUNK_TARGET_S = 60.0
+DEFAULTS = OuterConfig()  # this project's defaults (H 50, P 2, tau 10) beside fp32
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One recommended setting, what it was, and what it costs and buys."""
+
+    name: str
+    default: str
+    value: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Tuning:
+    inner_steps: int
+    fragments: int
+    overlap_steps: int
+    codec: str
+    chunk_bytes: int | None
+    choices: list[Choice]
+    fits: bool  # False: even int4 at H = 500 overloads the link
+
+    def overrides(self) -> list[str]:
+        """The `--set` flags of `diloco run` that apply it."""
+        out = [f"train.inner_steps={self.inner_steps}", f"sync.fragments={self.fragments}",
+               f"sync.overlap_steps={self.overlap_steps}", f"sync.codec={self.codec}",
+               f"sync.pull_codec={self.codec}"]  # fmt: skip
+        if self.chunk_bytes:
+            out.append(f"data.chunk_bytes={self.chunk_bytes}")
+        return out
+
+
+def link_load(link: LinkConfig, h: int, step_s: float) -> float:
+    """The share of the link the syncs take: the whole model each way once per H steps."""
+    return (transfer_seconds(link.params, link) - link.rtt_s / 2) / (h * step_s)
+
+
+def recommend(
+    *,
+    step_s: float,
+    link: LinkConfig,
+    tokens_per_s: float = 0.0,
+    tokens_per_chunk: float = 0.0,
+    chunk_bytes: int = 0,
+) -> Tuning:
+    """Settings for one learner of step_s per inner step behind `link` (pure arithmetic).
+
+    tokens_per_s: one learner's training speed; with tokens_per_chunk (what a chunk of
+    chunk_bytes became) it sizes the data chunks.
+    """
+    fits = True
+    pick = next(
+        ((h, c) for h in H_CHOICES for c in CODECS
+         if link_load(replace(link, codec=c, bits_per_param=None), h, step_s) <= LINK_LOAD),
+        None,
+    )  # fmt: skip
+    if pick is None:
+        fits, pick = False, (H_CHOICES[-1], CODECS[-1])
+    h, codec = pick
+    chosen = replace(link, codec=codec, bits_per_param=None)
+    late = False
+    for p in (q for q in P_CHOICES if h // q >= 2):
+        trip = _trip(chosen, h, p, step_s)
+        tau = max(DEFAULTS.overlap_steps, math.ceil(trip / step_s) + 1)
+        if tau <= h // p:
+            break
+    else:  # even the most fragments cannot bring a merge back before the next push: it comes late
+        late, tau = True, h // p
+    default_load = link_load(replace(link, codec="fp32", bits_per_param=None), DEFAULTS.inner_steps, step_s)
+    choices = [
+        Choice("H (train.inner_steps)", str(DEFAULTS.inner_steps), str(h),
+               f"syncs take {link_load(chosen, h, step_s):.0%} of the link (fp32 at H = {DEFAULTS.inner_steps}: "
+               f"{default_load:.0%}); " + ("the smallest H that fits" if h == H_CHOICES[0] else
+               "fewer outer steps than the default: may cost quality (not measured here; benchmarks/quality.py "
+               "compares)")),
+        Choice("codec (sync.codec, sync.pull_codec)", "fp32", codec,
+               f"{CODEC_BITS[codec]:.2f} bits/param on the wire before zstd; the most precise that fits at this H"
+               + ("" if codec == "fp32" else " (int4 vs fp32 measured +0.34% eval loss at equal tokens)")),
+        Choice("P (sync.fragments)", str(DEFAULTS.fragments), str(p),
+               f"a fragment's round trip {trip:.1f} s against a push every {h / p * step_s:.1f} s; "
+               "more fragments spread the bytes, each a smaller outer step"),
+        Choice("tau (sync.overlap_steps)", str(DEFAULTS.overlap_steps), str(tau),
+               (f"the round trip outlasts {tau} steps ({tau * step_s:.1f} s): merges come late (staleness, no wait)"
+                if late else f"the round trip hides behind {tau} steps ({tau * step_s:.1f} s): no learner waits; "
+                f"each merge is applied {tau} steps after its push")),
+    ]  # fmt: skip
+    size = None
+    if tokens_per_s > 0 and tokens_per_chunk > 0 and chunk_bytes > 0:
+        raw = chunk_bytes * CHUNK_TARGET_S * tokens_per_s / tokens_per_chunk
+        size = int(min(1 << 30, max(1 << 16, 2 ** round(math.log2(raw)))))
+        lasts = size / chunk_bytes * tokens_per_chunk / tokens_per_s
+        choices.append(Choice("chunk size (data.chunk_bytes)", str(chunk_bytes), str(size),
+                              f"one learner trains a chunk in ~{lasts:.0f} s at {tokens_per_s:,.0f} tokens/s: "
+                              "few leases, and a lease lost with a learner re-does little"))  # fmt: skip
+    if not fits:
+        choices.append(Choice("warning", "", "", "even int4 at H = 500 takes more than half the link"))
+    return Tuning(h, p, tau, codec, size, choices, fits)
+
+
+def _trip(link: LinkConfig, h: int, p: int, step_s: float) -> float:
+    return sync_times(link, OuterConfig(inner_steps=h, fragments=p), step_s).round_trip_s

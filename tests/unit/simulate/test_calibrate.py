@@ -1,0 +1,60 @@
+"""A run's costs read back from its workdir, and the configs that replay it or scale it up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from diloco.simulate import SimConfig, simulate
+from diloco.simulate.calibrate import read_calibration, replay_config, scaled_config
+
+
+def test_the_run_dir_gives_restarts_kills_losses_and_wire_costs(run_dir: Path) -> None:
+    cal = read_calibration(run_dir)
+    assert cal.learners == 2 and cal.wall_s == 100.0
+    assert cal.job_startup_s == 10.0
+    assert cal.wind_down_s == pytest.approx(2.0, abs=0.01)
+    assert cal.restarts == 1
+    assert cal.kill_times == pytest.approx((41.0,), abs=0.01)
+    assert cal.kill_units == (0,)
+    assert cal.restart_total_s == pytest.approx(2.0) and cal.pull_s == pytest.approx(0.2)
+    assert cal.lost_per_kill_s == pytest.approx(1.0, abs=0.01)  # 1.5 s old, resumed 0.5 s after the kill
+    assert cal.step_efficiency == pytest.approx((54 + 87) / (55 + 88), abs=1e-3)
+    assert cal.step_s == pytest.approx((54 + 87) / 500)
+    assert cal.coordinator_kills == pytest.approx((60.0,), abs=0.01)
+    assert cal.coordinator_restart_s == pytest.approx(2.5, abs=0.01)  # its metrics.jsonl start event
+    assert cal.merge_s == pytest.approx(0.02)
+    assert cal.bits_per_param == pytest.approx(2000 * 8 / 500)
+    assert (cal.fragments, cal.inner_steps, cal.codec) == (2, 50, "fp32")
+
+
+def test_the_replay_predicts_the_summarys_goodput_by_hand(run_dir: Path) -> None:
+    cal = read_calibration(run_dir)
+    r = simulate(replay_config(cal), "decoupled")
+    # learner-0 steps 10..41 and loses the 1 s since its last state (saved every 2 s of its life),
+    # restarts in 2 s, steps 43..98; learner-1 steps 10..98. The coordinator's 2.5 s down stops
+    # nobody.
+    kept = (31 - 1) + (98 - 43) + (98 - 10)
+    assert r.goodput == pytest.approx(kept * cal.step_efficiency / 200, abs=0.005)
+    assert r.failures == 1
+    assert r.decisions.get("coordinator-restart") == 1
+    poisson = simulate(replay_config(cal, seed=1, kill_every_s=60.0), "decoupled")
+    assert 0 < poisson.goodput < 1
+
+
+def test_scaling_keeps_measured_parts_and_the_stated_assumptions(run_dir: Path) -> None:
+    cal = read_calibration(run_dir)
+    base = SimConfig()
+    scaled = scaled_config(cal, base)
+    assert scaled.link.params == base.link.params and scaled.recovery.restart_s == base.recovery.restart_s
+    assert scaled.recovery.startup_s == pytest.approx(2.0 - 0.2)  # software start-up, the pull aside
+    assert scaled.step_efficiency == pytest.approx(cal.step_efficiency)
+    assert scaled.link.bits_per_param is None  # measured on fp32, the job sends int4
+    same_codec = scaled_config(cal, SimConfig().with_(link=base.link.__class__(codec="fp32")))
+    assert same_codec.link.bits_per_param == pytest.approx(cal.bits_per_param)
+
+
+def test_a_dir_without_a_summary_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="summary.json"):
+        read_calibration(tmp_path)

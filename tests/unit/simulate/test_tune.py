@@ -1,0 +1,44 @@
+"""`diloco tune`: the recommendation follows the link, and a fast link keeps the defaults."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cli.main import app
+from diloco.simulate.config import LinkConfig
+from diloco.simulate.tune import link_load, recommend
+
+
+def test_a_fast_link_keeps_the_defaults() -> None:
+    t = recommend(step_s=0.2, link=LinkConfig(params=1e6, bandwidth_gbps=1.0, rtt_s=0.05))
+    assert (t.inner_steps, t.fragments, t.overlap_steps, t.codec, t.fits) == (50, 2, 10, "fp32", True)
+
+
+def test_a_slower_link_trades_the_codec_first_then_h() -> None:
+    link = LinkConfig(params=12e9, bandwidth_gbps=5.0, rtt_s=0.05)
+    at_5 = recommend(step_s=2.0, link=link)
+    assert (at_5.inner_steps, at_5.codec) == (50, "bf16")
+    at_1 = recommend(step_s=2.0, link=LinkConfig(params=12e9, bandwidth_gbps=1.0, rtt_s=0.05))
+    assert (at_1.inner_steps, at_1.codec) == (100, "int4")
+    for t in (at_5, at_1):
+        assert link_load(LinkConfig(params=12e9, bandwidth_gbps=5.0 if t is at_5 else 1.0, codec=t.codec),
+                         t.inner_steps, 2.0) <= 0.4  # fmt: skip
+        assert 10 <= t.overlap_steps <= t.inner_steps // t.fragments
+    hopeless = recommend(step_s=0.5, link=LinkConfig(params=70e9, bandwidth_gbps=0.1))
+    assert not hopeless.fits and any(c.name == "warning" for c in hopeless.choices)
+
+
+def test_chunks_sized_to_a_minute_of_one_learner(run_dir: Path) -> None:
+    t = recommend(step_s=0.2, link=LinkConfig(params=1e6), tokens_per_s=5000.0, tokens_per_chunk=250_000.0,
+                  chunk_bytes=262_144)  # fmt: skip
+    assert t.chunk_bytes == 262_144  # 50 s a chunk now: the nearest power of two to 60 s is the same
+    assert "data.chunk_bytes=262144" in t.overrides()
+    result = CliRunner().invoke(app, ["tune", "--calibrate", str(run_dir), "--bandwidth", "10Mbit", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert any(o.startswith("sync.codec=") for o in out["overrides"])
+    missing = CliRunner().invoke(app, ["tune", "--bandwidth", "1Gbit"])
+    assert missing.exit_code == 2 and "--calibrate" in missing.output
