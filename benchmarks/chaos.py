@@ -22,8 +22,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def diloco_run(name: str, workdir: Path, args: list[str], timeout_s: float) -> dict[str, Any]:
+def diloco_run(
+    name: str, workdir: Path, args: list[str], timeout_s: float, prefix: list[str] | None = None
+) -> dict[str, Any]:
+    """`diloco run ARGS` (after `prefix`, e.g. `taskset -c 0`) and its summary."""
     cmd = [
+        *(prefix or []),
         sys.executable,
         "-m",
         "cli",

@@ -18,6 +18,13 @@ def run(
     ] = 5.0,
     tokens: Annotated[int, typer.Option(help="token budget over all learners (0: none)")] = 0,
     learners: Annotated[int, typer.Option(help="learner processes (M)")] = 2,
+    learner_ranks: Annotated[
+        str,
+        typer.Option(
+            help="ranks per learner, each a torchrun group of N processes (DDP inside); "
+            "a list gives each learner its own (2,1: a 2-rank learner, then 1-rank ones)"
+        ),
+    ] = "1",
     data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
     workdir: Annotated[Path | None, typer.Option(help="run directory (default: ./runs/<name>)")] = None,
     name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
@@ -72,8 +79,12 @@ def run(
     """Run a whole job on this machine: coordinator, data workers and learners as processes."""
     from diloco.local.launch import LocalRunOptions, default_run_config, run_local
 
-    if learners < 1 or data_workers < 1:
-        raise DilocoError("--learners and --data-workers must be at least 1")
+    try:
+        ranks = tuple(int(r) for r in learner_ranks.split(",") if r.strip())
+    except ValueError:
+        raise DilocoError(f"--learner-ranks: numbers separated by commas, not {learner_ranks!r}") from None
+    if learners < 1 or data_workers < 1 or not ranks or min(ranks) < 1:
+        raise DilocoError("--learners, --learner-ranks and --data-workers must be at least 1")
     roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
     if unknown := set(roles) - {"coordinator", "data", "learner", "evaluator"}:
         raise DilocoError(f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))}")
@@ -104,6 +115,7 @@ def run(
             minutes=minutes,
             tokens=tokens,
             learners=learners,
+            learner_ranks=ranks,
             data_workers=data_workers,
             workdir=str(workdir) if workdir else None,
             name=name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -85,10 +86,19 @@ def compute(
         typer.Option(help="local directory for this learner's state: with --worker-id, a restart resumes it"),
     ] = None,
     metrics_port: MetricsPortOpt = None,
+    nproc: Annotated[
+        int, typer.Option(help="ranks in this learner: starts torchrun with N ranks (DDP inside)")
+    ] = 1,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
-    from diloco.compute.learner import run_learner
+    from diloco.compute.group import torchrun_argv, under_torchrun
     from diloco.compute.overrides import LocalOverrides
+    from diloco.compute.start import run_learner
+
+    if nproc > 1 and not under_torchrun():
+        args = sys.argv[sys.argv.index("compute") + 1 :]
+        command = torchrun_argv(sys.executable, args, nproc)
+        os.execv(command[0], command)  # the group takes this process's place (and its pid)
 
     setup_logging("learner")
     overrides = LocalOverrides(

@@ -85,6 +85,7 @@ class CoordinatorClient:
         self._join_lock = threading.RLock()
         self.join_reply: pb.JoinReply | None = None
         self.closed = False
+        self.ranks = 1  # a learner that is a torchrun group says how many ranks it has, at join
 
     def close(self) -> None:
         # In-flight calls end CANCELLED and no retry starts: background threads wind down.
@@ -107,7 +108,9 @@ class CoordinatorClient:
 
     def _join(self, timeout_s: float) -> pb.JoinReply:
         self.wait_ready(timeout_s)
-        request = pb.JoinRequest(role=self.role, host=socket.gethostname(), worker_id=self.worker_id)
+        request = pb.JoinRequest(
+            role=self.role, host=socket.gethostname(), worker_id=self.worker_id, ranks=self.ranks
+        )
         reply = self._retry(lambda: self.stub.Join(request, timeout=10.0), "join", rejoin=False)
         self.worker_id = reply.worker_id
         self.join_reply = reply

@@ -107,6 +107,9 @@ class DataConfig:
     cache_bytes: int = 2 << 30
 
 
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
 @dataclass
 class TrainConfig:
     """The learner's inner loop."""
@@ -132,6 +135,10 @@ class TrainConfig:
     # bases) on its own disk this often, off the training thread: restarted, it goes on from
     # there instead of losing every step since its last pushes (0: never).
     local_state_every_s: float = 2.0
+    # Inner-step arithmetic: "auto" is bf16 autocast on CUDA and fp32 elsewhere; "bf16" | "fp32".
+    precision: str = "auto"
+    # torch.compile the model for its inner steps (the first steps pay for the compile).
+    compile: bool = False
 
 
 @dataclass
@@ -301,6 +308,8 @@ class RunConfig:
             raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
         if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
             raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
+        if t.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
         if s.fragments < 1 or s.quorum < 0:
             raise ConfigError("sync.fragments must be >= 1 and sync.quorum >= 0")
         if s.overlap_steps < 0 or s.max_staleness < 0 or not 0.0 <= s.mix_alpha < 1.0 or s.grace_factor < 0:

@@ -110,8 +110,8 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     console.print(f"summary: {path}", soft_wrap=True)  # a path is copied whole: never wrapped
 
 
-STATUS_COLUMNS = ("worker", "role", "state", "device", "steps", "tokens", "loss", "utilization", "data stall",
-                  "last push", "lag", "metrics")  # fmt: skip
+STATUS_COLUMNS = ("worker", "role", "state", "device", "steps", "tokens", "tokens/s", "loss", "utilization",
+                  "data stall", "last push", "lag", "metrics")  # fmt: skip
 
 
 def status_tables(detail: dict[str, Any]) -> Group:
@@ -145,15 +145,15 @@ def worker_cells(w: dict[str, Any]) -> list[str]:
     """One worker in `diloco status`: a learner's progress and data stall, a data worker's tokens/s."""
     state = "alive" if w["alive"] else w["state"]
     if w["role"] == "data":
-        return [w["worker_id"], "data", state, "", "", f"{w.get('tokens_prepared', 0):,}", "", "", "", "", "",
-                f"{w.get('tokens_per_s', 0.0):,.0f} tokens/s"]  # fmt: skip
+        return [w["worker_id"], "data", state, "", "", f"{w.get('tokens_prepared', 0):,}",
+                f"{w.get('tokens_per_s', 0.0):,.0f}", "", "", "", "", "", ""]  # fmt: skip
     if w["role"] != "compute":
-        return [w["worker_id"], w["role"], state, *[""] * 9]
+        return [w["worker_id"], w["role"], state, *[""] * 10]
     wall = w.get("wall_seconds") or 0.0
     age = w.get("last_push_age_s")
     return [
-        w["worker_id"], "learner", state, w.get("device", ""), f"{w.get('inner_steps', 0):,}",
-        f"{w.get('tokens_trained', 0):,}",
+        w["worker_id"], "learner", state, device_text(w), f"{w.get('inner_steps', 0):,}",
+        f"{w.get('tokens_trained', 0):,}", speed_text(w),
         f"{w['last_loss']:.4f}" if w.get("last_loss") else "-",
         f"{w.get('busy_seconds', 0.0) / wall:.1%}" if wall else "-",
         f"{w.get('data_stall_seconds', 0.0) / wall:.1%}" if wall else "-",
@@ -161,6 +161,21 @@ def worker_cells(w: dict[str, Any]) -> list[str]:
         str(w["version_lag"]) if w.get("version_lag") is not None else "-",
         metrics_text(w.get("train_metrics")).strip(),
     ]  # fmt: skip
+
+
+def device_text(w: dict[str, Any]) -> str:
+    """Where a learner computes: "cuda:0 ×8" for a torchrun group of 8 ranks."""
+    ranks = int(w.get("ranks") or 1)
+    return w.get("device", "") + (f" ×{ranks}" if ranks > 1 else "")
+
+
+def speed_text(w: dict[str, Any]) -> str:
+    """A learner's tokens per second in its inner steps, with its MFU where its device's peak is known."""
+    busy = w.get("busy_seconds") or 0.0
+    if not busy:
+        return "-"
+    mfu = w.get("mfu")
+    return f"{w.get('tokens_trained', 0) / busy:,.0f}" + (f" ({mfu:.0%} MFU)" if mfu else "")
 
 
 def records_line(stats: dict) -> str:

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -n 2 --dist worksteal "$@"
+# --durations: every run (CI included) says where the suite's time goes.
+exec .venv/bin/python -m pytest -q -n 2 --dist worksteal --durations=25 "$@"

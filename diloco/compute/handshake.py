@@ -54,12 +54,14 @@ def join_run(
     threads: int | None,
     mark: Callable[[str], None],
     own: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+    place: Callable[[torch.device], torch.device] | None = None,
 ) -> Joined:
     """Join, check the tokenizer and device, build model and optimizer, offer the initial parameters
     when nobody has yet. `mark` records the end of the join and model phases (StartupClock).
 
     `own`: the model and optimizer of a user's own training loop (diloco.compute.own_loop), used as
-    they are, on the device they are on; the process's threads and seed stay the user's too."""
+    they are, on the device they are on; the process's threads and seed stay the user's too.
+    `place`: where this process computes on the chosen kind of device (a torchrun rank: its own GPU)."""
     reply = client.join(connect_timeout_s)
     mark("join")
     cfg = client.config
@@ -68,6 +70,8 @@ def join_run(
         check_tokenizer(cfg, reply.tokenizer_hash)
         if own is None:
             chosen = pick_device(device or cfg.train.device)
+            if place is not None:
+                chosen = place(chosen)
     if own is None:
         set_threads(threads if threads is not None else cfg.train.threads)
         torch.manual_seed(cfg.train.seed)

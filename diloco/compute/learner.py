@@ -7,7 +7,8 @@
         τ steps after a push, once the merged Θ_p has arrived: θ_p ← α·θ_p + (1−α)·Θ_p, base ← Θ_p
 
 With τ = 0 the learner waits for each merge: synchronous DiLoCo (with P = 1 and quorum = all).
-Only this process's rank 0 talks to the coordinator; the inner loop is plain PyTorch.
+A learner may be a torchrun group (diloco.compute.group): this class is its rank 0, the only one
+that talks to the coordinator; the inner loop is plain PyTorch (DDP inside a group).
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from collections.abc import Iterator
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
+from diloco.compute import group as ranks
 from diloco.compute import outer, schedule
 from diloco.compute.endgame import EndGame
 from diloco.compute.handshake import check_same_model, join_run, pull_everything
 from diloco.compute.held import HeldFragment
 from diloco.compute.inner import inner_step, straggle_s
 from diloco.compute.local_state import LocalState, StateWriter
+from diloco.compute.mfu import peak_flops
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
 from diloco.compute.progress import Progress
@@ -47,17 +50,25 @@ log = logging.getLogger("diloco.learner")
 
 class Learner(KeepsLocalState, EndGame):
     def __init__(
-        self, address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
+        self,
+        address: str,
+        overrides: LocalOverrides | None = None,
+        stop: threading.Event | None = None,
+        group: ranks.Group | None = None,
     ):
         self.startup = StartupClock.from_env()
         self.startup.mark("imports")
         self.overrides = overrides or LocalOverrides()
+        # The torchrun group this process leads (None: a learner of one process). The other
+        # ranks follow it from the first shared parameters (group_live) to the stop.
+        self.group, self.group_live = group, False
         self.client = CoordinatorClient(
             address,
             pb.ROLE_COMPUTE,
             retry_deadline_s=WORKER_OUTAGE_TOLERANCE_S,
             worker_id=self.overrides.worker_id,
         )
+        self.client.ranks = group.world if group else 1
         self.stop = stop or threading.Event()
         self.finishing = threading.Event()
         self.progress = Progress()
@@ -77,9 +88,11 @@ class Learner(KeepsLocalState, EndGame):
 
     def _setup(self) -> RunConfig:
         o = self.overrides
+        if self.group is not None and self.own is not None:
+            raise DilocoError("your own training loop runs DDP itself: connect it from one process")
         joined = join_run(
             self.client, connect_timeout_s=o.connect_timeout_s, device=o.device, threads=o.threads,
-            mark=self.startup.mark, own=self.own,
+            mark=self.startup.mark, own=self.own, place=self.group.device_for if self.group else None,
         )  # fmt: skip
         reply, cfg = joined.reply, joined.cfg
         self.epoch, self.run_id = reply.coordinator_epoch, reply.run_id
@@ -102,17 +115,21 @@ class Learner(KeepsLocalState, EndGame):
                 )
             for header, tensors in pulled:
                 self._apply(Merged.full(header.fragment, header.version, tensors))
+        self.train_model = self.model
+        if self.group is not None:
+            self.train_model = ranks.lead(self.group, reply.config_json, cfg, self.model, self.device)
+            self.group_live = True
+        if cfg.train.compile:  # the wrapper shares the parameters; names stay the model's own
+            self.train_model = torch.compile(self.train_model)
+        self.progress.ranks = self.group.world if self.group else 1
+        self.progress.params = sum(p.numel() for p in self.params.values())
+        self.progress.peak_flops = peak_flops(self.device)
         self.startup.mark("pull")
         log.info(
             "learner %s on %s: %d params in %d fragment(s), H=%d, tau=%d, versions %s",
-            self.client.worker_id,
-            self.device,
-            sum(p.numel() for p in self.params.values()),
-            len(self.frags),
-            cfg.train.inner_steps,
-            cfg.sync.overlap_steps,
-            [f.version for f in self.frags],
-        )
+            self.client.worker_id, self.device, self.progress.params, len(self.frags),
+            cfg.train.inner_steps, cfg.sync.overlap_steps, [f.version for f in self.frags],
+        )  # fmt: skip
         return cfg
 
     # -- fragments ------------------------------------------------------------------------------
@@ -142,6 +159,9 @@ class Learner(KeepsLocalState, EndGame):
             f.loss_sum = 0.0
             self.rows.overwritten(merged.fragment)  # its waiting rows ride on the next push
         f.at_push = {}
+        if self.group_live:  # every rank writes the same values before its next step
+            ranks.send_fragment(self.group, merged.fragment, f.names, self.params)
+            self.progress.replica_checks += 1
 
     def _merged_value(self, f: HeldFragment, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
         """The fragment's new value and version; steps that do not follow what we hold are not
@@ -256,11 +276,16 @@ class Learner(KeepsLocalState, EndGame):
 
     def _inner_step(self, batch: Batch) -> None:
         started = time.monotonic()
+        step, columns = self.progress.inner_steps, batch.columns
+        if self.group_live:  # every rank trains on its part of the batch
+            columns = self.group.send_batch(columns, step)
         loss, metrics = inner_step(
-            self.model, self.optimizer, batch,
-            step=self.progress.inner_steps, train=self.cfg.train, device=self.device,
+            self.train_model, self.optimizer, columns,
+            step=step, train=self.cfg.train, device=self.device,
             where=f"model.factory {self.cfg.model.factory}",
         )  # fmt: skip
+        if self.group_live:
+            loss = self.group.mean(loss)
         o = self.overrides
         pause = straggle_s(
             time.monotonic() - started, slow_factor=o.slow_factor, step_delay_s=self.cfg.train.step_delay_s
@@ -338,7 +363,7 @@ class Learner(KeepsLocalState, EndGame):
         self.prefetcher = ShardPrefetcher(
             self.client, cfg.train.batch_size, cfg.data.prefetch_batches, self.stop,
             cache=open_cache(cfg.data.cache_dir, cfg.data.cache_bytes), mix=cfg.data.mix_shards,
-            seed=cfg.train.seed,
+            seed=cfg.train.seed, pin_memory=self.device.type == "cuda",
         )  # fmt: skip
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
@@ -356,38 +381,23 @@ class Learner(KeepsLocalState, EndGame):
         heartbeats = self._start()
         try:
             reason = self._train()
+            self._stop_group()
         except DilocoError as error:  # the model broke the contract (no loss): one line, and out
+            self.group_live = False
             log.error("%s", error)
             self._leave(f"refused: {error}", heartbeats)
             raise
         except BaseException:
+            # No stop to the other ranks: they may be inside a step's collective; this rank's
+            # exit makes torchrun take the group down.
+            self.group_live = False
             self._leave("stopped", heartbeats)
             raise
         self._hand_in_and_leave(reason, heartbeats)
         return 0
 
-
-def run_learner(
-    address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
-) -> int:
-    learner = Learner(address, overrides, stop)
-    port = learner.overrides.metrics_port
-    if port is None:
-        return learner.run()
-    from diloco.observe.worker_metrics import serve_worker_metrics
-
-    def snapshot() -> dict[str, float]:
-        p = learner.progress
-        return {
-            "inner_steps": p.inner_steps, "tokens_trained": p.tokens_trained, "busy_seconds": p.busy_s,
-            "data_stall_seconds": p.stall_s, "sync_wait_seconds": p.sync_wait_s,
-            "inner_loss": 0.0 if math.isnan(p.last_loss) else p.last_loss,
-            "tokens_per_second": p.tokens_trained / p.busy_s if p.busy_s else 0.0,
-        }  # fmt: skip
-
-    server = serve_worker_metrics("learner", port, "127.0.0.1", snapshot, lambda: learner.client.worker_id)
-    log.info("metrics on http://127.0.0.1:%d/metrics", server.server_port)
-    try:
-        return learner.run()
-    finally:
-        server.shutdown()
+    def _stop_group(self) -> None:
+        """The other ranks exit once the loop ends: the hand-in after it is rank 0's alone."""
+        if self.group_live:
+            self.group_live = False
+            self.group.stop()

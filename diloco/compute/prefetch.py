@@ -83,8 +83,12 @@ class ShardPrefetcher:
         cache: ShardCache | None = None,
         mix: int = 1,
         seed: int = 0,
+        pin_memory: bool = False,
     ):
         self.client = client
+        # Batches for a GPU wait in page-locked memory: their copy to the device is then
+        # asynchronous (non_blocking), overlapped with the step before.
+        self.pin_memory = pin_memory
         self.batch_size = batch_size
         self.mix = max(1, mix)
         self.seed = seed
@@ -278,4 +282,6 @@ class ShardPrefetcher:
                 j = min(i + self.batch_size, b)
                 last = r == len(ranges) - 1 and j == b
                 columns = {name: column_tensor(c[i:j]) for name, c in shard.columns.items()}
+                if self.pin_memory:
+                    columns = {name: t.pin_memory() for name, t in columns.items()}
                 yield Batch(columns, lease.shard_id, i, j, last, number, tokens_per_row)

@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from diloco.compute.mfu import mfu
 from diloco.v1 import coordinator_pb2 as pb
 
 
@@ -27,6 +28,11 @@ class Progress:
     metric_steps: int = 0
     last_metrics: dict[str, float] = field(default_factory=dict)
     device: str = ""  # where the learner computes, once it knows
+    ranks: int = 1  # processes in this learner (a torchrun group)
+    replica_checks: int = 0  # merges after which the ranks' replicas were compared equal
+    # For MFU: the model's parameters and one rank's peak FLOP/s (0: unknown, MFU not reported).
+    params: int = 0
+    peak_flops: float = 0.0
 
     def wall_s(self) -> float:
         return (self.ended or time.monotonic()) - self.started
@@ -45,6 +51,13 @@ class Progress:
         self.last_loss = loss
         if math.isnan(self.first_loss):
             self.first_loss = loss
+
+    def tokens_per_s(self) -> float:
+        """Tokens over time inside inner steps: the learner's own speed, data stalls aside."""
+        return self.tokens_trained / self.busy_s if self.busy_s else 0.0
+
+    def mfu(self) -> float:
+        return mfu(self.tokens_per_s(), self.params, self.peak_flops, self.ranks)
 
     def step_time_s(self) -> float:
         return self.busy_s / max(1, self.inner_steps)
@@ -70,10 +83,16 @@ class Progress:
             data_stall_seconds=self.stall_s,
             sync_wait_seconds=self.sync_wait_s,
             device=self.device,
+            ranks=self.ranks,
+            mfu=self.mfu(),
         )
 
     def summary(self) -> str:
+        group = (
+            f" ranks={self.ranks} replicas equal after {self.replica_checks} merges" if self.ranks > 1 else ""
+        )
         return (
             f"steps={self.inner_steps} tokens={self.tokens_trained} busy={self.busy_s:.1f}s "
             f"wall={self.wall_s():.1f}s data stall={self.stall_s:.1f}s sync wait={self.sync_wait_s:.1f}s"
+            f"{group}"
         )

@@ -19,6 +19,8 @@ MAX_TEXT_BYTES = 4096  # error texts and reasons kept (longer ones are cut)
 MAX_COUNT = 1 << 50
 # A push's inner steps since its base: H per push, more after an outage or a stall, never this many.
 MAX_STEPS_PER_H = 1000
+# Ranks one learner may say it has (a torchrun group), for status.
+MAX_RANKS = 4096
 
 
 def id_problem(value: str, what: str = "worker id") -> str:
@@ -47,11 +49,19 @@ def heartbeat_problem(request: pb.HeartbeatRequest) -> str:
         return "last_loss is not finite"
     if len(request.train_metrics) > 32 or any(not math.isfinite(v) for v in request.train_metrics.values()):
         return "train_metrics: at most 32, all finite"
+    if problem := ranks_problem(request.ranks):
+        return problem
+    if not math.isfinite(request.mfu) or not 0 <= request.mfu <= 1e3:
+        return f"mfu = {request.mfu!r} is not a finite share"
     if any(id_problem(k, "a metric's name") for k in request.train_metrics) or id_problem(
         request.device, "device"
     ):
         return "train_metrics names and device: short, no control characters"
     return ""
+
+
+def ranks_problem(ranks: int) -> str:
+    return "" if 0 <= ranks <= MAX_RANKS else f"ranks {ranks} is not in [0, {MAX_RANKS}]"
 
 
 def push_problem(header: pb.TensorHeader, cfg: RunConfig) -> str:

@@ -75,6 +75,10 @@ class LocalRunOptions:
     minutes: float = 5.0
     tokens: int = 0
     learners: int = 2
+    # Ranks per learner: each learner a torchrun group of this many processes (DDP inside); one
+    # figure per learner (the last repeats: (1,) is every learner one process, (2, 1) a 2-rank
+    # learner beside 1-rank ones).
+    learner_ranks: tuple[int, ...] = (1,)
     data_workers: int = 2
     workdir: str | None = None
     name: str | None = None
@@ -91,6 +95,9 @@ class LocalRunOptions:
     # Mutual TLS between every process (certificates made in <workdir>/tls); False: plaintext.
     tls: bool = True
 
+    def ranks_of(self, learner: int) -> int:
+        return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1
+
 
 @dataclass
 class LocalRun:
@@ -103,8 +110,9 @@ class LocalRun:
         self.workdir = Path(o.workdir or Path("runs") / self.name).resolve()
         cfg = o.config
         if cfg.train.threads == 0:
-            # Learners split the machine's cores instead of each taking all of them.
-            cfg = cfg.with_overrides({"train.threads": max(1, (os.cpu_count() or 1) // max(1, o.learners))})
+            # Learners (and their ranks) split the machine's cores instead of each taking all of them.
+            ranks = sum(o.ranks_of(i) for i in range(o.learners))
+            cfg = cfg.with_overrides({"train.threads": max(1, (os.cpu_count() or 1) // ranks)})
         if o.tokens:
             cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
         if cfg.data.deal == 0:  # one deal slot per learner: a fault-free run repeats exactly
@@ -177,9 +185,13 @@ class LocalRun:
             self.group.spawn(f"data-{i}", "data", args)
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
-            args += ["--worker-id", f"learner-{i}", "--state-dir", str(self.workdir / "learner-state")]
+            args += ["--worker-id", f"learner-{i}"]
+            if o.ranks_of(i) == 1:  # a group does not keep a local state (diloco.compute.group)
+                args += ["--state-dir", str(self.workdir / "learner-state")]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
+            if o.ranks_of(i) > 1:
+                args += ["--nproc", str(o.ranks_of(i))]
             self.group.spawn(f"learner-{i}", "learner", [*args, *self._tls(f"learner-{i}")])
         if (
             self.config.eval.every_s > 0 or self.config.eval.every_merges > 0
@@ -246,6 +258,7 @@ class LocalRun:
             data_workers=o.data_workers, slow_learner=o.slow_learner, train_seconds=train_seconds,
             total_seconds=time.monotonic() - started,
         )  # fmt: skip
+        summary["ranks_per_learner"] = {f"learner-{i}": o.ranks_of(i) for i in range(o.learners)}
         summary.update(
             job_report(
                 detail,
@@ -339,6 +352,8 @@ class LocalRun:
         once the learners train (or at the first kill, if sooner): six processes importing torch
         beside the job's own would slow the job's start on a small machine."""
         roles = list(self._chaos_roles())
+        if max(self.options.learner_ranks) > 1:  # a spare is one process; a learner here is a torchrun group
+            roles = [r for r in roles if r != "learner"]
         self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
 
     def _chaos_roles(self) -> tuple[str, ...]:

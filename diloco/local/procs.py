@@ -165,9 +165,11 @@ class ProcessGroup:
         return [c for c in self.children if c.role == role]
 
     def signal(self, child: Child, sig: int) -> None:
+        """To the child's whole process group (its own session): a learner that is a torchrun
+        group dies with all its ranks, as a kill -9 of a node would take them."""
         if child.alive:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.proc.pid, sig)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, sig)
 
     def wait(self, children: list[Child], timeout_s: float) -> bool:
         """Wait until all of `children` exited; False if some are still running at the deadline."""

@@ -193,6 +193,19 @@ def summarize(
     summary["learner_tokens_per_s"] = round(
         sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
     )
+    # Each learner's own speed in its inner steps (its last life), its ranks and its MFU (None
+    # where the device's peak is not known, e.g. a CPU).
+    summary["learners_detail"] = {
+        w["worker_id"]: {
+            "tokens_per_s": round(w.get("tokens_trained", 0) / w["busy_seconds"], 1)
+            if w.get("busy_seconds")
+            else None,
+            "ranks": int(w.get("ranks") or 1),
+            "device": w.get("device", ""),
+            "mfu": w.get("mfu"),
+        }
+        for w in timed
+    }
     summary.update(evaluate_final(d, cfg, workdir, tokenizer))
     summary["config"] = cfg.to_dict()
     return summary

@@ -32,14 +32,16 @@ RUN_STATE_FINISHING: RunState
 RUN_STATE_FINISHED: RunState
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "host", "worker_id")
+    __slots__ = ("role", "host", "worker_id", "ranks")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     host: str
     worker_id: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., host: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    ranks: int
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., host: _Optional[str] = ..., worker_id: _Optional[str] = ..., ranks: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("worker_id", "config_json", "coordinator_epoch", "needs_init", "num_fragments", "run_state", "heartbeat_s", "tokenizer_hash", "run_id", "fragment_versions")
@@ -66,7 +68,7 @@ class JoinReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ..., run_id: _Optional[str] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics", "device")
+    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics", "device", "ranks", "mfu")
     class TrainMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +89,8 @@ class HeartbeatRequest(_message.Message):
     KEPT_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TRAIN_METRICS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    MFU_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_leases: _containers.RepeatedScalarFieldContainer[int]
     shard_leases: _containers.RepeatedScalarFieldContainer[int]
@@ -100,7 +104,9 @@ class HeartbeatRequest(_message.Message):
     kept_busy_seconds: float
     train_metrics: _containers.ScalarMap[str, float]
     device: str
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ...) -> None: ...
+    ranks: int
+    mfu: float
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., ranks: _Optional[int] = ..., mfu: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("run_state", "coordinator_epoch", "lost_chunk_leases", "lost_shard_leases")

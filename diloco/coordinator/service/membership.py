@@ -21,13 +21,19 @@ class MembershipRPCs(ServiceBase):
         self.wire.unary_in("join", request, role)
         if role is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs a role")
-        problem = limits.id_problem(request.worker_id) or limits.id_problem(request.host, "host")
+        problem = (
+            limits.id_problem(request.worker_id)
+            or limits.id_problem(request.host, "host")
+            or limits.ranks_problem(request.ranks)
+        )
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
         self.ledger.join(worker_id, role, request.host or "?")
         self._roles[worker_id] = role
-        log.info("join worker=%s role=%s host=%s", worker_id, role, request.host)
+        log.info(
+            "join worker=%s role=%s host=%s ranks=%d", worker_id, role, request.host, max(1, request.ranks)
+        )
         self.events.record("join", worker_id=worker_id, role=role, host=request.host or "?")
         reply = pb.JoinReply(
             worker_id=worker_id,
@@ -63,6 +69,8 @@ class MembershipRPCs(ServiceBase):
             "sync_wait_seconds": request.sync_wait_seconds,
             "train_metrics": dict(request.train_metrics),
             **({"device": request.device} if request.device else {}),
+            "ranks": max(1, request.ranks),
+            **({"mfu": round(request.mfu, 4)} if request.mfu else {}),
         }
         ttl = self.config.coordinator.lease_ttl_s
         self.ledger.heartbeat(request.worker_id, stats)

@@ -72,8 +72,12 @@ def test_status_shows_data_stall_and_data_worker_speed() -> None:
             "tokens_prepared": 12345, "tokens_per_s": 61234.4}  # fmt: skip
     cells = dict(zip(STATUS_COLUMNS, worker_cells(learner), strict=True))
     assert (cells["steps"], cells["tokens"], cells["data stall"]) == ("10", "1,290", "25.0%")
+    assert cells["tokens/s"] == "-"  # no time in inner steps reported yet
     cells = dict(zip(STATUS_COLUMNS, worker_cells(data), strict=True))
-    assert (cells["state"], cells["tokens"], cells["metrics"]) == ("left", "12,345", "61,234 tokens/s")
+    assert (cells["state"], cells["tokens"], cells["tokens/s"]) == ("left", "12,345", "61,234")
+    group = {**learner, "device": "cuda:0", "ranks": 8, "busy_seconds": 2.0, "mfu": 0.41}
+    cells = dict(zip(STATUS_COLUMNS, worker_cells(group), strict=True))
+    assert (cells["device"], cells["tokens/s"]) == ("cuda:0 ×8", "645 (41% MFU)")
 
 
 @pytest.mark.timeout(90)

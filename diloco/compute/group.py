@@ -1,0 +1,333 @@
+"""A learner made of N ranks (torchrun): data parallel inside, one learner to the coordinator.
+
+    torchrun --nproc-per-node N -m cli compute --coordinator HOST:PORT
+
+Rank 0 is the learner the coordinator sees: it joins, heartbeats, leases shards, pushes fragment
+deltas and takes merges (diloco.compute.learner). The other ranks never open a connection to the
+coordinator; they follow rank 0 step by step through a small protocol of collectives:
+
+    rank 0                                       ranks 1..N-1 (run_follower)
+    config JSON          -- broadcast -->        build the same model
+    every parameter      -- broadcast -->        hold the same replica
+    STEP: batch spec + columns -- broadcast -->  train on their part of the rows (DDP all-reduces
+                                                 the gradients, so the replicas stay equal)
+    MERGE p: fragment p's tensors -- broadcast --> write them, at the same step as rank 0
+    STOP                 -- broadcast -->        exit 0
+
+A learner's step is train.batch_size rows whatever its size: its ranks split them, so a run's
+config means the same for a 1-rank and an 8-rank learner (H, the learning rate, a push's tokens),
+and more ranks only make the steps faster. Inside the group gradients go through torch.distributed's DDP (gloo on CPU, NCCL on CUDA), never a
+home-made collective. Rank 0 sends the whole batch and every rank takes its own rows: the batch is
+token ids (tens of KB), so one broadcast is cheaper than a scatter's per-rank shapes. Nothing is
+pickled: specs travel as int64 tensors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from diloco.config import RunConfig
+
+log = logging.getLogger("diloco.group")
+
+# Rank 0 may wait long for data or an unreachable coordinator while the others wait in a
+# broadcast; a dead rank is torchrun's to notice (it takes the group down), not a timeout's.
+COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
+
+OP_STEP, OP_MERGE, OP_STOP = 1, 2, 3
+
+# dtypes a batch column may have, by a code that travels in the spec.
+DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.float32, torch.float16,
+          torch.bfloat16, torch.float64, torch.bool]  # fmt: skip
+
+
+def encode_spec(columns: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The names, dtypes and shapes of a batch's columns as one int64 tensor:
+    [n, then per column: name length, name bytes..., dtype code, ndim, dims...]."""
+    out = [len(columns)]
+    for name, t in columns.items():
+        raw = name.encode()
+        out += [len(raw), *raw, DTYPES.index(t.dtype), t.dim(), *t.shape]
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def decode_spec(spec: torch.Tensor) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    values = spec.tolist()
+    n, i, out = values[0], 1, []
+    for _ in range(n):
+        length = values[i]
+        name = bytes(values[i + 1 : i + 1 + length]).decode()
+        i += 1 + length
+        dtype, ndim = DTYPES[values[i]], values[i + 1]
+        shape = tuple(values[i + 2 : i + 2 + ndim])
+        i += 2 + ndim
+        out.append((name, dtype, shape))
+    return out
+
+
+def rows_of(rows: int, rank: int, world: int) -> tuple[int, int]:
+    """The rows [start, end) of a batch that `rank` trains on. With fewer rows than ranks (a
+    shard's last batch), every rank takes them all: the averaged gradient is then the batch's
+    own, as a 1-rank learner would compute it."""
+    if rows < world:
+        return 0, rows
+    base, extra = divmod(rows, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+@dataclass
+class Group:
+    """This process's place in a learner's torchrun group."""
+
+    rank: int
+    world: int
+    local_rank: int
+    # Where collectives run: the device for NCCL, the CPU for gloo.
+    comm_device: torch.device
+
+    @classmethod
+    def from_env(cls) -> Group | None:
+        """The group torchrun set up for this process (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*);
+        None when this process is a learner on its own."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        # Before the rendezvous, which waits on the agent's store: an agent killed while this
+        # rank was still importing must not leave it waiting there for good.
+        watch_parent()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        cuda = torch.cuda.is_available() and os.environ.get("DILOCO_GROUP_BACKEND", "") != "gloo"
+        if cuda:
+            torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        return cls(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def device_for(self, chosen: torch.device) -> torch.device:
+        """Each rank computes on its own GPU (cuda:LOCAL_RANK); CPU ranks share the CPU."""
+        return torch.device("cuda", self.local_rank) if chosen.type == "cuda" else chosen
+
+    # -- text and tensors from rank 0 --------------------------------------------------------
+
+    def share_text(self, text: str | None) -> str:
+        """Rank 0's text on every rank (the run's config JSON)."""
+        raw = torch.tensor(list(text.encode()) if self.leader and text is not None else [], dtype=torch.uint8)
+        size = torch.tensor([raw.numel()], dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(size, 0)
+        buf = raw.to(self.comm_device) if self.leader else torch.empty(int(size.item()), dtype=torch.uint8,
+                                                                       device=self.comm_device)  # fmt: skip
+        dist.broadcast(buf, 0)
+        return bytes(buf.cpu().tolist()).decode()
+
+    def share_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Rank 0's values of these tensors (the same ones, in the same order, on every rank)
+        written into every rank's: the parameters at the start, a fragment after a merge."""
+        with torch.no_grad():
+            for t in tensors:
+                if t.device == self.comm_device:
+                    dist.broadcast(t.data, 0)
+                else:  # gloo on CPU with parameters on a GPU, or the other way round
+                    buf = t.detach().to(self.comm_device)
+                    dist.broadcast(buf, 0)
+                    t.data.copy_(buf)
+
+    # -- the step protocol --------------------------------------------------------------------
+
+    def send_op(self, op: int, step: int = 0, arg: int = 0) -> None:
+        dist.broadcast(torch.tensor([op, step, arg], dtype=torch.int64, device=self.comm_device), 0)
+
+    def recv_op(self) -> tuple[int, int, int]:
+        buf = torch.zeros(3, dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(buf, 0)
+        op, step, arg = buf.tolist()
+        return op, step, arg
+
+    def send_batch(self, columns: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+        """Rank 0: the batch to every rank; returns rank 0's own rows of it."""
+        self.send_op(OP_STEP, step)
+        spec = encode_spec(columns)
+        dist.broadcast(torch.tensor([spec.numel()], dtype=torch.int64, device=self.comm_device), 0)
+        dist.broadcast(spec.to(self.comm_device), 0)
+        for t in columns.values():
+            dist.broadcast(t.contiguous().to(self.comm_device), 0)
+        return self.own_rows(columns)
+
+    def recv_batch(self) -> dict[str, torch.Tensor]:
+        """Ranks 1..N-1, after an OP_STEP: the batch rank 0 sent, this rank's rows of it."""
+        size = torch.zeros(1, dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(size, 0)
+        spec = torch.zeros(int(size.item()), dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(spec, 0)
+        columns = {}
+        for name, dtype, shape in decode_spec(spec.cpu()):
+            t = torch.empty(shape, dtype=dtype, device=self.comm_device)
+            dist.broadcast(t, 0)
+            columns[name] = t
+        return self.own_rows(columns)
+
+    def own_rows(self, columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows = next(iter(columns.values())).shape[0]
+        start, end = rows_of(rows, self.rank, self.world)
+        return {name: t[start:end] for name, t in columns.items()}
+
+    def replicas_equal(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Every rank holds the same values of these tensors (each tensor's float64 sum and sum
+        of squares, compared bit for bit across ranks): DDP's averaged gradients and the merges
+        sent by rank 0 must leave the replicas equal, and this is the proof after each merge."""
+        with torch.no_grad():
+            sums = torch.stack(
+                [torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]
+            ).flatten().to(self.comm_device)  # fmt: skip
+        gathered = [torch.empty_like(sums) for _ in range(self.world)]
+        dist.all_gather(gathered, sums)
+        return all(torch.equal(g, gathered[0]) for g in gathered[1:])
+
+    def mean(self, value: float) -> float:
+        """The group's mean of a per-rank number (the loss of each rank's rows)."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm_device)
+        dist.all_reduce(t)
+        return float(t.item()) / self.world
+
+    def stop(self) -> None:
+        """Rank 0: the others exit; then the group is torn down."""
+        self.send_op(OP_STOP)
+        self.close()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def torchrun_argv(python: str, compute_args: list[str], nproc: int) -> list[str]:
+    """The command that makes `diloco compute ARGS --nproc N` an N-rank learner: torchrun on this
+    machine alone (--standalone: its own rendezvous on a free local port), each rank running
+    `python -m cli compute ARGS` without --nproc (a rank must not start torchrun again)."""
+    args, skip = [], False
+    for a in compute_args:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            args.append(a)
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "cli", "compute", *args]  # fmt: skip
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def watch_parent(poll_s: float = 1.0) -> None:
+    """Exit when the torchrun agent that started this rank is gone. torchrun starts its ranks in
+    sessions of their own, so a kill -9 of the agent's process group does not reach them; an
+    orphaned rank 0 would go on as a learner nobody supervises. (Already orphaned: the agent died
+    while this rank started, and init would wait on its store.)"""
+    parent = os.getppid()
+
+    def gone(why: str) -> None:
+        log.error("torchrun agent (pid %d) %s: this rank exits", parent, why)
+        os._exit(1)
+
+    if parent == 1:
+        gone("was gone before this rank started")
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(poll_s)
+        gone("is gone")
+
+    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
+
+
+def wrap_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model as DDP over the group: gradients all-reduced (averaged) at every backward. Its
+    construction also broadcasts rank 0's parameters and buffers, a second guard that the
+    replicas start equal."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+def lead(
+    group: Group, config_json: str, cfg: RunConfig, model: torch.nn.Module, device: torch.device
+) -> torch.nn.Module:
+    """Rank 0, once it holds the run's parameters: the config and every parameter to the other
+    ranks; returns the model to train (DDP over the group)."""
+    if cfg.train.batch_size % group.world:
+        log.warning(
+            "train.batch_size %d does not split evenly over %d ranks: DDP's mean weighs the rows "
+            "of the smaller parts more", cfg.train.batch_size, group.world,
+        )  # fmt: skip
+    group.share_text(config_json)
+    group.share_tensors(model.parameters())
+    return wrap_data_parallel(model, device)
+
+
+def send_fragment(
+    group: Group, fragment: int, names: list[str], params: dict[str, torch.nn.Parameter]
+) -> None:
+    """Rank 0, after writing a merged fragment: the same values on every rank, before the next
+    step; then every parameter compared across the ranks. Raises if they differ."""
+    group.send_op(OP_MERGE, arg=fragment)
+    group.share_tensors(params[n] for n in names)
+    if not group.replicas_equal(params.values()):
+        raise RuntimeError(f"the ranks' replicas differ after the merge of fragment {fragment}")
+
+
+def run_follower(group: Group, device_spec: str | None, threads: int | None) -> int:
+    """Ranks 1..N-1: build the run's model, take rank 0's parameters, then train every batch and
+    write every merge rank 0 sends, until it says stop. Returns the exit code."""
+    from diloco.compute.device import pick_device, set_threads
+    from diloco.compute.inner import inner_step
+    from diloco.fragments import assign_fragments
+    from diloco.model.factory import build_model
+    from diloco.model.optim import make_inner_optimizer
+
+    cfg = RunConfig.from_json(group.share_text(None))
+    device = group.device_for(pick_device(device_spec or cfg.train.device))
+    set_threads(threads if threads is not None else cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, seed=cfg.train.seed).to(device)
+    optimizer = make_inner_optimizer(model, cfg.train)
+    params = dict(model.named_parameters())
+    plan = assign_fragments([(n, p.numel()) for n, p in params.items()], cfg.sync.fragments)
+    group.share_tensors(model.parameters())
+    trained = wrap_data_parallel(model, device)
+    if cfg.train.compile:
+        trained = torch.compile(trained)
+    log.info("rank %d of %d on %s follows rank 0", group.rank, group.world, device)
+    steps = 0
+    while True:
+        op, step, arg = group.recv_op()
+        if op == OP_STEP:
+            columns = group.recv_batch()
+            loss, _ = inner_step(
+                trained, optimizer, columns, step=step, train=cfg.train, device=device,
+                where=f"model.factory {cfg.model.factory}",
+            )  # fmt: skip
+            group.mean(loss)
+            steps += 1
+        elif op == OP_MERGE:
+            group.share_tensors(params[n] for n in plan[arg])
+            group.replicas_equal(params.values())  # rank 0 compares, and stops the group if not
+        elif op == OP_STOP:
+            log.info("rank %d: %d steps; rank 0 says stop", group.rank, steps)
+            return 0
+        else:
+            raise RuntimeError(f"unknown group op {op}")

@@ -1,0 +1,49 @@
+"""A learner process's entry: rank 0 of a learner (or a learner of one process), a follower rank
+of a torchrun group, with the learner's own Prometheus metrics served when asked."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+
+from diloco.compute import group as ranks
+from diloco.compute.learner import Learner
+from diloco.compute.overrides import LocalOverrides
+
+log = logging.getLogger("diloco.learner")
+
+
+def run_learner(
+    address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
+) -> int:
+    group = ranks.Group.from_env()  # under torchrun with N > 1: one rank of an N-rank learner
+    if group is not None and not group.leader:
+        o = overrides or LocalOverrides()
+        return ranks.run_follower(group, o.device, o.threads)
+    if group is not None and overrides is not None and overrides.state_dir:
+        # Its local state would restore rank 0's inner optimizer alone: the replicas would
+        # differ. A restarted group pulls the global model, as a learner without one does.
+        log.warning("--state-dir is not kept by a %d-rank learner: a restart pulls instead", group.world)
+        overrides.state_dir = None
+    learner = Learner(address, overrides, stop, group)
+    port = learner.overrides.metrics_port
+    if port is None:
+        return learner.run()
+    from diloco.observe.worker_metrics import serve_worker_metrics
+
+    def snapshot() -> dict[str, float]:
+        p = learner.progress
+        return {
+            "inner_steps": p.inner_steps, "tokens_trained": p.tokens_trained, "busy_seconds": p.busy_s,
+            "data_stall_seconds": p.stall_s, "sync_wait_seconds": p.sync_wait_s,
+            "inner_loss": 0.0 if math.isnan(p.last_loss) else p.last_loss,
+            "tokens_per_second": p.tokens_per_s(), "mfu": p.mfu(),
+        }  # fmt: skip
+
+    server = serve_worker_metrics("learner", port, "127.0.0.1", snapshot, lambda: learner.client.worker_id)
+    log.info("metrics on http://127.0.0.1:%d/metrics", server.server_port)
+    try:
+        return learner.run()
+    finally:
+        server.shutdown()

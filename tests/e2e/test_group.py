@@ -1,0 +1,110 @@
+"""A learner that is a torchrun group (diloco.compute.group): N gloo ranks on loopback, one learner.
+
+A learner's batch (train.batch_size rows) is split over its ranks, so with the same config it
+trains what a 1-rank learner trains (DDP's averaged gradient over the ranks' parts is the batch's
+gradient), its replicas are compared equal after every merge, and
+the coordinator sees one learner: its wire bytes per token are one learner's. Killed under chaos,
+a group dies whole and comes back as the same learner; the audit holds.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support import ledger_rows, run_cli, wait_for
+
+pytestmark = pytest.mark.e2e
+
+SMALL = ["--set", "data.chunk_bytes=65536", "--set", "model.kwargs.n_layer=1", "--set", "eval.every_s=0"]
+
+
+def group_run(
+    corpus: Path, workdir: Path, *, ranks: int, batch: int, h: int = 10, extra: list[str] = ()
+) -> dict:
+    result = run_cli(
+        ["run", "--dataset", str(corpus), "--learners", "1", "--learner-ranks", str(ranks),
+         "--data-workers", "1", "--inner-steps", str(h), "--seed", "5", "--workdir", str(workdir),
+         "--no-progress", "--http-port", "-1", "--set", f"train.batch_size={batch}", *SMALL, *extra],
+        timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def learner_lines(workdir: Path) -> list[str]:
+    return [
+        line
+        for log in (workdir / "logs").glob("learner-*.log")
+        for line in log.read_text(errors="replace").splitlines()
+    ]
+
+
+@pytest.mark.timeout(420)
+def test_a_two_rank_learner_trains_what_one_rank_trains(small_corpus: Path, tmp_path: Path) -> None:
+    budget = ["--sync", "--tokens", "30000", "--minutes", "2"]
+    two = group_run(small_corpus, tmp_path / "two", ranks=2, batch=4, extra=budget)
+    one = group_run(small_corpus, tmp_path / "one", ranks=1, batch=4, extra=budget)
+    assert two["ranks_per_learner"] == {"learner-0": 2} and one["ranks_per_learner"] == {"learner-0": 1}
+    for key in ("tokens_trained", "tokens_merged", "rounds", "fragment_versions"):
+        assert two[key] == one[key], (key, two[key], one[key])
+    # The same rows in the same order; only the order of float additions differs (DDP's
+    # all-reduce of the two halves' gradients against one backward over the whole batch).
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=2e-3)
+    assert two["eval_loss"] < two["first_loss"]
+    # One learner to the coordinator: rank 1's steps send nothing.
+    assert two["wire_bytes_per_token"] == pytest.approx(one["wire_bytes_per_token"], rel=0.02)
+    done = [line for line in learner_lines(tmp_path / "two") if "learner done" in line]
+    assert done and "ranks=2 replicas equal after" in done[-1], done
+    checks = int(done[-1].split("replicas equal after ")[1].split()[0])
+    assert checks >= two["rounds"] // 2, (checks, two["rounds"])
+    assert any("rank 1 of 2" in line and "follows rank 0" in line for line in learner_lines(tmp_path / "two"))
+
+
+@pytest.mark.timeout(300)
+def test_a_fast_group_beside_a_slow_process_is_never_held_back(small_corpus: Path, tmp_path: Path) -> None:
+    """Heterogeneous learners: a 2-rank learner and a 1-rank one made 3× slower. The token
+    weighting and the quorum take both; the fast one never waits for the slow one."""
+    summary = group_run(
+        small_corpus, tmp_path / "mixed", ranks=2, batch=4, h=20,
+        extra=["--learners", "2", "--learner-ranks", "2,1", "--slow-learner", "3", "--tokens", "60000",
+               "--minutes", "2"],
+    )  # fmt: skip
+    assert summary["ranks_per_learner"] == {"learner-0": 2, "learner-1": 1}
+    assert summary["audit_ok"], summary["audit_violations"]
+    merged = dict(
+        ledger_rows(
+            tmp_path / "mixed", "SELECT worker_id, COUNT(*) FROM pushes WHERE state = 'merged' GROUP BY worker_id"
+        )
+    )
+    assert merged.get("learner-0", 0) > 0 and merged.get("learner-1", 0) > 0, merged
+    fast, slow = (summary["learners_detail"][f"learner-{i}"]["tokens_per_s"] for i in (0, 1))
+    assert fast >= 1.5 * slow, summary["learners_detail"]
+    # Never held back: once it trains, its time goes to inner steps, not to waiting for the
+    # other's pushes (what is left is data and the end of the run).
+    assert summary["utilization_by_learner"]["learner-0"] >= 0.75, summary["utilization_by_learner"]
+
+
+@pytest.mark.timeout(420)
+def test_two_rank_learners_under_chaos_pass_the_audit(small_corpus: Path, tmp_path: Path) -> None:
+    summary = group_run(
+        small_corpus, tmp_path / "chaos", ranks=2, batch=4, h=20,  # learner-1 is 2 ranks too
+        extra=["--learners", "2", "--tokens", "30000", "--minutes", "2", "--chaos-interval", "12",
+               "--chaos-roles", "learner"],
+    )  # fmt: skip
+    assert summary["audit_ok"], summary["audit_violations"]
+    assert sum(summary["kills"].values()) >= 1, summary["kills"]
+    assert summary["tokens_merged"] >= 30000
+    lines = learner_lines(tmp_path / "chaos")
+    assert not any("replicas differ" in line for line in lines)
+    # A group killed whole: no rank outlives its agent as a learner nobody supervises (torchrun
+    # puts its ranks in sessions of their own, out of reach of the agent's kill).
+    wait_for(lambda: not ranks_left(tmp_path), 10, "every rank of the killed groups to exit")
+
+
+def ranks_left(workdir: Path) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", f"cli compute.*{workdir}"], capture_output=True, text=True)
+    return found.stdout.splitlines()

@@ -1,0 +1,109 @@
+"""The torchrun group's protocol (diloco.compute.group): its pure parts, and two real gloo ranks
+on loopback following it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from diloco.compute import group as ranks
+from diloco.compute.group import OP_STEP, OP_STOP, Group, decode_spec, encode_spec, rows_of, torchrun_argv
+
+
+def test_a_batch_spec_travels_as_integers() -> None:
+    columns = {
+        "input_ids": torch.zeros(4, 129, dtype=torch.int64),
+        "pixels": torch.zeros(4, 3, 8, 8, dtype=torch.bfloat16),
+        "mask": torch.zeros(4, dtype=torch.bool),
+        "étiquette": torch.zeros(4, 1, dtype=torch.float32),  # any UTF-8 name
+    }
+    spec = encode_spec(columns)
+    assert spec.dtype == torch.int64
+    assert decode_spec(spec) == [(n, t.dtype, tuple(t.shape)) for n, t in columns.items()]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 16, 17])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_every_row_goes_to_exactly_one_rank(rows: int, world: int) -> None:
+    parts = [rows_of(rows, r, world) for r in range(world)]
+    if rows < world:  # a short last batch: each rank takes it whole (the same mean gradient)
+        assert parts == [(0, rows)] * world
+        return
+    covered = [i for start, end in parts for i in range(start, end)]
+    assert covered == list(range(rows))
+    sizes = [end - start for start, end in parts]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_nproc_starts_torchrun_without_itself() -> None:
+    argv = torchrun_argv("/py", ["--coordinator", "h:1", "--nproc", "4", "--worker-id", "a", "--nproc=4"], 4)
+    assert argv[:5] == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    assert argv[5:] == ["-m", "cli", "compute", "--coordinator", "h:1", "--worker-id", "a"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_ranks(rank: int, port: int, out: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", DILOCO_GROUP_BACKEND="gloo")  # fmt: skip
+    torch.set_num_threads(1)
+    group = Group.from_env()
+    assert group is not None and group.world == 2 and group.rank == rank
+    text = group.share_text('{"run": "é"}' if group.leader else None)
+    weights = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
+    group.share_tensors(weights)  # rank 0's values everywhere
+    batch = {"input_ids": torch.arange(10).view(5, 2), "y": torch.ones(5, dtype=torch.bool)}
+    if group.leader:
+        mine = group.send_batch(batch, step=7)
+        group.send_op(OP_STOP)
+        op = None
+    else:
+        op = group.recv_op()
+        mine = group.recv_batch()
+        stop = group.recv_op()
+        assert stop[0] == OP_STOP
+    out[rank] = {
+        "text": text,
+        "weights": [w.tolist() for w in weights],
+        "rows": mine["input_ids"][:, 0].tolist(),
+        "y": mine["y"].dtype,
+        "op": op,
+        "equal": group.replicas_equal(weights),
+        "mean": group.mean(float(rank + 1)),
+        "differ": group.replicas_equal([torch.tensor([float(rank)])]),
+    }
+    group.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback")
+def test_two_gloo_ranks_follow_rank_0() -> None:
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(two_ranks, args=(free_port(), out), nprocs=2, join=True)
+        zero, one = out[0], out[1]
+    assert zero["text"] == one["text"] == '{"run": "é"}'
+    assert zero["weights"] == one["weights"] == [[0.0] * 3, [[10.0, 10.0], [10.0, 10.0]]]
+    assert (zero["rows"], one["rows"]) == ([0, 2, 4], [6, 8])  # 5 rows: 3 and 2
+    assert one["y"] == torch.bool and one["op"] == (OP_STEP, 7, 0)
+    assert zero["equal"] and one["equal"]
+    assert zero["mean"] == one["mean"] == 1.5
+    assert not zero["differ"] and not one["differ"]
+
+
+def test_a_single_process_is_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert Group.from_env() is None
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ranks.Group.from_env() is None
+    assert not dist.is_initialized()
