@@ -31,6 +31,7 @@ from benchmarks.ddp_baseline import run_ddp  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
 from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
+from diloco.local.summary import ddp_wire_bytes_per_token  # noqa: E402
 
 # The "torchft" arm (torchft's own DiLoCo, a peer baseline) needs the optional torchft package.
 try:
@@ -64,11 +65,12 @@ def run_diloco(
     workers: int,
     workdir: Path,
     max_minutes: float,
+    ranks: int = 1,
 ) -> dict[str, Any]:
     cmd = [
         sys.executable, "-m", "cli", "run", "--config", str(config_path), "--tokens", str(tokens),
         "--minutes", str(max_minutes), "--learners", str(workers), "--data-workers", "2",
-        "--workdir", str(workdir / name), "--name", name, "--no-progress",
+        "--learner-ranks", str(ranks), "--workdir", str(workdir / name), "--name", name, "--no-progress",
         "--set", "eval.every_s=0",  # the evaluator only watches; DDP and torchft have none
         *flags,
     ]  # fmt: skip
@@ -101,7 +103,20 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
         "utilization": None if ddp else r["utilization"],
         "utilization_min_others": None if ddp else r["utilization_min_others"],
         "wire_bytes_per_token": r["wire_bytes"] / max(1, r["tokens_trained"]),
+        # Inside each learner of N ranks: DDP's all-reduce of fp32 gradients every step, on the
+        # node's own links (a ring estimate; none for a learner of one process).
+        "within_learner_bytes_per_token": within_bytes_per_token(r),
     }
+
+
+def within_bytes_per_token(r: dict[str, Any]) -> float:
+    ranks = max((r.get("ranks_per_learner") or {}).values(), default=1)
+    if ranks < 2 or "params" not in r:
+        return 0.0
+    cfg = r["config"]
+    return ddp_wire_bytes_per_token(
+        r["params"], ranks, cfg["train"]["batch_size"] / ranks, cfg["model"]["seq_len"] + 1
+    )
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -109,14 +124,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         return "-" if v is None else f"{v:.1%}"
 
     header = (f"{'arm':<20}{'eval loss':>10}{'tok/s':>9}{'loop tok/s':>11}{'merged/s':>10}{'merged':>8}"
-              f"{'util':>8}{'util min':>9}{'wire B/tok':>12}{'wall s':>8}")  # fmt: skip
+              f"{'util':>8}{'util min':>9}{'wire B/tok':>12}{'within B/tok':>13}{'wall s':>8}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['arm']:<20}{r['eval_loss']:>10.4f}{r['trained_tokens_per_s']:>9.0f}{r['loop_tokens_per_s']:>11.0f}"
               f"{r['merged_tokens_per_s']:>10.0f}"
               f"{pct(r['merged_share']):>8}{pct(r['utilization']):>8}{pct(r['utilization_min_others']):>9}"
-              f"{r['wire_bytes_per_token']:>12.2f}{r['wall_seconds']:>8.1f}")  # fmt: skip
+              f"{r['wire_bytes_per_token']:>12.2f}{r['within_learner_bytes_per_token']:>13.2f}"
+              f"{r['wall_seconds']:>8.1f}")  # fmt: skip
 
 
 def model_overrides(model: str) -> dict[str, Any]:
@@ -135,7 +151,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--tokens", type=int, default=1_500_000, help="token budget per arm (all workers together)"
     )
-    p.add_argument("--workers", type=int, default=4, help="DDP ranks = diloco learners")
+    p.add_argument(
+        "--workers", type=int, default=4, help="DDP ranks = diloco learners (times --learner-ranks)"
+    )
+    p.add_argument(
+        "--learner-ranks", type=int, default=1,
+        help="N: each diloco learner a torchrun group of N ranks, against DDP over workers × N ranks "
+             "(train.batch_size is a learner's rows; DDP's ranks take batch_size / N each)",
+    )  # fmt: skip
     p.add_argument("--dataset", default="stdlib")
     p.add_argument("--inner-steps", type=int, default=50)
     p.add_argument("--slow-factor", type=float, default=3.0, help="the straggler's slowdown in the slow arms")
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "compare.json")
     args = p.parse_args(argv)
 
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    threads = max(1, (os.cpu_count() or 1) // (args.workers * args.learner_ranks))
     cfg = (
         default_run_config()
         .with_overrides(
@@ -186,7 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                     f"== {name}: {args.workers} workers, {args.tokens:,} tokens", file=sys.stderr, flush=True
                 )
                 if arm == "ddp":
-                    results[name] = run_ddp(cfg, workers=args.workers, max_tokens=args.tokens,
+                    ddp_cfg = cfg.with_overrides(
+                        {"train.batch_size": max(1, cfg.train.batch_size // args.learner_ranks)}
+                    )  # the same global batch: M learners of N ranks
+                    results[name] = run_ddp(ddp_cfg, workers=args.workers * args.learner_ranks, max_tokens=args.tokens,
                                             max_seconds=args.max_minutes * 60, eval_batches=EVAL_MAX_BATCHES,
                                             log_every=0, slow_factor=slow)  # fmt: skip
                 elif arm == "torchft":
@@ -197,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     flags = DILOCO_ARMS[arm] + (["--slow-learner", str(slow)] if slow > 1.0 else [])
                     results[name] = run_diloco(name, flags, config_path, args.tokens, args.workers, Path(tmp),
-                                               args.max_minutes)  # fmt: skip
+                                               args.max_minutes, args.learner_ranks)  # fmt: skip
     rows = [row(name, r) for name, r in results.items()]
     print_table(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
