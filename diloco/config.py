@@ -216,8 +216,16 @@ class CoordinatorConfig:
     max_chunk_attempts: int = 3
     # Pushes received at once; more wait (and are told to retry): memory stays bounded.
     max_inflight_pushes: int = 16
+    # A push stream that stalls is cancelled and gives its slot back: silent this long between
+    # two messages, or streaming longer than push_base_s + its declared bytes at push_min_bytes_per_s.
+    push_idle_s: float = 30.0
+    push_base_s: float = 60.0
+    push_min_bytes_per_s: float = float(1 << 20)
     # Checkpoints are written at most this often; merges in between are published together.
     min_publish_interval_s: float = 0.25
+    # Live workers of one role at most: a join beyond is refused. Fake learners that join and
+    # heartbeat would otherwise each shrink every honest round's coverage (and fill the ledger).
+    max_workers_per_role: int = 1024
 
 
 @dataclass

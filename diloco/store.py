@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import threading
 import uuid
 from collections.abc import Iterator
@@ -211,3 +212,20 @@ def list_files(uri: str) -> list[str]:
     else:
         raise StoreError(f"dataset not found: {uri}")
     return sorted(with_protocol(fs, p) for p in found)
+
+
+def uri_under(uri: str, root: str) -> bool:
+    """Whether `uri` names a file strictly under `root` once normalized: the same scheme, no `..`
+    climbing out, nothing but a path after the root. Both sides check the URIs the other names:
+    the coordinator a completed shard's, a worker the shard it is told to write, read or delete."""
+    scheme, _, rest = uri.rpartition("://") if "://" in uri else ("", "", uri)
+    root_scheme, _, root_rest = root.rpartition("://") if "://" in root else ("", "", root)
+    if scheme != root_scheme or "\x00" in rest:
+        return False
+    path, base = posixpath.normpath(rest), posixpath.normpath(root_rest)
+    return path.startswith(base.rstrip("/") + "/") and path == rest.rstrip("/")
+
+
+def shard_root(store_uri: str) -> str:
+    """Where a run's shards live, under its store (data.store)."""
+    return join(store_uri, "shards")

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco import store
 from diloco.client import CoordinatorClient
 from diloco.coordinator.leases import subtract
 from diloco.data.cache import ShardCache, read_shard_via
@@ -213,6 +214,10 @@ class ShardPrefetcher:
             self._held.add(lease.shard_id)
             self._leases += 1
             number = self._live[lease.shard_id] = self._leases
+        if not self._in_store(lease.uri):
+            log.error("shard %d: %r is outside the run's shard store; not read", lease.shard_id, lease.uri)
+            self.release(lease.shard_id)
+            return None
         try:
             shard = read_shard_via(self.cache, lease.uri, lease.checksum)
         except (ShardCorrupt, StoreError) as e:
@@ -222,6 +227,12 @@ class ShardPrefetcher:
             self.client.report_shard(lease.shard_id, str(e))
             return None
         return lease, number, shard
+
+    def _in_store(self, uri: str) -> bool:
+        """A shard URI the coordinator names lies under the run's store (it could name any file
+        this learner can read, and its cache would keep a copy)."""
+        root = self.client.config.data.store if self.client.config else ""
+        return not root or store.uri_under(uri, store.shard_root(root))
 
     # -- stage 2: rows to batches ---------------------------------------------------------------
 

@@ -6,7 +6,6 @@ ledger's sums, a 3 MB worker id made every Status reply exceed the message limit
 from __future__ import annotations
 
 import math
-import posixpath
 import statistics
 from collections.abc import Iterable, Sequence
 
@@ -94,17 +93,6 @@ def norm_outlier(norm_per_h: float, recent: Sequence[float], ratio: float) -> st
             f"last {len(recent)} ({median:.3g}; sync.max_delta_norm_ratio = {ratio:g})"
         )
     return ""
-
-
-def uri_under(uri: str, root: str) -> bool:
-    """Whether `uri` names a file strictly under `root` once normalized: the same scheme, no `..`
-    climbing out, nothing but a path after the root."""
-    scheme, _, rest = uri.rpartition("://") if "://" in uri else ("", "", uri)
-    root_scheme, _, root_rest = root.rpartition("://") if "://" in root else ("", "", root)
-    if scheme != root_scheme or "\x00" in rest:
-        return False
-    path, base = posixpath.normpath(rest), posixpath.normpath(root_rest)
-    return path.startswith(base.rstrip("/") + "/") and path == rest.rstrip("/")
 
 
 def cut_text(text: str, limit: int = MAX_TEXT_BYTES) -> str:

@@ -224,7 +224,10 @@ def start_coordinator(
         ledger.close()
         raise
     root = store_root(config, workdir)
-    shard_root = store.join(root, "shards")
+    # Workers are told the store's root with the config, so each can check the shard URIs it is
+    # given against it (diloco.store.uri_under), as the coordinator checks theirs.
+    config = config.with_overrides({"data.store": root})
+    shard_root = store.shard_root(root)
     checkpoint_root = store.join(root, "checkpoints")
     for uri in (shard_root, checkpoint_root):
         store.makedirs(uri)

@@ -90,6 +90,13 @@ class DataWorker:
             ),
             split=lease.split,
         )
+        root = self.client.config.data.store if self.client.config else ""
+        if root and not store.uri_under(lease.shard_uri, store.shard_root(root)):
+            # Written, and on a refused completion deleted: a path outside the store is refused.
+            log.error("chunk %d: shard %r is outside the run's shard store", lease.chunk_id, lease.shard_uri)
+            self.client.fail_chunk(lease.chunk_id, "shard URI outside the run's shard store")
+            self.current_chunk = None
+            return
         try:
             made = maker.make(chunk, lease.shard_uri)
         except Exception as e:  # any failure of this chunk is reported, never fatal to the worker

@@ -70,6 +70,14 @@ def _expected_body(codec: str, numel: int) -> int:
     }[codec]
 
 
+def max_blob_bytes(codec: str, numel: int) -> int:
+    """The most bytes a blob of `numel` values in `codec` can take: zstd's worst case for its
+    exact raw size (incompressible input grows by a frame header and ~1/256; ZSTD_COMPRESSBOUND).
+    A push that declares more is refused before a byte of it is buffered."""
+    raw = _HEAD.size + _expected_body(codec, numel)
+    return raw + (raw >> 8) + 64 + (((128 << 10) - raw) >> 11 if raw < (128 << 10) else 0)
+
+
 def decode(blob: bytes, codec: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The fp32 tensor of `shape` a blob of `codec` holds, or CodecError."""
     numel = 1

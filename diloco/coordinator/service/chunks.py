@@ -66,7 +66,7 @@ class ChunkRPCs(ServiceBase):
         self._require_worker(request.worker_id, context)
         if not request.completion_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion_id is required")
-        if not limits.uri_under(request.shard_uri, self.shard_root):
+        if not store.uri_under(request.shard_uri, self.shard_root):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"shard {limits.cut_text(request.shard_uri, 300)!r} is outside the shard store",

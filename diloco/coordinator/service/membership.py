@@ -29,6 +29,15 @@ class MembershipRPCs(ServiceBase):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        cap = self.config.coordinator.max_workers_per_role
+        if (
+            not self.ledger.known_worker(worker_id)
+            and len(self.ledger.live_workers(role, self.config.coordinator.lease_ttl_s)) >= cap
+        ):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{cap} live {role} workers already (coordinator.max_workers_per_role): join refused",
+            )
         self.ledger.join(worker_id, role, request.host or "?")
         self._roles[worker_id] = role
         log.info(

@@ -20,6 +20,7 @@ from diloco.coordinator.service.state import (
     moving_average,
     stream_header,
 )
+from diloco.coordinator.stream_watch import StreamLimits, StreamWatch
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 from diloco.wire.codecs import CodecError
@@ -36,8 +37,17 @@ class PushRPCs(ServiceBase):
             self.ledger.bump("pushes_deferred")
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pushes in flight; retry shortly")
         started = time.monotonic()
+        c = self.config.coordinator
+        limits_ = StreamLimits(c.push_idle_s, c.push_base_s, c.push_min_bytes_per_s)
+
+        def cancel(reason: str) -> None:
+            log.warning("push stream stalled, cancelled: %s", reason)
+            self.metrics.refused("stalled stream")
+            context.cancel()  # the handler's next read raises; its slot is released below
+
         try:
-            reply = self._push_delta(request_iterator, context)
+            with StreamWatch(limits_, cancel) as watch:
+                reply = self._push_delta(watch.messages(request_iterator), context, watch)
         finally:
             self._push_slots.release()
         self.metrics.push_seconds.observe(time.monotonic() - started)
@@ -46,11 +56,15 @@ class PushRPCs(ServiceBase):
         return reply
 
     def _push_delta(
-        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+        self,
+        request_iterator: Iterator[pb.TensorStreamMessage],
+        context: grpc.ServicerContext,
+        watch: StreamWatch,
     ) -> pb.PushReply:
         self.wire.call("push")  # its messages are counted as gRPC reads them (CountRequestStreams)
         first, messages = stream_header(request_iterator, context, "push stream must start with a header")
         header = first.header
+        watch.declared_bytes = sum(math.prod(s.shape) * 4 for s in header.tensors)  # fp32 at most
         self._require_worker(header.worker_id, context)
         if not header.push_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push_id is required")
@@ -166,6 +180,12 @@ class PushRPCs(ServiceBase):
                 s.dtype != "uint8" or len(s.shape) != 1 for s in blobs.values()
             ):
                 raise WireError(f"a {codec} push carries one 1-D uint8 blob per tensor of the fragment")
+            for n, s in blobs.items():  # bounded by what its tensor's shape allows, before any piece
+                limit = codecs.max_blob_bytes(codec, math.prod(self.specs[n].shape))
+                if s.shape[0] > limit:
+                    raise WireError(
+                        f"{n}: a {codec} blob of {s.shape[0]} bytes; {limit} at most for its shape"
+                    )
         # fp32 values are checked for NaN/inf piece by piece; decoded codecs check their own output.
         asm = TensorAssembler(header, self.config.coordinator.max_push_bytes, expected, finite=True)
         for msg in messages:

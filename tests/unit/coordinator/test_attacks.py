@@ -5,6 +5,7 @@ and changes nothing."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from diloco import store
 from diloco.client import CoordinatorClient
 from diloco.coordinator import limits
 from diloco.v1 import coordinator_pb2 as pb
@@ -127,13 +129,13 @@ def test_oversized_ids_and_impossible_counters_are_refused(tiny_corpus: Path, tm
 
 
 def test_uris_are_normalized_before_the_root_check() -> None:
-    assert limits.uri_under("/r/shards/1.shard", "/r/shards")
-    assert limits.uri_under("s3://b/run/shards/a/1.shard", "s3://b/run/shards/")
-    assert not limits.uri_under("/r/shards/../state/ledger.sqlite", "/r/shards")
-    assert not limits.uri_under("/r/shards", "/r/shards")
-    assert not limits.uri_under("/r/shardsX/1", "/r/shards")
-    assert not limits.uri_under("file:///r/shards/1", "/r/shards")
-    assert not limits.uri_under("/r/shards//1", "/r/shards")  # not in normal form
+    assert store.uri_under("/r/shards/1.shard", "/r/shards")
+    assert store.uri_under("s3://b/run/shards/a/1.shard", "s3://b/run/shards/")
+    assert not store.uri_under("/r/shards/../state/ledger.sqlite", "/r/shards")
+    assert not store.uri_under("/r/shards", "/r/shards")
+    assert not store.uri_under("/r/shardsX/1", "/r/shards")
+    assert not store.uri_under("file:///r/shards/1", "/r/shards")
+    assert not store.uri_under("/r/shards//1", "/r/shards")  # not in normal form
 
 
 def test_push_claims_are_bounded_by_what_its_steps_can_hold() -> None:
@@ -148,3 +150,98 @@ def test_push_claims_are_bounded_by_what_its_steps_can_hold() -> None:
     assert "mean_loss" in limits.push_problem(
         pb.TensorHeader(inner_steps=1, tokens=1, mean_loss=math.inf), cfg
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_blob_larger_than_its_shape_allows_is_refused_before_it_streams(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    with tiny_coordinator(tiny_corpus, tmp_path, {"sync.codec": "int8"}) as (running, learner, init):
+        header = delta_header(learner, "int8", "big-blob")
+        header.worker_id = learner.worker_id
+        for name in running.service.fragments[0].names:  # 1.9 GiB declared, nothing sent after
+            header.tensors.add(name=name, dtype="uint8", shape=[19 << 27])
+        details = refused(
+            lambda: learner.stub.PushDelta(iter([pb.TensorStreamMessage(header=header)]), timeout=20)
+        )
+        assert "at most for its shape" in details, details
+        assert (
+            running.ledger.push_state("big-blob") is None
+            or running.ledger.push_state("big-blob")["state"] != "merged"
+        )
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("numel", [1, 63, 64, 1000, 100_003])
+def test_every_real_blob_fits_the_bound_of_its_shape(codec: str, numel: int) -> None:
+    from diloco.wire import codecs
+
+    for values in (torch.randn(numel), torch.zeros(numel), torch.rand(numel) * 1e30):
+        assert len(codecs.encode(values, codec)) <= codecs.max_blob_bytes(codec, numel)
+
+
+@pytest.mark.timeout(120)
+def test_joins_beyond_the_cap_of_live_workers_are_refused(tiny_corpus: Path, tmp_path: Path) -> None:
+    with tiny_coordinator(tiny_corpus, tmp_path, {"coordinator.max_workers_per_role": 2}) as (
+        running,
+        first,
+        _,
+    ):
+        address = f"127.0.0.1:{running.port}"
+        second = CoordinatorClient(address, pb.ROLE_COMPUTE, worker_id="learner-two")
+        third = CoordinatorClient(address, pb.ROLE_COMPUTE, worker_id="learner-three")
+        try:
+            second.join()
+            request = pb.JoinRequest(role=pb.ROLE_COMPUTE, host="h", worker_id="learner-three")
+            with pytest.raises(grpc.RpcError) as caught:
+                third.stub.Join(request, timeout=10)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_workers_per_role" in caught.value.details()
+            second.join()  # one already in may join again (a retry, a restart under its id)
+            # Other roles have their own cap.
+            CoordinatorClient(address, pb.ROLE_DATA, worker_id="data-x").join()
+        finally:
+            second.close()
+            third.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_push_that_sends_its_header_and_stalls_gives_its_slot_back(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    overrides = {"coordinator.max_inflight_pushes": 1, "coordinator.push_idle_s": 2.0}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
+        release = threading.Event()
+        header = delta_header(learner, "fp32", "stalls")
+        header.worker_id = learner.worker_id
+        for name, t in init.items():  # a whole fragment's tensors declared, none of them sent
+            header.tensors.add(name=name, dtype="float32", shape=list(t.shape))
+
+        def header_then_nothing():
+            yield pb.TensorStreamMessage(header=header)
+            release.wait(30)  # holds the only push slot, sending nothing
+
+        outcome: list[tuple[grpc.StatusCode, str]] = []
+
+        def stalled_push() -> None:
+            try:
+                learner.stub.PushDelta(header_then_nothing(), timeout=30)
+            except grpc.RpcError as e:
+                outcome.append((e.code(), e.details()))
+
+        thread = threading.Thread(target=stalled_push)
+        thread.start()
+        try:
+            time.sleep(0.3)
+            honest = delta_header(learner, "fp32", "honest")
+            deltas = {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}
+            with pytest.raises(grpc.RpcError) as waited:  # the stalled push holds the only slot...
+                learner.push(honest, deltas, timeout_s=0.5, retry_for_s=0)
+            assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, waited.value
+            # ...until it has been silent for push_idle_s: then it is cancelled and the slot is free.
+            assert learner.push(honest, deltas).accepted
+            thread.join(10)
+            assert [code for code, _ in outcome] == [grpc.StatusCode.CANCELLED], outcome
+        finally:
+            release.set()
+            thread.join(10)

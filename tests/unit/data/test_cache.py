@@ -184,6 +184,8 @@ def test_stale_temporary_files_of_a_dead_writer_are_removed(tmp_path: Path) -> N
 class FakeCoordinator:
     """LeaseShard from a fixed list of shards, then done; records every call."""
 
+    config = None  # no join: the prefetcher has no store root to check shard URIs against
+
     def __init__(self, shards: list[tuple[str, str, np.ndarray]], done_when_empty: bool = True):
         self.shards = list(enumerate(shards, start=1))
         self.done_when_empty = done_when_empty  # else: "retry later", as while others still train
