@@ -144,6 +144,7 @@ def summarize(
         "total_seconds": round(total_seconds, 2),
         "pushes_refused": d.get("pushes_refused", 0),
         "record_stats": d.get("record_stats", {}),
+        "transfers": d.get("transfers", {}),
     }
     trained = max(1, summary["tokens_trained"])
     summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained

@@ -53,6 +53,27 @@ class CoordinatorMetrics:
         )  # fmt: skip
         self.registry.register(StatusCollector(detail, workdir))
 
+    def transfers(self) -> dict[str, float]:
+        """Mean seconds and bytes of one push and of one learner pull so far, from the histograms:
+        what the wire costs per fragment, for status and the summary (and a sync-time model to
+        be checked against)."""
+        out: dict[str, float] = {}
+        for name, histogram, labels in (
+            ("push", self.push_seconds, {}), ("push_bytes", self.push_bytes, {}),
+            ("pull", self.pull_seconds, {"role": "compute"}), ("pull_bytes", self.pull_bytes, {"role": "compute"}),
+        ):  # fmt: skip
+            total = count = 0.0
+            for metric in histogram.collect():
+                for sample in metric.samples:
+                    if all(sample.labels.get(k) == v for k, v in labels.items()):
+                        total += sample.value if sample.name.endswith("_sum") else 0.0
+                        count += sample.value if sample.name.endswith("_count") else 0.0
+            key = f"{name}_mean" if name.endswith("bytes") else f"{name}_seconds_mean"
+            out[key] = round(total / count, 6) if count else 0.0
+            if not name.endswith("bytes"):
+                out[f"{name}es" if name == "push" else f"{name}s"] = int(count)
+        return out
+
     def refused(self, reason: str) -> None:
         # The reason's first words: a label, not a message (versions and numbers left out).
         self.pushes_refused.labels(reason=reason_label(reason)).inc()

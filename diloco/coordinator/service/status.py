@@ -109,6 +109,8 @@ class StatusRPCs(ServiceBase):
             "uptime_s": round(now - self.started_at, 3),
             "security": self.security_mode,
             "calls_refused": int(counters.get("calls_refused", 0)),
+            # One push and one learner pull on the wire, on average (this coordinator's life).
+            "transfers": self.metrics.transfers(),
             # The held-out loss of published models over the run (the evaluator's reports).
             "evals": self.ledger.evals(last=STATUS_EVALS),
             "eval_split": self.ledger.eval_split(),

@@ -69,3 +69,17 @@ def test_a_learner_serves_its_own_metrics_over_http() -> None:
     got = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["diloco_learner_inner_steps_total"] == ({"worker": "learner-3"}, 7)
     assert got["diloco_learner_inner_loss"][1] == 2.5 and got["diloco_learner_busy_seconds_total"][1] == 0
+
+
+def test_transfers_are_the_means_of_one_push_and_one_learner_pull() -> None:
+    metrics = CoordinatorMetrics(lambda: {})
+    assert metrics.transfers()["push_seconds_mean"] == 0.0  # none yet: no division by zero
+    for seconds, size in ((1.0, 100), (3.0, 300)):
+        metrics.push_seconds.observe(seconds)
+        metrics.push_bytes.observe(size)
+    metrics.pull_seconds.labels(role="compute").observe(2.0)
+    metrics.pull_bytes.labels(role="compute").observe(400)
+    metrics.pull_seconds.labels(role="evaluator").observe(50.0)  # not a learner's: left out
+    t = metrics.transfers()
+    assert (t["push_seconds_mean"], t["push_bytes_mean"], t["pushes"]) == (2.0, 200.0, 2)
+    assert (t["pull_seconds_mean"], t["pull_bytes_mean"], t["pulls"]) == (2.0, 400.0, 1)

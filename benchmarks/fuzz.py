@@ -1,0 +1,69 @@
+"""The coordinator fuzzed at length: random sequences of valid and malformed calls from several
+identities against a real coordinator (diloco.testing.fuzz), counted.
+
+    python benchmarks/fuzz.py --examples 500 --steps 25      # about 12,500 calls
+
+Prints the calls by kind, the refusals, and pushes accepted and refused. The invariants are
+checked after every call; the first that fails (a handler answering anything but a result or a
+refusal, a refused push merged, a non-finite parameter) stops the run with the call sequence that
+broke it. The ledger's audit runs at the end. Writes benchmarks/results/fuzz.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
+
+from diloco.testing.fuzz import Tally, audit_ok, fuzz_overrides, make_machine  # noqa: E402
+from tests.support import copy_corpus, tiny_coordinator  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--examples", type=int, default=500)
+    p.add_argument("--steps", type=int, default=25, help="calls per example (each checked after)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fuzz.json")
+    args = p.parse_args()
+    tally = Tally()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="diloco-fuzz-") as tmp:
+        (Path(tmp) / "corpus").mkdir()
+        corpus = copy_corpus(Path(tmp) / "corpus", 300_000)
+        workdir = Path(tmp) / "coordinator"
+        with tiny_coordinator(corpus, workdir, fuzz_overrides()) as (running, _, init):
+            machine = make_machine(running, init, tally)
+            run_state_machine_as_test(
+                machine,
+                settings=settings(
+                    max_examples=args.examples,
+                    stateful_step_count=args.steps,
+                    deadline=None,
+                    database=None,
+                    suppress_health_check=list(HealthCheck),
+                ),  # fmt: skip
+            )
+        violations = audit_ok(workdir)
+    # Reaching here means no crash: the first one stops the run with its failing call sequence.
+    result = {**asdict(tally), "audit_violations": violations,
+              "seconds": round(time.monotonic() - started, 1), "examples": args.examples, "steps": args.steps}  # fmt: skip
+    print(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if violations:
+        raise SystemExit("audit failed")
+
+
+if __name__ == "__main__":
+    main()
