@@ -28,17 +28,6 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def _trace(path: Path) -> tuple[tuple[float, ...], tuple[int, ...] | None]:
-    """A measured failure trace: one failure a line, `SECONDS [UNIT]` (# starts a comment)."""
-    times, units = [], []
-    for line in path.read_text().splitlines():
-        fields = line.split("#", 1)[0].split()
-        if fields:
-            times.append(float(fields[0]))
-            units.append(int(fields[1]) if len(fields) > 1 else -1)
-    return tuple(times), (tuple(units) if units and min(units) >= 0 else None)
-
-
 @clear_errors
 def simulate(
     chips: Annotated[str, typer.Option(help="chip counts, comma-separated")] = PAPER_CHIPS,
@@ -111,9 +100,10 @@ def simulate(
     from diloco.simulate import config as c
     from diloco.simulate import report, sweep
     from diloco.simulate.costs import parse_bandwidth, parse_duration
+    from diloco.simulate.failures import read_trace
 
     try:
-        failure_trace, trace_units = _trace(trace) if trace else (None, None)
+        failure_trace, trace_units = read_trace(trace) if trace else (None, None)
         base = c.SimConfig(
             hours=hours, seed=seed, slice_chips=slice_chips, step_s=step_s, dp_exposed_comm_s=dp_exposed_comm_s,
             failure=c.FailureConfig(mtbi_years=mtbi_years, weibull_shape=weibull_shape, trace=failure_trace,

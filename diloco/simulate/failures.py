@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -116,3 +117,14 @@ class SparePool:
             return now
         # No spare: wait for the earliest repair in progress (this slice's own, if no other).
         return self._returns.pop(0)
+
+
+def read_trace(path: Path) -> tuple[tuple[float, ...], tuple[int, ...] | None]:
+    """A measured failure trace: one failure a line, `SECONDS [UNIT]` (# starts a comment)."""
+    times, units = [], []
+    for line in path.read_text().splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            times.append(float(fields[0]))
+            units.append(int(fields[1]) if len(fields) > 1 else -1)
+    return tuple(times), (tuple(units) if units and min(units) >= 0 else None)

@@ -199,7 +199,9 @@ def make_machine(running: Any, init: dict[str, torch.Tensor], tally: Tally) -> t
 
 
 def fuzz_overrides() -> dict[str, object]:
-    """A coordinator that merges each accepted push at once and lets the outlier check act early."""
+    """The coordinator the fuzzer drives: a short staleness bound (stale pushes are refused
+    early), data for many epochs (shards to lease for the whole run), leases that outlive its
+    pauses between calls."""
     return {"sync.max_staleness": 4, "data.epochs": 50, "coordinator.lease_ttl_s": 30.0}
 
 
