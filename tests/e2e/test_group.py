@@ -77,7 +77,7 @@ def test_a_fast_group_beside_a_slow_process_is_never_held_back(small_corpus: Pat
     weighting and the quorum take both; the fast one never waits for the slow one."""
     summary = group_run(
         small_corpus, tmp_path / "mixed", ranks=2, batch=4, h=20,
-        extra=["--learners", "2", "--learner-ranks", "2,1", "--slow-learner", "3", "--tokens", "60000",
+        extra=["--learners", "2", "--learner-ranks", "2,1", "--slow-learner", "3", "--tokens", "240000",
                "--minutes", "2"],
     )  # fmt: skip
     assert summary["ranks_per_learner"] == {"learner-0": 2, "learner-1": 1}
