@@ -11,15 +11,28 @@ audit result, and the final eval loss next to the fault-free run's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def keep_or_temp(keep: Path | None, prefix: str) -> Iterator[str]:
+    """Where a benchmark's runs go: `keep` (left for reading afterwards), else a temp folder."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield str(keep)
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield tmp
 
 
 def diloco_run(
@@ -85,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         help="several pairs: SEED:INTERVAL[:ROLES],... (ROLES as --chaos-roles, '+'-separated; default all)",
     )
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--keep", type=Path, default=None, help="keep the runs' workdirs under this folder")
     p.add_argument("--max-minutes", type=float, default=60.0, help="safety bound per run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
@@ -98,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     timeout = args.max_minutes * 60 + 600
     rows, runs = [], []
     calms: dict[int, dict[str, Any]] = {}
-    with tempfile.TemporaryDirectory(prefix="diloco_chaos_") as tmp:
+    with keep_or_temp(args.keep, "diloco_chaos_") as tmp:
         for i, (seed, interval, roles) in enumerate(pairs):
             common = ["--tokens", str(args.tokens), "--minutes", str(args.max_minutes),
                       "--learners", str(args.learners), "--seed", str(seed)]  # fmt: skip

@@ -24,14 +24,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.chaos import diloco_run  # noqa: E402
+from benchmarks.chaos import diloco_run, keep_or_temp  # noqa: E402
 from benchmarks.goodput import restarts  # noqa: E402
 from diloco.simulate import simulate  # noqa: E402
 from diloco.simulate.calibrate import read_calibration, replay_config  # noqa: E402
@@ -89,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, default=50, help="Poisson replays per arm")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--keep", type=Path, default=None, help="keep the runs' workdirs under this folder")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "simulate_check.json")
     args = p.parse_args(argv)
     names = [a for a in args.arms.split(",") if a]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"unknown arm(s) {', '.join(unknown)}")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="diloco_simcheck_") as tmp:
+    with keep_or_temp(args.keep, "diloco_simcheck_") as tmp:
         for name in names:
             learners, per_learner_s, coordinator = ARMS[name]
             extra, _ = chaos_args(learners, per_learner_s, coordinator)

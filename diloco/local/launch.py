@@ -124,6 +124,9 @@ class LocalRun:
         self.config = cfg.with_overrides({"name": self.name}).validate()
         self.certificates: dict[str, TlsFiles] = {}  # made at start when options.tls
         self.kills: dict[str, int] = {}
+        # Every kill as it happened (wall clock, process, role): what a merge or a calibration is
+        # lined up against afterwards.
+        self.kill_log: list[dict[str, Any]] = []
         self.group = ProcessGroup(
             self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
         )
@@ -269,6 +272,8 @@ class LocalRun:
                 started_at=started_at,
             ),  # fmt: skip
             kills=self.kills,
+            kill_log=self.kill_log,
+            started_at=round(started_at, 3),  # wall clock, as kill_log's times
             # Where the machine's time went: learners' arithmetic, or the parts around it.
             cpu_seconds_by_role=self.group.cpu_seconds_by_role(),
         )
@@ -370,6 +375,7 @@ class LocalRun:
         name = chaos.pick([c.name for c in alive if c.role == role])
         victim = next(c for c in alive if c.name == name)
         self.group.signal(victim, signal.SIGKILL)
+        self.kill_log.append({"at": round(time.time(), 3), "process": victim.name, "role": role})
         self.group.wait([victim], timeout_s=10)  # reaped by wait4, so its CPU time is counted
         self.kills[role] = self.kills.get(role, 0) + 1
         self.group.respawn(victim)

@@ -41,9 +41,15 @@ from diloco.simulate.costs import CODEC_BITS
 
 _STAMP = r"^(\S+ \S+) "
 _DONE = re.compile(_STAMP + r".*learner done \(.*\): steps=(\d+) .*busy=([\d.]+)s wall=([\d.]+)s")
-_RESUME = re.compile(_STAMP + r".*local state: resuming at step \d+ from state ([\d.]+)s old")
+_RESUME = re.compile(_STAMP + r".*local state: resuming at step (\d+) from state ([\d.]+)s old")
 _MERGE = re.compile(r"merge fragment=\d+ .* in ([\d.]+)s")
 _PID = re.compile(_STAMP + r"\S+ coordinator\[(\d+)\]")
+
+
+def _unit(name: str) -> int:
+    """learner-3 (a process or its log's name) -> 3."""
+    tail = name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else 0
 
 
 def _at(stamp: str) -> float:
@@ -103,6 +109,7 @@ class _Life:
     steps: int = 0
     resume_age_s: float | None = None
     resume_at: float | None = None
+    resumed_steps: int = 0  # where a resumed life began: its done line counts steps from 0, busy from here
 
 
 def _lives(log: Path, unit: int) -> list[_Life]:
@@ -111,13 +118,13 @@ def _lives(log: Path, unit: int) -> list[_Life]:
     resumes, dones = [], []
     for line in text.splitlines():
         if m := _RESUME.match(line):
-            resumes.append((_at(m.group(1)), float(m.group(2))))
+            resumes.append((_at(m.group(1)), int(m.group(2)), float(m.group(3))))
         elif m := _DONE.match(line):
             dones.append((_at(m.group(1)), int(m.group(2)), float(m.group(3))))
     for life in lives:  # a resume line is logged during the start-up it belongs to
-        for at, age in resumes:
+        for at, step, age in resumes:
             if life.first_step_at - life.phases.get("total", 0.0) - 1e-3 <= at <= life.first_step_at:
-                life.resume_at, life.resume_age_s = at, age
+                life.resume_at, life.resume_age_s, life.resumed_steps = at, age, step
     for at, steps, busy in dones:
         owner = [life for life in lives if life.first_step_at <= at]
         if owner:
@@ -168,14 +175,18 @@ def read_calibration(run_dir: str | Path) -> Calibration:
     train, sync = cfg.get("train", {}), cfg.get("sync", {})
     lives: list[_Life] = []
     for log in sorted((run / "logs").glob("learner-*.log")):
-        tail = log.stem.rsplit("-", 1)[-1]
-        lives += _lives(log, int(tail) if tail.isdigit() else 0)
+        lives += _lives(log, _unit(log.stem))
     firsts: dict[int, _Life] = {}
     for life in lives:
         if life.unit not in firsts or life.first_step_at < firsts[life.unit].first_step_at:
             firsts[life.unit] = life
     job_startup = float(s.get("job_startup_seconds", 0.0))
-    started_at = statistics.fmean(f.first_step_at for f in firsts.values()) - job_startup if firsts else 0.0
+    if "started_at" in s:  # the supervisor's wall clock at the job's start
+        started_at = float(s["started_at"])
+    else:  # an older summary: the mean first step, less the job's start-up
+        started_at = (
+            statistics.fmean(f.first_step_at for f in firsts.values()) - job_startup if firsts else 0.0
+        )
     wall = float(s.get("wall_seconds", 0.0))
     restarts = [life for life in lives if firsts.get(life.unit) is not life]
     kill_at = {id(life): life.first_step_at - life.phases.get("total", 0.0) - started_at for life in restarts}
@@ -187,15 +198,24 @@ def read_calibration(run_dir: str | Path) -> Calibration:
     ended = [life for life in lives if life.done_at is not None]
     stepping = sum(life.done_at - life.first_step_at for life in ended)  # type: ignore[operator]
     busy = sum(life.busy_s for life in ended)
-    steps = sum(life.steps for life in ended)
+    steps = sum(life.steps - life.resumed_steps for life in ended)  # this life's steps, as busy is
     coord_kills, coord_restarts, merges = _coordinator(run, started_at)
+    order = sorted(restarts, key=lambda life: kill_at[id(life)])
+    kill_times = [kill_at[id(life)] for life in order]
+    kill_units = [life.unit for life in order]
+    if "kill_log" in s and "started_at" in s:
+        # The supervisor's own record (a kill during a life's start-up leaves no start-up line to
+        # infer it from): learner kills by unit, coordinator kills, from the job's start.
+        logged = [(k["at"] - s["started_at"], k["role"], k["process"]) for k in s["kill_log"]]
+        learner_kills = sorted((t, _unit(p)) for t, role, p in logged if role == "learner")
+        kill_times, kill_units = [t for t, _ in learner_kills], [u for _, u in learner_kills]
+        coord_kills = sorted(t for t, role, _ in logged if role == "coordinator")
     by_rpc = s.get("wire_bytes_by_rpc", {})
     push, pull = by_rpc.get("push", {}), by_rpc.get("pull", {})
     push_bytes = push.get("received", 0) / max(1, push.get("calls", 0))
     pull_bytes = pull.get("sent", 0) / max(1, pull.get("calls", 0))
     params = int(s.get("params", 0))
     fragments = int(sync.get("fragments", 1))
-    order = sorted(restarts, key=lambda life: kill_at[id(life)])
     phases = {p: statistics.fmean(v) for p in (*PHASES, "total")
               if (v := [life.phases[p] for life in restarts if p in life.phases])}  # fmt: skip
     return Calibration(
@@ -216,8 +236,8 @@ def read_calibration(run_dir: str | Path) -> Calibration:
         pull_s=phases.get("pull", 0.0),
         lost_per_kill_s=statistics.fmean(lost) if lost else 0.0,
         state_every_s=float(train.get("local_state_every_s", 0.0)),
-        kill_times=tuple(round(kill_at[id(life)], 3) for life in order),
-        kill_units=tuple(life.unit for life in order),
+        kill_times=tuple(round(t, 3) for t in kill_times),
+        kill_units=tuple(kill_units),
         coordinator_kills=tuple(round(t, 3) for t in coord_kills),
         coordinator_restart_s=statistics.fmean(coord_restarts) if coord_restarts else 0.0,
         params=params,

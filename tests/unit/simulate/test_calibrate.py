@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from diloco.simulate import SimConfig, simulate
 from diloco.simulate.calibrate import read_calibration, replay_config, scaled_config
+from tests.unit.simulate.conftest import T0
 
 
 def test_the_run_dir_gives_restarts_kills_losses_and_wire_costs(run_dir: Path) -> None:
@@ -21,12 +23,32 @@ def test_the_run_dir_gives_restarts_kills_losses_and_wire_costs(run_dir: Path) -
     assert cal.restart_total_s == pytest.approx(2.0) and cal.pull_s == pytest.approx(0.2)
     assert cal.lost_per_kill_s == pytest.approx(1.0, abs=0.01)  # 1.5 s old, resumed 0.5 s after the kill
     assert cal.step_efficiency == pytest.approx((54 + 87) / (55 + 88), abs=1e-3)
-    assert cal.step_s == pytest.approx((54 + 87) / 500)
+    # learner-0's last life resumed at step 100: its done line's 200 steps count from 0, its busy
+    # time from the resume.
+    assert cal.step_s == pytest.approx((54 + 87) / (100 + 300))
     assert cal.coordinator_kills == pytest.approx((60.0,), abs=0.01)
     assert cal.coordinator_restart_s == pytest.approx(2.5, abs=0.01)  # its metrics.jsonl start event
     assert cal.merge_s == pytest.approx(0.02)
     assert cal.bits_per_param == pytest.approx(2000 * 8 / 500)
     assert (cal.fragments, cal.inner_steps, cal.codec) == (2, 50, "fp32")
+
+
+def test_the_supervisors_kill_log_gives_kills_no_log_line_shows(run_dir: Path) -> None:
+    """A kill during a life's start-up leaves no start-up line: the summary's kill_log (what
+    `diloco run` records) is the kill times' source when it is there."""
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["started_at"] = T0
+    summary["kill_log"] = [
+        {"at": T0 + 5.0, "process": "learner-1", "role": "learner"},  # before its first step
+        {"at": T0 + 41.0, "process": "learner-0", "role": "learner"},
+        {"at": T0 + 60.0, "process": "coordinator", "role": "coordinator"},
+    ]
+    summary_path.write_text(json.dumps(summary))
+    cal = read_calibration(run_dir)
+    assert cal.kill_times == pytest.approx((5.0, 41.0)) and cal.kill_units == (1, 0)
+    assert cal.coordinator_kills == pytest.approx((60.0,))
+    assert cal.restarts == 1  # the restart phases still come from the lives that logged them
 
 
 def test_the_replay_predicts_the_summarys_goodput_by_hand(run_dir: Path) -> None:
