@@ -43,6 +43,7 @@ _STAMP = r"^(\S+ \S+) "
 _DONE = re.compile(_STAMP + r".*learner done \(.*\): steps=(\d+) .*busy=([\d.]+)s wall=([\d.]+)s")
 _RESUME = re.compile(_STAMP + r".*local state: resuming at step (\d+) from state ([\d.]+)s old")
 _MERGE = re.compile(r"merge fragment=\d+ .* in ([\d.]+)s")
+_LEARNER_PID = re.compile(r"\blearner\[(\d+)\]")
 _PID = re.compile(_STAMP + r"\S+ coordinator\[(\d+)\]")
 
 
@@ -113,23 +114,28 @@ class _Life:
 
 
 def _lives(log: Path, unit: int) -> list[_Life]:
-    text = log.read_text(errors="replace")
-    lives = [_Life(unit, s.first_step_at, s.phases) for s in read_startups(text)]
-    resumes, dones = [], []
-    for line in text.splitlines():
-        if m := _RESUME.match(line):
-            resumes.append((_at(m.group(1)), int(m.group(2)), float(m.group(3))))
+    """Every life in one learner's log that took a step, its lines tied to it by the process id.
+
+    By pid, not by time: a learner restarted into a finishing run logs its end without a first
+    step, and that end is its own (busy 0), not the killed life's before it.
+    """
+    lives: dict[str, _Life] = {}
+    resumes: dict[str, tuple[float, int, float]] = {}
+    dones: dict[str, tuple[float, int, float]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        pid = m.group(1) if (m := _LEARNER_PID.search(line)) else ""
+        if startup := read_startups(line):
+            lives[pid] = _Life(unit, startup[0].first_step_at, startup[0].phases)
+        elif m := _RESUME.match(line):
+            resumes[pid] = (_at(m.group(1)), int(m.group(2)), float(m.group(3)))
         elif m := _DONE.match(line):
-            dones.append((_at(m.group(1)), int(m.group(2)), float(m.group(3))))
-    for life in lives:  # a resume line is logged during the start-up it belongs to
-        for at, step, age in resumes:
-            if life.first_step_at - life.phases.get("total", 0.0) - 1e-3 <= at <= life.first_step_at:
-                life.resume_at, life.resume_age_s, life.resumed_steps = at, age, step
-    for at, steps, busy in dones:
-        owner = [life for life in lives if life.first_step_at <= at]
-        if owner:
-            owner[-1].done_at, owner[-1].steps, owner[-1].busy_s = at, steps, busy
-    return lives
+            dones[pid] = (_at(m.group(1)), int(m.group(2)), float(m.group(3)))
+    for pid, life in lives.items():
+        if pid in resumes:
+            life.resume_at, life.resumed_steps, life.resume_age_s = resumes[pid]
+        if pid in dones:
+            life.done_at, life.steps, life.busy_s = dones[pid]
+    return sorted(lives.values(), key=lambda life: life.first_step_at)
 
 
 def _coordinator(run: Path, started_at: float) -> tuple[list[float], list[float], list[float]]:

@@ -9,7 +9,7 @@ import pytest
 
 from diloco.simulate import SimConfig, simulate
 from diloco.simulate.calibrate import read_calibration, replay_config, scaled_config
-from tests.unit.simulate.conftest import T0
+from tests.unit.simulate.conftest import T0, done
 
 
 def test_the_run_dir_gives_restarts_kills_losses_and_wire_costs(run_dir: Path) -> None:
@@ -49,6 +49,17 @@ def test_the_supervisors_kill_log_gives_kills_no_log_line_shows(run_dir: Path) -
     assert cal.kill_times == pytest.approx((5.0, 41.0)) and cal.kill_units == (1, 0)
     assert cal.coordinator_kills == pytest.approx((60.0,))
     assert cal.restarts == 1  # the restart phases still come from the lives that logged them
+
+
+def test_a_life_that_ends_before_its_first_step_keeps_its_end_to_itself(run_dir: Path) -> None:
+    """Killed in the run's wind-down, learner-1 comes back to a finishing run and logs its end
+    with no step taken. That end is its own (matched by pid), not the killed life's before it."""
+    before = read_calibration(run_dir)
+    log = run_dir / "logs" / "learner-1.log"
+    log.write_text(log.read_text() + done(99.0, 14, busy=0.0, wall=0.3, steps=300) + "\n")
+    after = read_calibration(run_dir)
+    assert after.step_efficiency == pytest.approx(before.step_efficiency)
+    assert after.step_s == pytest.approx(before.step_s)
 
 
 def test_the_replay_predicts_the_summarys_goodput_by_hand(run_dir: Path) -> None:
