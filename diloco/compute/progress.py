@@ -13,7 +13,8 @@ from diloco.v1 import coordinator_pb2 as pb
 
 @dataclass
 class Progress:
-    inner_steps: int = 0
+    inner_steps: int = 0  # the learner's step count: a resume restores it from local state
+    life_steps: int = 0  # the steps of this process, the ones busy_s timed
     tokens_trained: int = 0
     last_loss: float = math.nan
     first_loss: float = math.nan
@@ -47,6 +48,7 @@ class Progress:
             self.metric_steps += 1
         self.busy_s += busy_s
         self.inner_steps += 1
+        self.life_steps += 1
         self.tokens_trained += tokens
         self.last_loss = loss
         if math.isnan(self.first_loss):
@@ -60,7 +62,9 @@ class Progress:
         return mfu(self.tokens_per_s(), self.params, self.peak_flops, self.ranks)
 
     def step_time_s(self) -> float:
-        return self.busy_s / max(1, self.inner_steps)
+        # Over this life's steps: after a resume, inner_steps counts the earlier lives' steps too,
+        # and the step time (the syncer's grace window, the catch-up) would come out too short.
+        return self.busy_s / max(1, self.life_steps)
 
     def train_metrics(self) -> dict[str, float]:
         """The metrics' means since the last call (a heartbeat), then start again; the last means

@@ -77,8 +77,14 @@ def decide_close(
     live_learners: Collection[str],
     step_time_s: float = 0.0,
     sync_time_s: float = 0.0,
+    awaited: Collection[str] = (),
+    awaited_until: float = 0.0,
 ) -> CloseDecision:
-    """Whether the open round should merge now."""
+    """Whether the open round should merge now.
+
+    `awaited`: learners whose pushes a coordinator restart dropped, and who will send them again;
+    until `awaited_until` a round that has its quorum still waits for the live ones among them.
+    """
     if not state.arrivals:
         return CloseDecision(False, "no pushes")
     pushed = state.pushed_by()
@@ -88,6 +94,11 @@ def decide_close(
     needed = quorum_needed(policy, len(live))
     if len(pushed) < needed:
         return CloseDecision(False, f"{len(pushed)}/{needed} pushes for quorum")
+    resending = (set(awaited) & live) - pushed
+    if resending and now < awaited_until:
+        return CloseDecision(
+            False, f"waiting for {len(resending)} push(es) the restart dropped", recheck_at=awaited_until
+        )
     first_by_worker: dict[str, Arrival] = {}
     for a in sorted(state.arrivals, key=lambda a: a.arrived_at):
         first_by_worker.setdefault(a.worker_id, a)

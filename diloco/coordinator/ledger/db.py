@@ -156,6 +156,14 @@ class LedgerBase:
             db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('run_id', ?)", (uuid.uuid4().hex,))
             return str(db.execute("SELECT value FROM meta WHERE key = 'run_id'").fetchone()[0])
 
+    def pending_pushers(self) -> dict[int, frozenset[str]]:
+        """Who sent the pushes still pending, by fragment: before `next_epoch`, the pushes a
+        restart is about to drop."""
+        out: dict[int, set[str]] = {}
+        for row in self._q("SELECT DISTINCT fragment, worker_id FROM pushes WHERE state = 'pending'"):
+            out.setdefault(int(row["fragment"]), set()).add(str(row["worker_id"]))
+        return {p: frozenset(workers) for p, workers in out.items()}
+
     def next_epoch(self) -> int:
         """A new coordinator epoch: pushes that were in flight in the last one are gone."""
         with self._tx() as db:

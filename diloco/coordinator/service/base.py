@@ -26,6 +26,10 @@ from diloco.observe.events import RunEvents
 from diloco.observe.prometheus import CoordinatorMetrics
 from diloco.v1 import coordinator_pb2 as pb
 
+# After a restart, how long (in learner heartbeats) a fragment's first round waits for the pushes
+# the restart dropped: a learner sends them again at its first heartbeat to the new epoch.
+RESEND_WAIT_HEARTBEATS = 2.0
+
 # How often the run's rates are sampled as a "progress" event (curves of the page, TensorBoard).
 PROGRESS_EVERY_S = 5.0
 
@@ -61,6 +65,7 @@ class ServiceBase:
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
+        self._dropped_by_restart = ledger.pending_pushers()  # awaited by each fragment's first round
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"
         self.started_at = self.clock()
@@ -147,9 +152,14 @@ class ServiceBase:
         round_ = syncer.RoundState(p, version, self.clock())
         # After a restart too, a push that opens the next round hears how late it was for the
         # last one (syncer.missed_round_by), so learners knocked out of step line up again.
+        # The learners whose pushes the restart dropped send them again at their next heartbeat:
+        # the fragment's first round waits for them, bounded, so they merge together rather than
+        # each in a round of its own (measured: those single-push rounds were the chaos runs' cost).
+        awaited = self._dropped_by_restart.get(p, frozenset())
         return FragmentState(
             p, names, params, momentum, version, round_, self._new_sum(), published_version=version,
             files=[version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
+            awaited=awaited, awaited_until=self.clock() + RESEND_WAIT_HEARTBEATS * self.config.coordinator.heartbeat_s,
         )  # fmt: skip
 
     def _new_sum(self) -> RoundSum:

@@ -52,8 +52,9 @@ class Merger(ServiceBase):
         recheck: list[float] = []
         for frag in self.fragments:
             decision = syncer.decide_close(
-                frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s + self.publish_time_s
-            )
+                frag.round, now, self.policy, live, self.step_time_s, self.sync_time_s + self.publish_time_s,
+                awaited=frag.awaited, awaited_until=frag.awaited_until,
+            )  # fmt: skip
             if decision.close:
                 self._merge(frag, decision.reason)
             elif decision.recheck_at is not None:
@@ -118,6 +119,7 @@ class Merger(ServiceBase):
         frag.previous_round = (min(q.arrival.arrived_at for q in pending), frozenset(contributors))
         frag.pending, frag.sum = [], self._new_sum()
         frag.round = syncer.RoundState(p, version, self.clock())
+        frag.awaited = frozenset()  # only the first round after a restart waits for re-sends
         if mean_loss is not None:
             self.last_loss = mean_loss
         elapsed = time.monotonic() - started

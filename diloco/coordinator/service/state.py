@@ -71,6 +71,10 @@ class FragmentState:
     # The last merged round's first push time and pushers: a push that opens the next round is
     # told how late it was for that one (syncer.missed_round_by).
     previous_round: tuple[float, frozenset[str]] | None = None
+    # After a restart: the learners whose pushes to this fragment it dropped, and until when its
+    # first round waits for them to send those again (syncer.decide_close).
+    awaited: frozenset[str] = frozenset()
+    awaited_until: float = 0.0
     # Published: checkpointed and committed, so learners may hold it. Merges between the
     # published version and the head wait for the publisher.
     published_version: int = 0

@@ -26,3 +26,15 @@ def test_the_runs_metrics_are_each_averaged_over_the_learners_that_report_them()
         {"accuracy": 0.6, "f1": 0.2}
     )
     assert mean_metrics([]) == {}
+
+
+def test_a_resumed_learners_step_time_is_its_own_lifes() -> None:
+    """A resume restores the step count (inner_steps), not the time: the step time the syncer's
+    grace window and the push catch-up use must come from this life's steps alone (over all 141
+    steps it would be 0.014 s, and a round the resumed learner opens would close at once)."""
+    p = Progress()
+    p.inner_steps = 131  # what resume.py restores
+    for _ in range(10):
+        p.stepped(0.2, 10, 2.0)
+    assert p.inner_steps == 141
+    assert p.step_time_s() == pytest.approx(0.2)

@@ -617,8 +617,10 @@ def test_a_push_dropped_by_a_restart_is_taken_afresh_and_counted_once(tmp_path, 
     trained = first.counter("tokens_trained")
     first.close()
     ledger = Ledger(path, clock=clock)
+    assert ledger.pending_pushers() == {0: frozenset({"L1"})}  # whom the first round will wait for
     ledger.next_epoch()
     assert ledger.push_state("p1")["state"] == "dropped"
+    assert ledger.pending_pushers() == {}
     assert push(ledger, "p2", [(sid, 0, 2)], worker="L2") is None  # rows 0-2 trained again meanwhile
     assert push(ledger, "p1", [(sid, 0, 6)]) is None  # sent again after the restart
     assert ledger.push_state("p1")["state"] == "pending"

@@ -264,6 +264,22 @@ def test_quorum_two_counts_distinct_learners():
     assert decide_close(state, 5.0, policy, LIVE3).close
 
 
+def test_the_first_round_after_a_restart_waits_for_the_pushes_it_dropped():
+    """A restart dropped a's and b's pushes; each sends its own again at its next heartbeat. The
+    round waits for both (bounded by awaited_until) instead of merging a's alone at quorum 1."""
+    policy = sync_config(quorum=1, grace_factor=0.0)
+    state = RoundState(fragment=0, version=3, opened_at=0.0, arrivals=[arrival("a", 1.0, base=3)])
+    d = decide_close(state, 1.0, policy, LIVE3, awaited={"a", "b"}, awaited_until=6.0)
+    assert not d.close and "1 push(es) the restart dropped" in d.reason and d.recheck_at == 6.0
+    assert decide_close(state, 6.0, policy, LIVE3, awaited={"a", "b"}, awaited_until=6.0).close  # bounded
+    # b came back: nothing else is awaited (c pushed nothing before the restart)
+    state.arrivals.append(arrival("b", 2.5, base=3))
+    assert decide_close(state, 2.5, policy, LIVE3, awaited={"a", "b"}, awaited_until=6.0).close
+    # an awaited learner that is no longer live is not waited for
+    alone = RoundState(fragment=0, version=3, opened_at=0.0, arrivals=[arrival("a", 1.0, base=3)])
+    assert decide_close(alone, 1.0, policy, {"a", "c"}, awaited={"a", "b"}, awaited_until=6.0).close
+
+
 GRACE = sync_config(quorum=1, grace_factor=0.5, overlap_steps=10)
 
 
