@@ -318,7 +318,7 @@ class ShardSpan(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., row_start: _Optional[int] = ..., row_end: _Optional[int] = ...) -> None: ...
 
 class TensorHeader(_message.Message):
-    __slots__ = ("worker_id", "fragment", "version", "tensors", "push_id", "inner_steps", "tokens", "spans", "mean_loss", "first_loss", "step_time_s", "codec", "released_shards", "delta")
+    __slots__ = ("worker_id", "fragment", "version", "tensors", "push_id", "inner_steps", "tokens", "spans", "mean_loss", "first_loss", "step_time_s", "codec", "released_shards", "delta", "release_only")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +333,7 @@ class TensorHeader(_message.Message):
     CODEC_FIELD_NUMBER: _ClassVar[int]
     RELEASED_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_ONLY_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     fragment: int
     version: int
@@ -347,7 +348,8 @@ class TensorHeader(_message.Message):
     codec: str
     released_shards: _containers.RepeatedScalarFieldContainer[int]
     delta: bool
-    def __init__(self, worker_id: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., push_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., released_shards: _Optional[_Iterable[int]] = ..., delta: _Optional[bool] = ...) -> None: ...
+    release_only: bool
+    def __init__(self, worker_id: _Optional[str] = ..., fragment: _Optional[int] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., push_id: _Optional[str] = ..., inner_steps: _Optional[int] = ..., tokens: _Optional[int] = ..., spans: _Optional[_Iterable[_Union[ShardSpan, _Mapping]]] = ..., mean_loss: _Optional[float] = ..., first_loss: _Optional[float] = ..., step_time_s: _Optional[float] = ..., codec: _Optional[str] = ..., released_shards: _Optional[_Iterable[int]] = ..., delta: _Optional[bool] = ..., release_only: _Optional[bool] = ...) -> None: ...
 
 class TensorStreamMessage(_message.Message):
     __slots__ = ("header", "piece")

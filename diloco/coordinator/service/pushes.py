@@ -209,6 +209,10 @@ class PushRPCs(ServiceBase):
         while frag.sealing:  # the merger is closing this round: join the next one
             self.cond.wait(0.05)
         released = list(header.released_shards)
+        if empty and header.release_only:
+            # Leases given back, and no word about the round: the learner's delta is still to come.
+            self.ledger.release_shards(header.worker_id, released)
+            return pb.PushReply(accepted=True, reason="shards released", version=frag.version), None
         if empty:
             # "Nothing this round" (a learner waiting for data): counts for closing, merges nothing.
             self.ledger.release_shards(header.worker_id, released)

@@ -58,3 +58,31 @@ def test_a_push_after_the_round_closed_is_told_how_late_it_was(tiny_corpus: Path
             assert early.accepted and early.missed_round_by_s == 0.0, early
         finally:
             second.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_learner_giving_back_leases_does_not_close_the_round(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """A learner resumed from local state gives its dead life's leases back before its delta is
+    ready. That message (release_only) says nothing about the round: the round keeps its grace
+    window for the learner's delta. An empty push without it ("nothing from me") closes it."""
+    overrides = {"train.inner_steps": 50, "sync.grace_factor": 3.0, "sync.overlap_steps": 10}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
+        second = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE)
+        second.join()
+        try:
+            held = second.lease_shard().shard_id
+            assert push(first, init, "a-1", version=0).accepted  # window: 3 · (10 · 0.05 s) = 1.5 s
+            give_back = pb.TensorHeader(fragment=0, version=0, codec="fp32", release_only=True)
+            give_back.released_shards.append(held)
+            assert second.push(give_back, {}).reason == "shards released"
+            time.sleep(0.5)
+            assert running.service.fragments[0].version == 0  # still waiting for second's delta
+            state = running.service.ledger._one("SELECT state FROM shards WHERE id = ?", (held,))
+            assert state == "ready"  # the lease went back all the same
+            nothing = pb.TensorHeader(fragment=0, version=0, codec="fp32")
+            assert second.push(nothing, {}).reason == "nothing to merge"
+            wait_version(running, 1)  # every live learner has had its say
+        finally:
+            second.close()
