@@ -15,6 +15,7 @@ from diloco.coordinator.syncer import (
     coverage_scale,
     decide_close,
     grace_window,
+    late_in_round_by,
     merge,
     merge_weight,
     merge_weights,
@@ -278,6 +279,19 @@ def test_the_first_round_after_a_restart_waits_for_the_pushes_it_dropped():
     # an awaited learner that is no longer live is not waited for
     alone = RoundState(fragment=0, version=3, opened_at=0.0, arrivals=[arrival("a", 1.0, base=3)])
     assert decide_close(alone, 1.0, policy, {"a", "c"}, awaited={"a", "b"}, awaited_until=6.0).close
+
+
+def test_a_push_that_joins_a_round_late_is_told_by_how_much():
+    """Both learners in every round, but one pushes seconds after the other (a restart put it
+    behind): the late one hears its lag, unless it is jitter, there is no overlap, or the two
+    step at different paces (different periods never line up)."""
+    first = Arrival(worker_id="a", tokens=100, steps=10, arrived_at=10.0, base_version=3, step_time_s=0.3)
+    # τ = 10 steps of 0.3 s: lags over 1.5 s count
+    assert late_in_round_by(14.4, first, 0.3, 10) == pytest.approx(4.4)
+    assert late_in_round_by(11.0, first, 0.3, 10) == 0.0  # jitter
+    assert late_in_round_by(14.4, first, 0.3, 0) == 0.0  # synchronous: no overlap
+    assert late_in_round_by(14.4, first, 0.9, 10) == 0.0  # a learner 3x slower
+    assert late_in_round_by(14.4, None, 0.3, 10) == 0.0
 
 
 GRACE = sync_config(quorum=1, grace_factor=0.5, overlap_steps=10)
