@@ -56,6 +56,8 @@ def default_run_config() -> RunConfig:
 # Warm spares per restarted role under chaos: two, so a second kill within a spare's warm-up (a
 # few seconds of imports) still finds one ready.
 SPARES_PER_ROLE = 2
+# DILOCO_FORK_SERVER=0: every process of the job starts its own interpreter (diloco.local.forkserver).
+FORK_SERVER_ENV = "DILOCO_FORK_SERVER"
 # The roles chaos kills unless told: the job's own.
 CHAOS_ROLES = ("coordinator", "data", "learner")
 
@@ -244,6 +246,8 @@ class LocalRun:
         if warning := cold_start_warning(self.config):
             self.console.print(f"[yellow]warning:[/] {warning}")
         try:
+            if os.environ.get(FORK_SERVER_ENV, "1") != "0":
+                self.group.use_fork_server()
             address = self._start_coordinator()
             self._warn_if_no_eval_split()
             self._start_workers(address)

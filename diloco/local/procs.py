@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diloco.compute.startup import SPAWNED_AT_ENV
+from diloco.local.forkserver import ForkedProcess, ForkServer
 from diloco.local.spare import Assignment
 
 
@@ -24,19 +25,24 @@ class Child:
     name: str
     role: str
     args: list[str]
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     log_path: Path
     cpu_s: float | None = None  # user + system CPU seconds, once it has exited and been reaped
 
     @property
     def alive(self) -> bool:
         if self.proc.returncode is not None:
+            if self.cpu_s is None:  # the fork server's report (a Popen's comes from wait4 below)
+                self.cpu_s = getattr(self.proc, "cpu_s", None)
             return False
         # Reaped here rather than by Popen.poll: wait4 also says how much CPU the child used.
         try:
             pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
-        except ChildProcessError:
-            return self.proc.poll() is None
+        except ChildProcessError:  # forked by the fork server, which reaps it and says so
+            if self.proc.poll() is None:
+                return True
+            self.cpu_s = getattr(self.proc, "cpu_s", None)
+            return False
         if pid == 0:
             return True
         self.proc.returncode = os.waitstatus_to_exitcode(status)
@@ -53,6 +59,17 @@ class ProcessGroup:
     spares: dict[str, list[Child]] = field(default_factory=dict)  # role -> warm spares, oldest first
     spares_per_role: int = 0
     _spares_started: int = 0
+    # Forks the processes from one warm interpreter (diloco.local.forkserver) once started.
+    fork_server: ForkServer | None = None
+
+    def use_fork_server(self) -> None:
+        """From now on fork `python -m cli` processes from a warm interpreter: each starts in
+        milliseconds instead of importing torch and the library again (a restart too, so no warm
+        spares are kept). Commands with a prefix, or that read stdin, still get an interpreter
+        of their own."""
+        if self.fork_server is None:
+            env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+            self.fork_server = ForkServer(self.log_dir / "forkserver.log", env)
 
     def spawn(
         self,
@@ -86,6 +103,13 @@ class ProcessGroup:
         # SIGTERM until the child is on a list (they are delivered right after).
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         try:
+            if self.fork_server is not None and prefix is None and stdin == subprocess.DEVNULL:
+                try:
+                    forked = self.fork_server.spawn(Assignment(args, str(log_path), env))
+                    return Child(name, role, args, forked, log_path)
+                except OSError as e:  # the server is gone: a fresh interpreter, as without it
+                    print(f"warning: fork server: {e}; starting {name} on its own", file=sys.stderr)
+                    self.fork_server = None
             with open(log_path, "ab") as log:
                 # A session of its own: a Ctrl-C at the terminal reaches only the parent, which then
                 # stops the children in order instead of all of them dying at once.
@@ -107,6 +131,8 @@ class ProcessGroup:
         """From now on keep `per_role` warm spares (diloco.local.spare) of each role for respawn to hand a
         role to: more than one, so that kills in quick succession still find one warmed up."""
         self.spares_per_role = per_role if per_role is not None else self.spares_per_role
+        if self.fork_server is not None:
+            return  # every fork is as warm as a spare
         for role in roles:
             waiting = self.spares.setdefault(role, [])
             while len(waiting) < self.spares_per_role:
@@ -209,6 +235,9 @@ class ProcessGroup:
                 )
             elif code not in (0, -signal.SIGTERM):
                 print(f"warning: {c.name} exited {code} on SIGTERM (log: {c.log_path})", file=sys.stderr)
+        if children is None and self.fork_server is not None:
+            self.fork_server.close()
+            self.fork_server = None
 
     def tail(self, child: Child, lines: int = 20) -> str:
         try:

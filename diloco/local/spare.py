@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import IO
@@ -67,4 +68,8 @@ def take_over(assignment: Assignment) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.environ.update(assignment.env)
+    sys.argv = [
+        sys.argv[0],
+        *assignment.args,
+    ]  # what `python -m cli ARGS` would have (compute --nproc reads it)
     os.environ[MAIN_AT_ENV] = repr(time.time())  # nothing was left to start: process start ends now

@@ -1,0 +1,47 @@
+"""The fork server: processes forked from one warm interpreter behave as processes of their own
+(a session, a log, an exit code, a kill -9, CPU time counted), and start without importing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from diloco.local.procs import ProcessGroup
+from tests.support import start_coordinator
+
+
+@pytest.mark.timeout(120)
+def test_forked_processes_run_the_cli_exit_and_die_like_their_own(tiny_corpus: Path, tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path / "logs")
+    group.use_fork_server()
+    try:
+        short = group.spawn("help", "tool", ["--help"], extra_env={"DILOCO_TEST_MARK": "1"})
+        assert group.wait([short], 60) and short.proc.returncode == 0
+        assert "Usage" in short.log_path.read_text()
+        assert short.cpu_s is not None and short.cpu_s >= 0
+
+        address = start_coordinator(group, tmp_path / "coord", ["--dataset", str(tiny_corpus)])
+        coordinator = group.by_role("coordinator")[0]
+        assert address and coordinator.alive
+        assert os.getpgid(coordinator.proc.pid) == coordinator.proc.pid  # a session of its own
+        group.signal(coordinator, signal.SIGKILL)
+        assert group.wait([coordinator], 10)
+        assert coordinator.proc.returncode == -signal.SIGKILL and coordinator.cpu_s is not None
+
+        again = group.respawn(coordinator)  # a supervisor's restart, forked too
+        info = tmp_path / "coord" / "coordinator.json"
+        deadline = time.monotonic() + 30
+        while again.alive and time.monotonic() < deadline:
+            if info.exists() and "epoch=2" in again.log_path.read_text():
+                break
+            time.sleep(0.1)
+        assert again.alive and "epoch=2" in again.log_path.read_text(), group.tail(again)
+        assert group.cpu_seconds_by_role()["coordinator"] > 0
+    finally:
+        group.stop()
+    assert group.fork_server is None
+    assert not again.alive and again.proc.returncode == 0  # SIGTERM: it left cleanly
