@@ -8,7 +8,28 @@ from typing import Annotated
 import typer
 
 from cli.common import ConfigOpt, ModelOpt, SetOpt, build_config, clear_errors
+from diloco.config_parse import parse_assignments
 from diloco.errors import DilocoError
+
+
+def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> dict[str, str]:
+    """`diloco tune`'s recommendation from an earlier run, as config overrides (printed)."""
+    from diloco.simulate.costs import parse_bandwidth, parse_duration
+    from diloco.simulate.tune import recommend_for_run
+
+    try:
+        tuning = recommend_for_run(
+            str(run_dir),
+            bandwidth_gbps=parse_bandwidth(bandwidth),
+            rtt_s=parse_duration(rtt),
+            learners=learners,
+        )
+    except (ValueError, FileNotFoundError) as e:
+        raise DilocoError(f"--auto: {e}") from None
+    typer.echo(f"--auto ({run_dir}, {bandwidth} at {rtt}): " + " ".join(tuning.overrides()))
+    if not tuning.fits:
+        typer.echo("warning: --auto: even int4 at H = 500 overloads this link; the syncs will lag", err=True)
+    return parse_assignments(tuning.overrides())
 
 
 @clear_errors
@@ -75,6 +96,17 @@ def run(
     tls: Annotated[
         bool, typer.Option(help="mutual TLS between the job's processes (certificates in <workdir>/tls)")
     ] = True,
+    auto: Annotated[
+        Path | None,
+        typer.Option(
+            help="tune H, P, τ, the codec and the chunk size (diloco tune) from this earlier run's "
+            "measurements, for --link-bandwidth/--link-rtt; flags and --set still win"
+        ),
+    ] = None,
+    link_bandwidth: Annotated[
+        str, typer.Option(help="with --auto: each learner's link, e.g. 1Gbit")
+    ] = "1Gbit",
+    link_rtt: Annotated[str, typer.Option(help="with --auto: that link's round trip, e.g. 50ms")] = "50ms",
 ) -> None:
     """Run a whole job on this machine: coordinator, data workers and learners as processes."""
     from diloco.local.launch import LocalRunOptions, default_run_config, run_local
@@ -88,8 +120,11 @@ def run(
     roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
     if unknown := set(roles) - {"coordinator", "data", "learner", "evaluator"}:
         raise DilocoError(f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))}")
+    base = default_run_config()
+    if auto is not None:
+        base = base.with_overrides(auto_overrides(auto, link_bandwidth, link_rtt, learners))
     cfg = build_config(
-        default_run_config(),
+        base,
         config,
         set_,
         {

@@ -187,24 +187,23 @@ def tune(
     """Recommend H, fragments, overlap, codec and chunk size for a measured step time and a link."""
     from diloco.simulate.config import LinkConfig
     from diloco.simulate.costs import parse_bandwidth, parse_duration
-    from diloco.simulate.tune import recommend
+    from diloco.simulate.tune import recommend, recommend_for_run
 
     try:
-        cal = None
         if calibrate is not None:
-            from diloco.simulate.calibrate import read_calibration
-
-            cal = read_calibration(calibrate)
-        step = step_s if step_s is not None else (cal.step_s if cal else None)
-        size = params if params is not None else (cal.params if cal else None)
-        if not step or not size:
+            tuning = recommend_for_run(
+                str(calibrate), bandwidth_gbps=parse_bandwidth(bandwidth), rtt_s=parse_duration(rtt),
+                learners=learners, step_s=step_s, params=params,
+            )  # fmt: skip
+            step, size = tuning.step_s, tuning.params
+        elif step_s and params:
+            step, size = step_s, params
+            link = LinkConfig(
+                params=size, bandwidth_gbps=parse_bandwidth(bandwidth), rtt_s=parse_duration(rtt)
+            )
+            tuning = recommend(step_s=step, link=link)
+        else:
             raise DilocoError("give --calibrate RUN_DIR, or both --step-s and --params")
-        link = LinkConfig(params=size, bandwidth_gbps=parse_bandwidth(bandwidth), rtt_s=parse_duration(rtt),
-                          merge_s=cal.merge_s if cal else 0.0)  # fmt: skip
-        per_learner = cal.learner_tokens_per_s / max(1, learners) if cal else 0.0
-        tuning = recommend(step_s=step, link=link, tokens_per_s=per_learner,
-                           tokens_per_chunk=cal.tokens_per_chunk if cal else 0.0,
-                           chunk_bytes=cal.chunk_bytes if cal else 0)  # fmt: skip
     except (ValueError, FileNotFoundError) as e:
         raise DilocoError(str(e)) from None
     if as_json:

@@ -53,6 +53,8 @@ class Tuning:
     chunk_bytes: int | None
     choices: list[Choice]
     fits: bool  # False: even int4 at H = 500 overloads the link
+    step_s: float = 0.0  # what it was tuned for: seconds per inner step
+    params: float = 0.0  # and the model's size
 
     def overrides(self) -> list[str]:
         """The `--set` flags of `diloco run` that apply it."""
@@ -128,8 +130,33 @@ def recommend(
                               "few leases, and a lease lost with a learner re-does little"))  # fmt: skip
     if not fits:
         choices.append(Choice("warning", "", "", "even int4 at H = 500 takes more than half the link"))
-    return Tuning(h, p, tau, codec, size, choices, fits)
+    return Tuning(h, p, tau, codec, size, choices, fits, step_s=step_s, params=link.params)
 
 
 def _trip(link: LinkConfig, h: int, p: int, step_s: float) -> float:
     return sync_times(link, OuterConfig(inner_steps=h, fragments=p), step_s).round_trip_s
+
+
+def recommend_for_run(
+    run_dir: str,
+    *,
+    bandwidth_gbps: float,
+    rtt_s: float,
+    learners: int,
+    step_s: float | None = None,
+    params: float | None = None,
+) -> Tuning:
+    """`recommend` with what an earlier `diloco run` measured (diloco.simulate.calibrate): its step
+    time, model size, merge time, and its tokens per chunk and per second for the chunk size. The
+    learners' tokens/s is shared by `learners`. step_s and params, given, replace the measured ones."""
+    from diloco.simulate.calibrate import read_calibration
+
+    cal = read_calibration(run_dir)
+    step, size = step_s or cal.step_s, params or cal.params
+    if not step or not size:
+        raise ValueError(f"{run_dir}: no step time or model size measured (did its learners train?)")
+    link = LinkConfig(params=size, bandwidth_gbps=bandwidth_gbps, rtt_s=rtt_s, merge_s=cal.merge_s)
+    return recommend(
+        step_s=step, link=link, tokens_per_s=cal.learner_tokens_per_s / max(1, learners),
+        tokens_per_chunk=cal.tokens_per_chunk, chunk_bytes=cal.chunk_bytes,
+    )  # fmt: skip

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from diloco.errors import DilocoError
 from diloco.simulate.config import LinkConfig
-from diloco.simulate.tune import link_load, recommend
+from diloco.simulate.tune import link_load, recommend, recommend_for_run
 
 
 def test_a_fast_link_keeps_the_defaults() -> None:
@@ -42,3 +44,20 @@ def test_chunks_sized_to_a_minute_of_one_learner(run_dir: Path) -> None:
     assert any(o.startswith("sync.codec=") for o in out["overrides"])
     missing = CliRunner().invoke(app, ["tune", "--bandwidth", "1Gbit"])
     assert missing.exit_code == 2 and "--calibrate" in missing.output
+
+
+def test_diloco_run_auto_takes_the_recommendation_and_flags_still_win(run_dir: Path) -> None:
+    """`diloco run --auto RUN_DIR`: the tuned settings sit under the user's own flags and --set."""
+    from cli.common import build_config
+    from cli.local import auto_overrides
+    from diloco.local.launch import default_run_config
+
+    slow = auto_overrides(run_dir, "10Mbit", "50ms", 2)
+    tuned = recommend_for_run(str(run_dir), bandwidth_gbps=0.01, rtt_s=0.05, learners=2)
+    assert slow == dict(o.split("=", 1) for o in tuned.overrides())
+    base = default_run_config().with_overrides(slow)
+    assert base.sync.codec == tuned.codec and base.train.inner_steps == tuned.inner_steps
+    mine = build_config(base, None, ["sync.codec=fp32"], {"train.inner_steps": 20})
+    assert (mine.sync.codec, mine.train.inner_steps, mine.sync.fragments) == ("fp32", 20, tuned.fragments)
+    with pytest.raises(DilocoError, match="--auto"):
+        auto_overrides(run_dir.parent / "nothing", "1Gbit", "50ms", 2)
