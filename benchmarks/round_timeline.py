@@ -7,8 +7,9 @@ A round of one push at M learners is merged at coverage 1/M against a base that 
 latest work (diloco.coordinator.syncer.missed_round_by); under chaos these are the rounds to
 explain. For each round: when it closed (seconds from the first merge), its fragment and version,
 who pushed, each push's base lag (versions behind the round), and every kill (summary.json's
-kill_log) in the `--window` seconds before it closed. The tail counts single-push rounds by cause:
-a kill in the window before them, or none (the schedules drifted apart on their own).
+kill_log) in the `--window` seconds before it closed. The tail counts single-push rounds by cause
+(a kill in the window before them, or none: the schedules drifted apart on their own), and how far
+apart the pushes of the other rounds came.
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ def main(argv: list[str] | None = None) -> None:
     after_kill = [r for r in single if r["kills_before"]]
     print(f"single-push rounds: {len(single)} of {len(rows)}; after a kill: {len(after_kill)}; "
           f"with no kill in the window: {len(single) - len(after_kill)}")  # fmt: skip
+    met = [r["spread_s"] for r in rows if r["pushes"] > 1]
+    if met:  # learners that meet in every round can still push seconds apart (late_in_round_by)
+        print(
+            f"rounds of 2+ pushes: first to last push {sum(met) / len(met):.2f} s on average, at most {max(met):.2f} s"
+        )
 
 
 if __name__ == "__main__":
