@@ -217,6 +217,8 @@ class Learner(KeepsLocalState, EndGame):
                 f.at_push = {n: self.params[n].detach().clone() for n in f.names}
                 f.counted_at_push = (f.steps, f.tokens, f.loss_sum)
             f.push = (header, tensors)
+            if self.state_writer is not None:
+                self.state_writer.note_push(self.progress.inner_steps)
         self.channel.submit(header, tensors)
 
     def _covered_by(self, p: int) -> Unpushed:

@@ -79,10 +79,23 @@ def resume_decision(
     shapes: dict[str, tuple[int, ...]],
     current_versions: list[int],
     max_staleness: int,
+    pushed_at_step: int | None = None,
 ) -> ResumeDecision:
-    """Whether a restarted learner goes on from its local state, and why (or why not)."""
+    """Whether a restarted learner goes on from its local state, and why (or why not).
+
+    pushed_at_step: the step of the last push the dead life made (pushed_step). A push after the
+    state was copied carried work the state still holds as unpushed: resumed, it would be pushed
+    and merged a second time (measured: a chaos run whose rounds were all whole ended +5% once a
+    learner killed just after a push re-sent its steps from the older state).
+    """
     if state is None:
         return ResumeDecision(False, "no local state")
+    if pushed_at_step is not None and pushed_at_step > state.inner_steps:
+        return ResumeDecision(
+            False,
+            f"a push at step {pushed_at_step} came after the state (step {state.inner_steps}): "
+            "resumed, that work would be merged twice",
+        )
     if state.run_id != run_id or state.worker_id != worker_id:
         return ResumeDecision(
             False, f"local state is from another run or worker ({state.run_id}/{state.worker_id})"
@@ -123,6 +136,19 @@ def copy_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
 
 def state_path(directory: str | Path, worker_id: str) -> Path:
     return Path(directory) / f"{worker_id}.safetensors"
+
+
+def pushed_path(state: Path) -> Path:
+    """Beside the state: the step of the learner's last push, written before the push leaves."""
+    return state.with_suffix(".pushed")
+
+
+def pushed_step(state: Path) -> int | None:
+    """The step of the last push a dead life made (note_push), or None."""
+    try:
+        return int(json.loads(pushed_path(state).read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _spans_json(rows: Unpushed) -> list[list[int]]:
@@ -276,10 +302,25 @@ class StateWriter:
             self._last_offer = time.monotonic()
             self._cond.notify_all()
 
+    def note_push(self, step: int) -> None:
+        """On the training thread, before a push leaves: a few bytes on disk, so that a restart
+        knows whether its state is older than its last push (resume_decision); and the next copy
+        is due at once, so the state soon holds the push."""
+        marker = pushed_path(self.path)
+        tmp = marker.with_suffix(".pushed.tmp")
+        try:
+            tmp.write_text(json.dumps({"step": step}))
+            os.replace(tmp, marker)
+        except OSError as e:
+            log.warning("could not note the push in %s: %s", marker, e)
+        with self._cond:
+            self._last_offer = 0.0
+
     def discard(self) -> None:
         """The learner ended cleanly (its work pushed and merged): nothing is left to resume."""
         self.close()
         self.path.unlink(missing_ok=True)
+        pushed_path(self.path).unlink(missing_ok=True)
 
     def close(self, timeout_s: float = 10.0) -> None:
         with self._cond:

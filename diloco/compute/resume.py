@@ -59,10 +59,12 @@ class KeepsLocalState:
             shapes={n: tuple(p.shape) for n, p in self.params.items()},
             current_versions=list(reply.fragment_versions),
             max_staleness=cfg.sync.max_staleness,
+            pushed_at_step=local_state.pushed_step(path),
         )
         if state is not None:
             log.info("local state: %s", decision.reason)
         if not decision.resume or state is None:
+            local_state.pushed_path(path).unlink(missing_ok=True)  # a fresh life counts steps anew
             return None
         with torch.no_grad():
             for name, t in state.params.items():

@@ -59,8 +59,10 @@ class ProcessGroup:
     spares: dict[str, list[Child]] = field(default_factory=dict)  # role -> warm spares, oldest first
     spares_per_role: int = 0
     _spares_started: int = 0
-    # Forks the processes from one warm interpreter (diloco.local.forkserver) once started.
+    # Forks the processes from one warm interpreter (diloco.local.forkserver) once started;
+    # fork=True starts it at the first spawn.
     fork_server: ForkServer | None = None
+    fork: bool = False
 
     def use_fork_server(self) -> None:
         """From now on fork `python -m cli` processes from a warm interpreter: each starts in
@@ -96,6 +98,8 @@ class ProcessGroup:
         prefix: list[str] | None = None,
     ) -> Child:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.fork and self.fork_server is None:
+            self.use_fork_server()
         env = {**os.environ, **self.env, **(extra_env or {})}
         env.setdefault("PYTHONUNBUFFERED", "1")
         env[SPAWNED_AT_ENV] = repr(time.time())  # the start of a learner's start-up line

@@ -64,7 +64,7 @@ def assert_no_row_merged_twice(workdir: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_stopped_learner_stops_nobody_and_catches_up(small_corpus: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(group, workdir, ["--dataset", str(small_corpus), *DECOUPLED])
         group.spawn("data-0", "data", ["data", "--coordinator", address])
@@ -100,7 +100,7 @@ def test_a_stopped_learner_stops_nobody_and_catches_up(small_corpus: Path, tmp_p
 @pytest.mark.timeout(300)
 def test_b_a_learner_joining_mid_run_contributes(small_corpus: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(group, workdir, ["--dataset", str(small_corpus), *DECOUPLED])
         group.spawn("data-0", "data", ["data", "--coordinator", address])
@@ -123,7 +123,7 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
     """K = M, P = 1, τ = 0 on real processes gives the global parameters that synchronous DiLoCo,
     replayed here step by step on the very rows each learner was given, computes."""
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(group, workdir, [
             "--dataset", str(tiny_corpus), "--set", "data.chunk_bytes=32768", "--set", "train.inner_steps=5",

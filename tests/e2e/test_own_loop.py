@@ -33,7 +33,7 @@ def test_the_own_loop_example_resumes_after_kill_9_and_trains_every_token_exactl
     from transformers import LlamaConfig, LlamaForCausalLM
 
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     scripts: list[subprocess.Popen] = []
     try:
         address = start_coordinator(

@@ -67,7 +67,7 @@ def test_a_partitioned_learner_keeps_training_and_its_work_merges_after(
     ns, host_link, host_ip = namespace
     workdir = tmp_path / "coord"
     state_dir = tmp_path / "state"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     pushes_merged = "SELECT COUNT(*) FROM pushes WHERE worker_id = 'learner-cut' AND state = 'merged'"
     try:
         address = start_coordinator(group, workdir, [

@@ -120,7 +120,7 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
 def test_roles_run_by_hand_train_every_token_exactly_once(tiny_corpus: Path, tmp_path: Path) -> None:
     """The three roles started as a user would on separate machines; learners run the data out."""
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(
             group,
@@ -299,7 +299,7 @@ def test_a_learner_stops_at_once_when_its_coordinator_is_gone(tiny_corpus: Path,
     import signal
 
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(
             group, workdir,

@@ -132,7 +132,7 @@ def test_retries_after_lost_replies_have_no_second_effect(tiny_corpus: Path, tmp
 @pytest.mark.timeout(180)
 def test_sigterm_returns_leases_and_exits_zero(small_corpus: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(
             group, workdir, ["--dataset", str(small_corpus), "--set", "train.threads=1"]
@@ -165,7 +165,7 @@ def test_a_poison_chunk_is_quarantined_and_the_run_goes_on(tmp_path: Path) -> No
     for i in range(4):
         (dataset / f"part{i}.txt").write_text(f"line {i} of some text\n" * 3000)
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(group, workdir, [
             "--dataset", str(dataset), "--set", "data.chunk_bytes=60000", "--set", "coordinator.max_chunk_attempts=2",
@@ -185,7 +185,7 @@ def test_a_poison_chunk_is_quarantined_and_the_run_goes_on(tmp_path: Path) -> No
 @pytest.mark.timeout(240)
 def test_a_corrupt_shard_is_reprocessed_from_its_chunk(tiny_corpus: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(group, workdir, [
             "--dataset", str(tiny_corpus), "--set", "data.chunk_bytes=32768", "--set", "train.inner_steps=10",

@@ -24,7 +24,7 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
     workdir = tmp_path / "coord"
     state_dir = tmp_path / "state"
     path = state_path(state_dir, "learner-0")
-    group = ProcessGroup(tmp_path / "logs")
+    group = ProcessGroup(tmp_path / "logs", fork=True)
     try:
         address = start_coordinator(group, workdir, [
             "--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.inner_steps=20",

@@ -230,7 +230,7 @@ def test_raw_data_on_s3_with_local_state_and_store(
     upload_dir(s3_server, jsonl, f"{bucket}/raw")
 
     workdir = tmp_path / "coord"
-    group = ProcessGroup(tmp_path / "logs", env=s3_server.env)
+    group = ProcessGroup(tmp_path / "logs", env=s3_server.env, fork=True)
     try:
         address = start_coordinator(
             group,

@@ -108,6 +108,31 @@ def test_resume_decision_names_its_reason() -> None:
     assert not resume_decision(state, current_versions=[3, 2], **{**kw, "shapes": {"x": (1,)}}).resume
 
 
+def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None:
+    """Killed after a push and before the next copy: the state still holds the pushed steps as
+    unpushed. Resumed, the learner would push that work again and the syncer merge it twice; the
+    push's step, noted on disk before the push left, says so."""
+    state, _ = a_state(tmp_steps=7)
+    shapes = {n: tuple(t.shape) for n, t in state.params.items()}
+    kw = {"run_id": "run-1", "worker_id": "learner-0", "shapes": shapes, "max_staleness": 4}
+    path = state_path(tmp_path, "learner-0")
+    writer = StateWriter(path, every_s=3600.0)
+    try:
+        assert local_state.pushed_step(path) is None
+        writer.note_push(7)  # pushed at the step the state was copied: the state holds the push
+        assert writer.due(time.monotonic())  # and the next copy is due at once
+        assert resume_decision(state, current_versions=[5, 2], pushed_at_step=7, **kw).resume
+        writer.note_push(9)
+        assert local_state.pushed_step(path) == 9
+        later = resume_decision(
+            state, current_versions=[5, 2], pushed_at_step=local_state.pushed_step(path), **kw
+        )
+        assert not later.resume and "merged twice" in later.reason
+    finally:
+        writer.discard()
+    assert local_state.pushed_step(path) is None  # a clean end leaves nothing
+
+
 def test_the_writer_keeps_only_the_newest_state_and_discard_removes_it(tmp_path: Path) -> None:
     path = state_path(tmp_path, "learner-0")
     writer = StateWriter(path, every_s=0.0)
