@@ -142,13 +142,10 @@ def standby(
 ) -> None:
     """A warm spare (started by `diloco run` under chaos): import everything, then wait on stdin for
     the command line of a process that died, and run it here."""
-    from diloco.local.spare import await_assignment, take_over, warm_up
+    from diloco.local.spare import await_assignment, run_assignment, warm_up
 
     warm_up(role)
     assignment = await_assignment(sys.stdin)
     if assignment is None:  # the supervisor is stopping and never needed us
         sys.exit(0)
-    take_over(assignment)
-    from cli.main import app  # the whole CLI, to run the dead process's command line here
-
-    app(args=assignment.args, prog_name="diloco")
+    run_assignment(assignment)  # the whole CLI, to run the dead process's command line here

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from diloco.local.spare import Assignment, take_over
+from diloco.local.spare import Assignment, run_assignment
 
 # -- the server ----------------------------------------------------------------------------------
 
@@ -47,12 +47,11 @@ def warm_up() -> None:
     import diloco.data.worker  # noqa: F401
 
 
-def _run_child(assignment: Assignment, inherited: set[int]) -> int:
-    """In the forked child: become the assigned process and run the CLI; its exit code. The
-    caller raises SystemExit with it, so the child ends as an interpreter does (non-daemon
-    threads joined, atexit handlers run), never back in the server's loop."""
+def _become_child(inherited: set[int]) -> None:
+    """In the forked child, before it runs its assignment: the state a fresh process starts with
+    (its own session, default signal handling, stdin from /dev/null, none of the server's fds)."""
     os.setsid()  # its own session, as Popen(start_new_session=True) gave it
-    for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt, as ever
     signal.set_wakeup_fd(-1)
@@ -62,18 +61,7 @@ def _run_child(assignment: Assignment, inherited: set[int]) -> int:
     os.close(null)
     for fd in inherited - {0, 1, 2}:
         os.close(fd)
-    take_over(assignment)  # stdout and stderr: the role's log
     sys.stdin = open(0)  # noqa: SIM115 (the process's own stdin, /dev/null)
-    try:
-        from cli.main import app
-
-        app(args=assignment.args, prog_name="diloco")
-        return 0
-    except SystemExit as e:
-        if isinstance(e.code, str):
-            print(e.code, file=sys.stderr)
-            return 1
-        return e.code or 0
 
 
 def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
@@ -129,8 +117,11 @@ def serve(stdin: IO[bytes], stdout: IO[bytes]) -> None:
                 assignment = Assignment.from_line(line)
                 pid = os.fork()
                 if pid == 0:
+                    # The child: its SystemExit unwinds out of this loop and ends the interpreter
+                    # as any process ends (non-daemon threads joined, atexit handlers run).
                     sel.close()  # the child's copy (closed as an object: nothing closes it again)
-                    raise SystemExit(_run_child(assignment, inherited))
+                    _become_child(inherited)
+                    run_assignment(assignment)
                 say({"started": pid})
         reap()
     reap()

@@ -130,7 +130,9 @@ class LocalRun:
         # lined up against afterwards.
         self.kill_log: list[dict[str, Any]] = []
         self.group = ProcessGroup(
-            self.workdir / "logs", env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+            self.workdir / "logs",
+            env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"},
+            fork=os.environ.get(FORK_SERVER_ENV, "1") != "0",  # the server starts with the first child
         )
 
     # -- processes ------------------------------------------------------------------------------
@@ -246,8 +248,6 @@ class LocalRun:
         if warning := cold_start_warning(self.config):
             self.console.print(f"[yellow]warning:[/] {warning}")
         try:
-            if os.environ.get(FORK_SERVER_ENV, "1") != "0":
-                self.group.use_fork_server()
             address = self._start_coordinator()
             self._warn_if_no_eval_split()
             self._start_workers(address)

@@ -68,8 +68,15 @@ def take_over(assignment: Assignment) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.environ.update(assignment.env)
-    sys.argv = [
-        sys.argv[0],
-        *assignment.args,
-    ]  # what `python -m cli ARGS` would have (compute --nproc reads it)
+    sys.argv = [sys.argv[0], *assignment.args]  # as `python -m cli ARGS` has it (compute --nproc reads it)
     os.environ[MAIN_AT_ENV] = repr(time.time())  # nothing was left to start: process start ends now
+
+
+def run_assignment(assignment: Assignment) -> None:
+    """Become the assigned process and run its command line in this interpreter; the CLI ends it
+    with SystemExit, as `python -m cli` would (a warm spare, and a fork of the fork server)."""
+    take_over(assignment)
+    from cli.main import app
+
+    app(args=assignment.args, prog_name="diloco")
+    raise SystemExit(0)
