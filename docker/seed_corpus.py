@@ -11,8 +11,8 @@ as for every diloco process. Waits (bounded) for the object store to take writes
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import sysconfig
 import time
 
@@ -61,6 +61,8 @@ def seed(target: str, timeout_s: float = 120.0) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: seed_corpus.py s3://BUCKET/PREFIX")
-    seed(sys.argv[1])
+    parser = argparse.ArgumentParser(description="Upload the stdlib corpus to s3://BUCKET/PREFIX.")
+    parser.add_argument("target", help="s3://BUCKET/PREFIX")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the store")
+    args = parser.parse_args()
+    seed(args.target, args.timeout)

@@ -107,7 +107,9 @@ class SeaweedS3:
         ready_timeout_s: float = 60.0,
         start_attempts: int = 3,
         volume_max: int = 100,
+        identities: Path | None = None,
     ) -> None:
+        """`identities`: a SeaweedFS s3.json to serve as it is (its first key is then ours)."""
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="diloco-seaweed-"))
         self.access_key = access_key
@@ -116,6 +118,10 @@ class SeaweedS3:
         self.ready_timeout_s = ready_timeout_s
         self.start_attempts = start_attempts
         self.volume_max = volume_max
+        self.identities = identities
+        if identities is not None:
+            first = json.loads(identities.read_text())["identities"][0]["credentials"][0]
+            self.access_key, self.secret_key = first["accessKey"], first["secretKey"]
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self._client = None
@@ -178,20 +184,21 @@ class SeaweedS3:
             return self
         binary = weed_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        config = self.data_dir / "s3.json"
-        config.write_text(
-            json.dumps(
-                {
-                    "identities": [
-                        {
-                            "name": "diloco",
-                            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-                        }
-                    ]
-                }
+        config = self.identities or self.data_dir / "s3.json"
+        if self.identities is None:
+            config.write_text(
+                json.dumps(
+                    {
+                        "identities": [
+                            {
+                                "name": "diloco",
+                                "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                            }
+                        ]
+                    }
+                )
             )
-        )
         last = ""
         for _ in range(self.start_attempts):
             self.port = free_base_port()

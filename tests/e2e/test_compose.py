@@ -8,12 +8,11 @@ server. `docker-compose config -q` checks the file's schema where that binary is
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -28,6 +27,15 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 SEED_SCRIPT = ROOT / "docker" / "seed_corpus.py"
+SECRETS_SCRIPT = ROOT / "docker" / "make_secrets.py"
+
+
+def make_secrets(out: Path) -> list[str]:
+    """What the `secrets` service runs (the script is not a module of the package)."""
+    spec = importlib.util.spec_from_file_location("make_secrets", SECRETS_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_secrets(out)
 
 
 def load() -> dict:
@@ -94,7 +102,13 @@ def test_workers_and_healthcheck_reach_the_coordinator() -> None:
     assert set(mounts.values()) <= set(spec["volumes"])
 
 
-def test_s3_endpoint_keys_and_bucket_agree() -> None:
+def in_secrets_volume(service: dict, path: str) -> bool:
+    """Whether `path` lies in the `secrets` volume as this service mounts it."""
+    mounts = [v.split(":") for v in service.get("volumes", [])]
+    return any(m[0] == "secrets" and Path(path).parent == Path(m[1]) for m in mounts)
+
+
+def test_s3_endpoint_keys_and_bucket_agree(tmp_path: Path) -> None:
     spec = load()
     services = spec["services"]
     s3 = services["s3"]
@@ -106,11 +120,18 @@ def test_s3_endpoint_keys_and_bucket_agree() -> None:
         endpoint = urlparse(env["AWS_ENDPOINT_URL"])
         assert (endpoint.hostname, str(endpoint.port)) == ("s3", flags["s3.port"]), name
         assert env["AWS_DEFAULT_REGION"], name
-        # The access key is one the object store knows (its -s3.config file, mounted from the repo).
-        config_mount = next(v for v in s3["volumes"] if v.split(":")[1] == flags["s3.config"])
-        identities = json.loads((ROOT / config_mount.split(":")[0]).read_text())["identities"]
-        keys = {(c["accessKey"], c["secretKey"]) for i in identities for c in i["credentials"]}
-        assert (env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]) in keys, name
+        # No key in the file or the repo: the clients read the one the `secrets` service made,
+        # from the same volume the object store reads its identities (-s3.config) from.
+        assert "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env, name
+        assert in_secrets_volume(service, env["AWS_SHARED_CREDENTIALS_FILE"]), name
+    assert in_secrets_volume(s3, flags["s3.config"])
+    # ... which are the files that service makes, into the volume it mounts there.
+    made = services["secrets"]
+    assert made["entrypoint"] == ["python", "/opt/diloco/" + SECRETS_SCRIPT.name]
+    assert made["command"] == [str(Path(flags["s3.config"]).parent)]
+    names = {Path(flags["s3.config"]).name, Path(env["AWS_SHARED_CREDENTIALS_FILE"]).name, "token"}
+    assert set(make_secrets(tmp_path)) == names
+    assert not (ROOT / "docker" / "s3.json").exists()
     healthcheck = " ".join(s3["healthcheck"]["test"])
     assert f":{flags['s3.port']}/" in healthcheck
     # The seed writes the corpus where the coordinator reads it, in the bucket the store uses.
@@ -125,6 +146,8 @@ def test_start_order_and_the_image() -> None:
     services = spec["services"]
     assert services["seed"]["depends_on"]["s3"]["condition"] == "service_healthy"
     assert services["coordinator"]["depends_on"]["seed"]["condition"] == "service_completed_successfully"
+    for name in ("s3", "coordinator"):  # the object store's key and the token come first
+        assert services[name]["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
     built = [s for s in services.values() if "build" in s]
     assert len(built) == 1, "one service builds the image; the others use it"
     assert (ROOT / built[0]["build"]["context"] / built[0]["build"]["dockerfile"]).resolve() == DOCKERFILE
@@ -134,6 +157,9 @@ def test_start_order_and_the_image() -> None:
     dockerfile = DOCKERFILE.read_text()
     script_in_image = services["seed"]["entrypoint"][-1]
     assert f"COPY docker/{SEED_SCRIPT.name} ./{Path(script_in_image).name}" in dockerfile
+    assert f"COPY docker/{SECRETS_SCRIPT.name} ./{SECRETS_SCRIPT.name}" in dockerfile
+    # The secrets volume is written by the image's user: its mount point is that user's.
+    assert "mkdir -p /var/lib/diloco /run/diloco" in dockerfile and "chown diloco" in dockerfile
     assert "WORKDIR " + str(Path(script_in_image).parent) in dockerfile
     assert 'ENTRYPOINT ["diloco"]' in dockerfile
 
@@ -150,28 +176,48 @@ def test_docker_compose_config_validates() -> None:
     assert result.returncode == 0, result.stderr
 
 
-def test_seed_script_uploads_the_stdlib_corpus_once(
-    s3_server: SeaweedS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_seed_script_uploads_the_stdlib_corpus_once_with_the_key_made_at_first_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the `seed` service runs, against a real S3 server: the coordinator then finds the corpus."""
-    target = s3_server.create_bucket(f"compose-{uuid.uuid4().hex[:12]}") + "/corpus"
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), **s3_server.env}
+    """What the `secrets` and `seed` services run, against a real S3 server serving the identities
+    file the first made: the seed, holding only the credentials file, makes the bucket and uploads
+    the corpus once; the coordinator then finds it; a client without that key is refused."""
+    secrets_dir = tmp_path / "secrets"
+    assert set(make_secrets(secrets_dir)) == {"token", "s3.json", "aws-credentials"}
+    kept = {p.name: p.read_bytes() for p in secrets_dir.iterdir()}
+    assert make_secrets(secrets_dir) == [] and kept == {p.name: p.read_bytes() for p in secrets_dir.iterdir()}
+    assert oct((secrets_dir / "aws-credentials").stat().st_mode & 0o777) == "0o600"
+    with SeaweedS3(tmp_path / "s3", identities=secrets_dir / "s3.json") as server:
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(tmp_path),
+            "AWS_ENDPOINT_URL": server.endpoint,
+            "AWS_DEFAULT_REGION": server.region,
+            "AWS_SHARED_CREDENTIALS_FILE": str(secrets_dir / "aws-credentials"),
+        }
+        target = "s3://diloco/corpus"
 
-    def seed() -> str:
-        done = subprocess.run(
-            [sys.executable, str(SEED_SCRIPT), target],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=170,
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout
+        def seed(environment: dict[str, str], timeout_s: float = 60) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, str(SEED_SCRIPT), target, "--timeout", str(timeout_s)],
+                env=environment,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=170,
+            )
 
-    n = len(stdlib_files())
-    assert f"{n} of {n} files uploaded" in seed()
-    assert f"0 of {n} files uploaded" in seed()  # a second `up` uploads nothing
-    for key, value in s3_server.env.items():
-        monkeypatch.setenv(key, value)
-    assert len(resolve_dataset(target + "/")) == n
+        n = len(stdlib_files())
+        first = seed(env)
+        assert first.returncode == 0, first.stderr
+        assert f"{n} of {n} files uploaded" in first.stdout
+        assert f"0 of {n} files uploaded" in seed(env).stdout  # a second `up` uploads nothing
+        stranger = {**env, "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+                    "AWS_ACCESS_KEY_ID": "diloco-demo-key", "AWS_SECRET_ACCESS_KEY": "diloco-demo-secret"}  # fmt: skip
+        refused = seed(stranger, timeout_s=2)
+        assert refused.returncode != 0 and "cannot create bucket" in refused.stderr, refused.stderr
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+        monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+        assert len(resolve_dataset(target + "/")) == n
