@@ -34,7 +34,10 @@ class PushesTable(LedgerBase):
         and refused). Rows already merged or pending for someone else (a learner that lost its
         lease, then came back) are cut out of the spans: the delta still merges, but those rows
         are counted once, by whoever had them first. That is the guard against counting twice.
+        Rows of the same worker's own pending or merged push make it re-sent work (`_resent`):
+        recorded as dropped, and refused.
         """
+        resent = None
         with self._tx() as db:
             # A push the last coordinator dropped with its open round is taken afresh: it never
             # merged, and its rows are checked again below like any new push's.
@@ -62,6 +65,11 @@ class PushesTable(LedgerBase):
                     shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
                     if shard is None or not 0 <= a < b <= shard["rows"]:
                         return f"span {sid}:[{a},{b}) is not inside a known shard"
+                resent = None if revived else self._resent(db, worker_id, spans)
+                if resent is not None:
+                    state, reason = "dropped", resent
+                    spans = []
+                for sid, a, b in spans:
                     fresh = leases.subtract((a, b), self._spans(db, sid, ("merged", "pending")))
                     kept.extend((sid, x, y) for x, y in fresh)
                     _bump(db, "rows_trained_twice", (b - a) - sum(y - x for x, y in fresh))
@@ -96,6 +104,30 @@ class PushesTable(LedgerBase):
             # field: with several fragments every fragment's push reports the same tokens.
             _bump(db, "tokens_trained", self._span_tokens(db, spans))
             _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
+        return resent
+
+    def _resent(
+        self, db: sqlite3.Connection, worker_id: str, spans: Sequence[tuple[int, int, int]]
+    ) -> str | None:
+        """Why this push is work the worker already sent, or None.
+
+        One life of a learner carries each row on one push only, and a fresh life leases only
+        rows nobody holds; so rows of its own pending or merged push come back only from a life
+        resumed from a state older than its last push. Its delta holds that push's steps again,
+        and merging it would apply them twice (a push the coordinator's restart dropped and the
+        learner sends again is not this: it is taken afresh, `revived` above)."""
+        for sid, a, b in spans:
+            hit = db.execute(
+                "SELECT p.push_id, p.state, s.row_start, s.row_end FROM spans s "
+                "JOIN pushes p ON p.push_id = s.push_id WHERE s.shard_id = ? AND p.worker_id = ? "
+                "AND p.state IN ('pending', 'merged') AND s.row_start < ? AND s.row_end > ? LIMIT 1",
+                (sid, worker_id, b, a),
+            ).fetchone()
+            if hit is not None:
+                return (
+                    f"re-sent work: rows {sid}:[{max(a, hit[2])},{min(b, hit[3])}) are in this "
+                    f"worker's {hit[1]} push {hit[0]} already"
+                )
         return None
 
     def _span_tokens(self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]]) -> int:

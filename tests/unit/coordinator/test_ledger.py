@@ -413,13 +413,13 @@ def test_rows_already_trained_by_another_push_are_counted_once(ledger):
     assert push(ledger, "p1", [(sid, 0, 5)]) is None
     # A learner that lost its lease comes back with rows 3..7: its delta is accepted, but only
     # rows 5..7 are credited to it; rows 3..5 stay p1's.
-    assert push(ledger, "p2", [(sid, 3, 7)]) is None
+    assert push(ledger, "p2", [(sid, 3, 7)], worker="L2") is None
     assert ledger.push_state("p2")["state"] == "pending"
     commit_merge(ledger, 0, 1, ["p1", "p2"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
     assert ledger.counter("rows_trained_twice") == 2
     # Rows inside a merged span are not counted again either.
-    assert push(ledger, "p3", [(sid, 4, 6)]) is None
+    assert push(ledger, "p3", [(sid, 4, 6)], worker="L3") is None
     commit_merge(ledger, 0, 2, ["p3"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
     assert ledger.lease_shard("L1", TTL).todo == [(7, ROWS)]
@@ -448,7 +448,7 @@ def test_merged_tokens_counted_once_per_row(ledger):
     (sid,) = with_train_shard(ledger)
     assert push(ledger, "p1", [(sid, 0, 3)]) is None
     commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
-    assert push(ledger, "p1b", [(sid, 0, 3)]) is None  # accepted, but none of its rows are new
+    assert push(ledger, "p1b", [(sid, 0, 3)], worker="L2") is None  # accepted, but none of its rows are new
     commit_merge(ledger, 0, 2, ["p1b"], 0, 0, None, "quorum")
     assert ledger.counter("tokens_merged") == 3 * TOKENS_PER_ROW
 
@@ -604,6 +604,25 @@ def test_the_round_that_made_a_version_is_known_after_a_restart(ledger, clock) -
     commit_merge(ledger, 0, 1, ["p1", "p2"], 6 * TOKENS_PER_ROW, 10, 2.5, "every live learner pushed")
     assert ledger.round_pushers(0, 1) == (start, frozenset({"L1", "L2"}))
     assert ledger.round_pushers(1, 1) is None
+
+
+def test_a_push_of_rows_the_same_worker_already_pushed_is_refused_as_re_sent_work(ledger):
+    """A learner resumed from a state older than its last push sends that push's steps again:
+    its own rows come back. Merging it would apply those steps twice, so it is refused and
+    recorded (a retry gets the same answer); another worker's rows only count once (above)."""
+    (sid,) = with_train_shard(ledger)
+    assert push(ledger, "p1", [(sid, 0, 5)]) is None
+    reason = push(ledger, "p2", [(sid, 4, 9)])
+    assert reason == "re-sent work: rows 1:[4,5) are in this worker's pending push p1 already".replace(
+        "1:", f"{sid}:"
+    )
+    assert ledger.push_state("p2")["state"] == "dropped"
+    assert ledger.push_state("p2")["reason"] == reason
+    commit_merge(ledger, 0, 1, ["p1"], 5 * TOKENS_PER_ROW, 5, 2.5, "quorum")
+    assert "merged push p1" in push(ledger, "p3", [(sid, 2, 3)])
+    assert ledger.counter("tokens_trained") == 5 * TOKENS_PER_ROW  # the refused pushes count nothing
+    assert ledger.lease_shard("L1", TTL).todo == [(5, ROWS)]  # their other rows are still to train
+    assert push(ledger, "p4", [(sid, 5, 9)]) is None  # new rows of the same worker are new work
 
 
 def test_a_push_dropped_by_a_restart_is_taken_afresh_and_counted_once(tmp_path, clock) -> None:
