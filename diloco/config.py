@@ -226,6 +226,9 @@ class CoordinatorConfig:
     # Live workers of one role at most: a join beyond is refused. Fake learners that join and
     # heartbeat would otherwise each shrink every honest round's coverage (and fill the ledger).
     max_workers_per_role: int = 1024
+    # A completed shard is read back and checked (rows, tokens, checksum: a hash of its stored
+    # bytes) before it becomes ready; off, the data workers' reports are taken as they come.
+    verify_shards: bool = True
 
 
 @dataclass

@@ -20,6 +20,8 @@ MAX_COUNT = 1 << 50
 MAX_STEPS_PER_H = 1000
 # Ranks one learner may say it has (a torchrun group), for status.
 MAX_RANKS = 4096
+# A completed shard the coordinator reads back to check it: a 64 MiB raw chunk makes ~30 MB.
+MAX_SHARD_BYTES = 1 << 30
 
 
 def id_problem(value: str, what: str = "worker id") -> str:

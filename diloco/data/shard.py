@@ -303,6 +303,29 @@ def decode_shard(data: bytes, expected_checksum: str | None = None) -> Shard:
     return Shard(header=header, columns={"input_ids": rows.astype(dtype.newbyteorder("="), copy=False)})
 
 
+def completion_problem(data: bytes, rows: int, tokens: int, checksum: str) -> str | None:
+    """Why `data` is not the shard a completion describes (its rows, tokens and checksum), or None.
+
+    What the coordinator asks of a shard before it becomes ready: the header agrees with the
+    completion, and the stored bytes hash to the header's checksum (format 2 and columns hash the
+    zstd frame as stored: no decompression). Format 1 is decoded in full."""
+    try:
+        header, body = _parse_header(data)
+        if header["format_version"] == 1:
+            decode_shard(data)
+        elif (actual := _checksum(body)) != header["checksum"]:
+            return f"its payload hashes to {actual}, its header says {header['checksum']}"
+    except ShardCorrupt as e:
+        return str(e)
+    said = {"rows": rows, "tokens": tokens, "checksum": checksum}
+    wrong = [
+        f"{k} {header.get(k)!r} in the file, {v!r} in the completion"
+        for k, v in said.items()
+        if header.get(k) != v
+    ]
+    return "; ".join(wrong) or None
+
+
 def write_shard(
     uri: str,
     rows: np.ndarray,

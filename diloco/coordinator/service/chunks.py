@@ -14,6 +14,7 @@ from diloco.coordinator.service.state import (
     log,
 )
 from diloco.data.preprocess import schema_difference
+from diloco.data.shard import completion_problem
 from diloco.v1 import coordinator_pb2 as pb
 
 
@@ -90,6 +91,23 @@ class ChunkRPCs(ServiceBase):
                 reply = pb.CompleteChunkReply(accepted=False, reason=refusal, wrong_schema=True)
                 self.wire.add_out("complete_chunk", reply)
                 return reply
+        if self.config.coordinator.verify_shards and (problem := self._shard_problem(request)):
+            # A failed attempt of the chunk (it goes back to the pool, or to quarantine), and the
+            # worker removes its file: no learner ever reads a shard its completion misdescribes.
+            log.warning(
+                "chunk %d from %s: the shard is refused: %s", request.chunk_id, request.worker_id, problem
+            )
+            self.ledger.fail_chunk(
+                request.worker_id,
+                request.chunk_id,
+                f"shard refused: {problem}",
+                self.config.coordinator.max_chunk_attempts,
+            )
+            reply = pb.CompleteChunkReply(
+                accepted=False, reason=f"the shard file is not what was reported: {problem}"
+            )
+            self.wire.add_out("complete_chunk", reply)
+            return reply
         done = self.ledger.complete_chunk(
             request.worker_id,
             request.chunk_id,
@@ -118,6 +136,18 @@ class ChunkRPCs(ServiceBase):
         self.wire.add_out("complete_chunk", reply)
         return reply
 
+    def _shard_problem(self, request: pb.CompleteChunkRequest) -> str | None:
+        """Why the shard file is not the one the completion reports (rows, tokens, checksum)."""
+        if request.shard_bytes > limits.MAX_SHARD_BYTES:
+            return f"{request.shard_bytes} bytes; {limits.MAX_SHARD_BYTES} at most"
+        try:
+            data = store.read_bytes(request.shard_uri)
+        except OSError as e:
+            return limits.cut_text(f"unreadable: {e}", 300)
+        if len(data) != request.shard_bytes:
+            return f"{len(data)} bytes in the file, {request.shard_bytes} reported"
+        return completion_problem(data, request.rows, request.tokens, request.checksum)
+
     def _schema_refusal(self, schema_json: str) -> str:
         """Why a shard's columns are not the run's (the first recorded shard's), or ""."""
         try:
@@ -141,7 +171,7 @@ class ChunkRPCs(ServiceBase):
             request.chunk_id,
             request.worker_id,
             quarantined,
-            request.error.splitlines()[0] if request.error else "",
+            request.error.splitlines()[0][:300] if request.error else "",
         )
         self.events.record(
             "chunk_failed", chunk=request.chunk_id, worker_id=request.worker_id, quarantined=quarantined,

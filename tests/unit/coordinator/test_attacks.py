@@ -7,15 +7,20 @@ from __future__ import annotations
 import math
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
 from diloco import store
 from diloco.client import CoordinatorClient
+from diloco.config import RunConfig
 from diloco.coordinator import limits
+from diloco.coordinator.server import start_coordinator
+from diloco.data.shard import ShardInfo, write_shard
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import delta_header, tiny_coordinator
 
@@ -108,6 +113,71 @@ def test_shards_outside_the_store_and_impossible_counts_are_refused(
             assert status["tokens_prepared"] < limits.MAX_COUNT
         finally:
             data.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_completed_shard_is_checked_against_its_file_before_it_becomes_ready(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """A data worker's report of a shard (rows, tokens, checksum, bytes) must be what its file
+    holds: a lie, or a file changed after it was written, fails that attempt of the chunk (the
+    chunk goes back to the pool) and no learner is ever handed the shard."""
+    cfg = RunConfig().with_overrides(
+        {"data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "coordinator.max_chunk_attempts": 10}
+    )
+    running = start_coordinator(cfg, str(tmp_path / "run"))
+    data = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_DATA)
+    try:
+        data.join()
+        rows = np.arange(4 * 129, dtype=np.int64).reshape(4, 129) % 200
+
+        def leased_and_written() -> tuple[pb.LeaseChunkReply, ShardInfo]:
+            lease = data.lease_chunk()
+            assert lease.shard_uri, lease
+            info = write_shard(
+                lease.shard_uri, rows, tokenizer_id="t", vocab_size=256, chunk_index=lease.chunk_id
+            )
+            return lease, info
+
+        def complete(lease: pb.LeaseChunkReply, info: ShardInfo, **said: object) -> pb.CompleteChunkReply:
+            report = {"rows": info.rows, "tokens": info.tokens, "checksum": info.checksum,
+                      "shard_bytes": info.nbytes, **said}  # fmt: skip
+            return data.complete_chunk(
+                pb.CompleteChunkRequest(
+                    chunk_id=lease.chunk_id, completion_id=uuid.uuid4().hex, shard_uri=info.uri, **report
+                )
+            )
+
+        lies = [
+            ({"rows": 5, "tokens": 5 * 129}, "rows 4 in the file, 5 in the completion"),
+            ({"checksum": "sha256:" + "0" * 64}, "checksum"),
+            ({"shard_bytes": 10}, "bytes in the file, 10 reported"),
+        ]
+        for said, words in lies:
+            lease, info = leased_and_written()
+            reply = complete(lease, info, **said)
+            assert not reply.accepted and words in reply.reason, reply
+            chunk = running.ledger._q("SELECT state, error FROM chunks WHERE id = ?", (lease.chunk_id,))[0]
+            assert chunk["state"] == "pending" and chunk["error"].startswith("shard refused"), dict(chunk)
+        # Bytes changed after the checksum was taken (a bad disk, or someone else's hand):
+        lease, info = leased_and_written()
+        path = Path(info.uri)
+        raw = bytearray(path.read_bytes())
+        raw[-3] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        reply = complete(lease, info)
+        assert not reply.accepted and "hashes to" in reply.reason, reply
+        assert running.ledger.counter("tokens_prepared") == 0 and not running.ledger._q(
+            "SELECT id FROM shards"
+        )
+        # The honest report of an unchanged file is taken.
+        lease, info = leased_and_written()
+        assert complete(lease, info).accepted
+        (shard,) = running.ledger._q("SELECT uri, rows, state FROM shards")
+        assert (shard["uri"], shard["rows"], shard["state"]) == (info.uri, 4, "ready")
+    finally:
+        data.close()
+        running.stop()
 
 
 @pytest.mark.timeout(120)
