@@ -2,6 +2,12 @@
 identities against a real coordinator (diloco.testing.fuzz), counted.
 
     python benchmarks/fuzz.py --examples 500 --steps 25      # about 12,500 calls
+    python benchmarks/fuzz.py --mtls ...                     # every call made with a certificate
+
+With --mtls the coordinator runs mutual TLS, each call is made by one of several certificates'
+holders (learners, a data worker, an observer, an operator, a stranger from another CA), and may
+act as another worker or call what its role may not: every such call must be refused and change
+nothing (`must_refuse` counts them).
 
 Prints the calls by kind, the refusals, and pushes accepted and refused. The invariants are
 checked after every call; the first that fails (a handler answering anything but a result or a
@@ -25,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
-from diloco.testing.fuzz import Tally, audit_ok, fuzz_overrides, make_machine  # noqa: E402
+from diloco.security.transport import client_channel  # noqa: E402
+from diloco.testing.fuzz import Tally, audit_ok, fuzz_certificates, fuzz_overrides, make_machine  # noqa: E402
 from tests.support import copy_corpus, tiny_coordinator  # noqa: E402
 
 
@@ -34,16 +41,21 @@ def main() -> None:
     p.add_argument("--examples", type=int, default=500)
     p.add_argument("--steps", type=int, default=25, help="calls per example (each checked after)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fuzz.json")
+    p.add_argument("--mtls", action="store_true", help="identities from certificates (mutual TLS)")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/fuzz[_mtls].json")
     args = p.parse_args()
+    args.out = args.out or ROOT / "benchmarks" / "results" / ("fuzz_mtls.json" if args.mtls else "fuzz.json")
     tally = Tally()
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="diloco-fuzz-") as tmp:
         (Path(tmp) / "corpus").mkdir()
         corpus = copy_corpus(Path(tmp) / "corpus", 300_000)
         workdir = Path(tmp) / "coordinator"
-        with tiny_coordinator(corpus, workdir, fuzz_overrides()) as (running, _, init):
-            machine = make_machine(running, init, tally)
+        mine, security = fuzz_certificates(Path(tmp)) if args.mtls else ({}, None)
+        with tiny_coordinator(corpus, workdir, fuzz_overrides(), security) as (running, _, init):
+            address = f"127.0.0.1:{running.port}"
+            channels = {who: client_channel(address, s, []) for who, s in mine.items()} if args.mtls else None
+            machine = make_machine(running, init, tally, channels)
             run_state_machine_as_test(
                 machine,
                 settings=settings(
@@ -57,7 +69,7 @@ def main() -> None:
         violations = audit_ok(workdir)
     # Reaching here means no crash: the first one stops the run with its failing call sequence.
     result = {**asdict(tally), "audit_violations": violations,
-              "seconds": round(time.monotonic() - started, 1), "examples": args.examples, "steps": args.steps}  # fmt: skip
+              "seconds": round(time.monotonic() - started, 1), "examples": args.examples, "steps": args.steps, "mtls": args.mtls}  # fmt: skip
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,6 +27,7 @@ from diloco.corpus import stdlib_files
 from diloco.data.worker import DataWorker
 from diloco.local.procs import Child, ProcessGroup
 from diloco.model import build_model
+from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 
 try:  # typer >= 0.2x ships its own copy of click
@@ -186,17 +187,21 @@ def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.5):
 
 
 @contextlib.contextmanager
-def tiny_coordinator(corpus: Path, workdir: Path, overrides: dict[str, object]):
+def tiny_coordinator(
+    corpus: Path, workdir: Path, overrides: dict[str, object], security: dict[str, Security] | None = None
+):
     """A real coordinator on a 1-layer GPT with its shards made, and a joined learner client that
-    gave the initial parameters: (running, learner, init)."""
+    gave the initial parameters: (running, learner, init). `security`: the Security of the
+    "coordinator", its "data" worker and the "learner" (mutual TLS); none, plaintext."""
+    security = security or {}
     cfg = RunConfig().with_overrides({
         "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32,
         "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
     })  # fmt: skip
-    running = start_coordinator_here(cfg, str(workdir))
+    running = start_coordinator_here(cfg, str(workdir), security=security.get("coordinator", Security()))
     address = f"127.0.0.1:{running.port}"
-    assert DataWorker(address).run() == 0
-    learner = CoordinatorClient(address, pb.ROLE_COMPUTE)
+    assert DataWorker(address, security=security.get("data", Security())).run() == 0
+    learner = CoordinatorClient(address, pb.ROLE_COMPUTE, security=security.get("learner", Security()))
     model_cfg = RunConfig.from_json(learner.join().config_json).model
     init = {
         n: p.detach().clone() for n, p in build_model(model_cfg, model_cfg.vocab_size, 0).named_parameters()

@@ -19,6 +19,7 @@ from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.data.chunks import UNIT_ROW_GROUPS, ChunkSpec, Segment
 from diloco.data.makers import ShardMaker, shard_maker
 from diloco.role import heartbeat_thread, refusing
+from diloco.security.transport import Security
 from diloco.tokenizer import load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -32,10 +33,15 @@ class DataWorker:
         stop: threading.Event | None = None,
         connect_timeout_s: float = 60.0,
         worker_id: str | None = None,
+        security: Security | None = None,
     ):
         self.connect_timeout_s = connect_timeout_s
         self.client = CoordinatorClient(
-            address, pb.ROLE_DATA, retry_deadline_s=WORKER_OUTAGE_TOLERANCE_S, worker_id=worker_id
+            address,
+            pb.ROLE_DATA,
+            retry_deadline_s=WORKER_OUTAGE_TOLERANCE_S,
+            worker_id=worker_id,
+            security=security,
         )
         self.stop = stop or threading.Event()
         self.current_chunk: int | None = None
