@@ -102,7 +102,9 @@ def run_cell(
             config_path.write_text(cfg.to_toml())
             for arm, flags in arms.items():
                 key = f"{arm}/seed{seed}"
-                if (old := args.reused.get((workers, inner_steps, model), {}).get(key)) is not None:
+                # DDP has no inner steps: its run at any H of this M and model is the same run.
+                cell_h = None if arm == "ddp" else inner_steps
+                if (old := args.reused.get((workers, cell_h, model), {}).get(key)) is not None:
                     by_seed[seed][arm], raw[key] = old["eval_loss"], {**old, "reused": str(args.reuse)}
                     continue
                 print(
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
         for cell in json.loads(args.reuse.read_text())["cells"]:
             runs = {k: v for k, v in cell["runs"].items() if k.split("/")[0] in taken}
             args.reused[(cell["workers"], cell["inner_steps"], cell["model"])] = runs
+            ddp = {k: v for k, v in runs.items() if k.startswith("ddp/")}
+            args.reused.setdefault((cell["workers"], None, cell["model"]), {}).update(ddp)
 
     variants = dict(v.split("=", 1) for v in args.variant)
     arms: dict[str, list[str] | None] = {}
