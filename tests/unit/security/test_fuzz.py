@@ -13,6 +13,15 @@ from diloco.security.transport import client_channel
 from diloco.testing.fuzz import Tally, audit_ok, fuzz_certificates, fuzz_overrides, make_machine
 from tests.support import tiny_coordinator
 
+# ~300 calls, the same ones every run (the benchmark runs ten thousand and more).
+SUITE_RUN = settings(
+    max_examples=15,
+    stateful_step_count=20,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+
 
 @pytest.mark.timeout(300)
 def test_random_calls_from_several_identities_never_crash_or_poison_the_run(
@@ -23,13 +32,7 @@ def test_random_calls_from_several_identities_never_crash_or_poison_the_run(
         machine = make_machine(running, init, tally)
         run_state_machine_as_test(
             machine,
-            settings=settings(
-                max_examples=15,
-                stateful_step_count=20,
-                deadline=None,
-                derandomize=True,
-                suppress_health_check=list(HealthCheck),
-            ),  # fmt: skip
+            settings=SUITE_RUN,
         )
     assert tally.calls >= 200 and tally.refused > 0, tally
     assert audit_ok(tmp_path) == []
@@ -51,13 +54,7 @@ def test_with_certificates_every_call_from_a_stranger_the_wrong_role_or_as_someo
             machine = make_machine(running, init, tally, channels)
             run_state_machine_as_test(
                 machine,
-                settings=settings(
-                    max_examples=15,
-                    stateful_step_count=20,
-                    deadline=None,
-                    derandomize=True,
-                    suppress_health_check=list(HealthCheck),
-                ),  # fmt: skip
+                settings=SUITE_RUN,
             )
         finally:
             for channel in channels.values():
