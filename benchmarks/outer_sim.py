@@ -65,7 +65,9 @@ def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
         for _, delta, tok, st in f.pushes:
             acc.add(delta, syncer.merge_weight(tok, st, policy.merge))
         scale = 1.0 if args.no_coverage else syncer.coverage_scale(len(pushers), M)
-        fraction = 1.0 if args.late == "amend" else scale
+        # The merger's rule: the momentum moves by the round's share of a full round's steps.
+        work = syncer.work_fraction(sum(st for *_, st in f.pushes), M, args.inner_steps)
+        fraction = 1.0 if args.late == "amend" else (scale if args.no_coverage else work)
         f.period_start, f.period_members = f.version, set(pushers)
         f.params, f.momentum = syncer.outer_step(f.params, f.momentum, acc.result(scale), policy.outer_lr,
                                                  policy.outer_momentum, policy.nesterov, fraction=fraction)  # fmt: skip

@@ -105,7 +105,7 @@ def run_cell(
                 # DDP has no inner steps: its run at any H of this M and model is the same run.
                 cell_h = None if arm == "ddp" else inner_steps
                 if (old := args.reused.get((workers, cell_h, model), {}).get(key)) is not None:
-                    by_seed[seed][arm], raw[key] = old["eval_loss"], {**old, "reused": str(args.reuse)}
+                    by_seed[seed][arm], raw[key] = old["eval_loss"], old
                     continue
                 print(
                     f"== M={workers} H={inner_steps} {model} seed={seed}: {arm}", file=sys.stderr, flush=True
@@ -160,16 +160,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--max-minutes", type=float, default=20.0, help="safety bound per run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quality.json")
-    p.add_argument("--reuse", type=Path, help="take these arms' runs from an earlier result file instead")
+    p.add_argument("--reuse", type=Path, action="append", default=[],
+                   help="take these arms' runs from an earlier result file instead (repeatable)")  # fmt: skip
     p.add_argument("--reuse-arms", default="ddp,torchft,sync-diloco",
                    help="the arms --reuse takes (their runs must not depend on what changed since)")  # fmt: skip
     args = p.parse_args(argv)
     args.reused = {}
-    if args.reuse:
-        taken = set(args.reuse_arms.split(","))
-        for cell in json.loads(args.reuse.read_text())["cells"]:
-            runs = {k: v for k, v in cell["runs"].items() if k.split("/")[0] in taken}
-            args.reused[(cell["workers"], cell["inner_steps"], cell["model"])] = runs
+    taken = set(args.reuse_arms.split(","))
+    for path in args.reuse:
+        for cell in json.loads(path.read_text())["cells"]:
+            runs = {
+                k: {**v, "reused": str(path)} for k, v in cell["runs"].items() if k.split("/")[0] in taken
+            }
+            args.reused.setdefault((cell["workers"], cell["inner_steps"], cell["model"]), {}).update(runs)
             ddp = {k: v for k, v in runs.items() if k.startswith("ddp/")}
             args.reused.setdefault((cell["workers"], None, cell["model"]), {}).update(ddp)
 

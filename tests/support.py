@@ -216,6 +216,10 @@ def tiny_coordinator(
 
 def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
     shard = learner.lease_shard()
-    header = pb.TensorHeader(fragment=0, version=0, inner_steps=1, tokens=1290, codec=codec, push_id=push_id)
+    # H steps (the default): a whole round's work, so its merge is a whole outer step.
+    steps = RunConfig().train.inner_steps
+    header = pb.TensorHeader(
+        fragment=0, version=0, inner_steps=steps, tokens=1290, codec=codec, push_id=push_id
+    )
     header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=10)
     return header

@@ -27,6 +27,7 @@ from diloco.compute import group as ranks
 from diloco.compute import outer, schedule
 from diloco.compute.endgame import EndGame
 from diloco.compute.handshake import check_same_model, join_run, pull_everything
+from diloco.compute.heartbeats import Heartbeats
 from diloco.compute.held import HeldFragment
 from diloco.compute.inner import inner_step, straggle_s
 from diloco.compute.local_state import LocalState, StateWriter
@@ -48,7 +49,7 @@ from diloco.wire import steps
 log = logging.getLogger("diloco.learner")
 
 
-class Learner(KeepsLocalState, EndGame):
+class Learner(KeepsLocalState, EndGame, Heartbeats):
     def __init__(
         self,
         address: str,
@@ -73,6 +74,10 @@ class Learner(KeepsLocalState, EndGame):
         self.finishing = threading.Event()
         self.progress = Progress()
         self.rows = RowBook()  # the shard rows trained on that no merge has counted yet
+        self.row_tokens: dict[int, int] = {}  # shard id -> what one of its rows counts for (tokens)
+        # A Decoupled run's token budget: (tokens_trained reported, tokens allowed past it) from
+        # the last heartbeat; None: no limit (lifecycle.training_allowance).
+        self.allowance: tuple[int, int] | None = None
         self.frags: list[HeldFragment] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
         # Steps the push schedule runs ahead of the step count: moved on when our pushes keep
@@ -260,20 +265,6 @@ class Learner(KeepsLocalState, EndGame):
                 break
         self.progress.sync_wait_s += time.monotonic() - started
 
-    # -- background -----------------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        reply = self.client.heartbeat(self.progress.heartbeat(self.prefetcher.held_shards()))
-        if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
-            self.finishing.set()
-        if reply.coordinator_epoch != self.epoch:
-            log.warning("coordinator epoch %d -> %d: it restarted", self.epoch, reply.coordinator_epoch)
-            self.epoch = reply.coordinator_epoch
-            self.channel.coordinator_restarted()
-        for shard_id in reply.lost_shard_leases:
-            log.warning("lease on shard %d lost", shard_id)
-            self.prefetcher.lose(shard_id)
-
     # -- the loop -------------------------------------------------------------------------------
 
     def _inner_step(self, batch: Batch) -> None:
@@ -305,6 +296,7 @@ class Learner(KeepsLocalState, EndGame):
             f.tokens += batch.tokens
             f.loss_sum += loss
         self.rows.trained(batch)
+        self.row_tokens[batch.shard_id] = batch.tokens // max(1, batch.row_end - batch.row_start)
 
     def _next_batch(self) -> Batch | object | None:
         """The next batch (DONE: no more data; None: none yet), time stalled on data counted."""
@@ -331,6 +323,9 @@ class Learner(KeepsLocalState, EndGame):
             if reason is not None:
                 self.ended_because = reason
                 return
+            if schedule.budget_spent(self.progress.tokens_trained, self.allowance):
+                last_empty_push = self._wait_for_allowance(last_empty_push)
+                continue
             item = self._next_batch()
             if item is None:  # none ready yet
                 if self.prefetcher.starved.is_set():

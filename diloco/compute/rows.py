@@ -82,6 +82,14 @@ def rows_to_carry(
     return release_fragment(groups, pushed)
 
 
+def span_tokens(spans: list[tuple[int, int, int]], per_row: dict[int, int]) -> int:
+    """The tokens (the ledger's unit) of row spans, from what a row of each shard counts for; a
+    shard not seen this life (resumed rows) counts like the others, as every shard of a run does."""
+    per_row = dict(per_row)  # the training thread adds shards while a heartbeat reads
+    fallback = max(per_row.values(), default=0)
+    return sum((b - a) * per_row.get(sid, fallback) for sid, a, b in spans)
+
+
 def copy_rows(rows: Unpushed) -> Unpushed:
     """A copy that later `add`s to the original do not change."""
     return Unpushed(list(rows.spans), list(rows.released), dict(rows._last))

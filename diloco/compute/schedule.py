@@ -76,6 +76,13 @@ def share_done(tokens_trained: int, cfg: RunConfig) -> bool:
     return share > 0 and tokens_trained >= share
 
 
+def budget_spent(tokens_trained: int, allowance: tuple[int, int] | None) -> bool:
+    """A Decoupled learner has trained what the coordinator allowed it of the token budget since
+    its last heartbeat: (tokens_trained as reported, tokens allowed past it); None: no limit. It
+    may step while any of the allowance is left, so it overshoots by less than one batch."""
+    return allowance is not None and tokens_trained - allowance[0] >= allowance[1]
+
+
 # -- the end game ------------------------------------------------------------------------------
 
 

@@ -43,3 +43,28 @@ def next_run_state(
             return RunStateChange(None, "merges still being published")
         return RunStateChange(FINISHED, "every learner has left")
     return RunStateChange(None, f"run {current}")
+
+
+@dataclass(frozen=True)
+class Claim:
+    """What a live learner holds of the token budget: tokens it trained that no merge it took
+    counts yet, and the allowance it was given at its last heartbeat (it may be training into it)."""
+
+    unmerged: int
+    allowed: int
+
+
+def training_allowance(*, budget: int, tokens_merged: int, mine: int, others: list[Claim]) -> int:
+    """Tokens a learner may train past what it just reported, so that a Decoupled run merges its
+    token budget and not a round more.
+
+    The budget counts merged tokens, and a row's tokens merge only once every fragment was pushed
+    after it: when the merged count reaches the budget, each learner still holds about H steps,
+    and handing them in overshoots by M·H batches (+17% at M = 2, H = 100 on a 1.2 M-token run).
+    So each learner claims what it holds unmerged plus what it was allowed; what nobody claims is
+    split evenly between the learners, this one's share now. A claim counted twice (a merge the
+    learner has not taken yet) only makes the allowance smaller for a moment; a learner that dies
+    stops claiming once it is found dead, and its rows go back to the pool.
+    """
+    free = max(0, budget - tokens_merged - mine - sum(c.unmerged + c.allowed for c in others))
+    return free // (len(others) + 1) or free  # the last few tokens go whole: one more step

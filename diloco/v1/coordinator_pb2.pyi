@@ -68,7 +68,7 @@ class JoinReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ..., run_id: _Optional[str] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics", "device", "ranks", "mfu")
+    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics", "device", "ranks", "mfu", "tokens_unmerged")
     class TrainMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class HeartbeatRequest(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     MFU_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_UNMERGED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_leases: _containers.RepeatedScalarFieldContainer[int]
     shard_leases: _containers.RepeatedScalarFieldContainer[int]
@@ -106,19 +107,22 @@ class HeartbeatRequest(_message.Message):
     device: str
     ranks: int
     mfu: float
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., ranks: _Optional[int] = ..., mfu: _Optional[float] = ...) -> None: ...
+    tokens_unmerged: int
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., ranks: _Optional[int] = ..., mfu: _Optional[float] = ..., tokens_unmerged: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("run_state", "coordinator_epoch", "lost_chunk_leases", "lost_shard_leases")
+    __slots__ = ("run_state", "coordinator_epoch", "lost_chunk_leases", "lost_shard_leases", "tokens_allowed")
     RUN_STATE_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_CHUNK_LEASES_FIELD_NUMBER: _ClassVar[int]
     LOST_SHARD_LEASES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_ALLOWED_FIELD_NUMBER: _ClassVar[int]
     run_state: RunState
     coordinator_epoch: int
     lost_chunk_leases: _containers.RepeatedScalarFieldContainer[int]
     lost_shard_leases: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_state: _Optional[_Union[RunState, str]] = ..., coordinator_epoch: _Optional[int] = ..., lost_chunk_leases: _Optional[_Iterable[int]] = ..., lost_shard_leases: _Optional[_Iterable[int]] = ...) -> None: ...
+    tokens_allowed: int
+    def __init__(self, run_state: _Optional[_Union[RunState, str]] = ..., coordinator_epoch: _Optional[int] = ..., lost_chunk_leases: _Optional[_Iterable[int]] = ..., lost_shard_leases: _Optional[_Iterable[int]] = ..., tokens_allowed: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("worker_id", "reason")

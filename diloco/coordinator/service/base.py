@@ -65,6 +65,7 @@ class ServiceBase:
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
+        self._budget_lock = threading.Lock()  # one learner's allowance is read and written at a time
         self._dropped_by_restart = ledger.pending_pushers()  # awaited by each fragment's first round
         self.epoch = ledger.next_epoch()
         self.run_state = ledger.get_meta("run_state", "running") or "running"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
 
-from diloco.coordinator import limits
+from diloco.coordinator import lifecycle, limits
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -82,7 +83,7 @@ class MembershipRPCs(ServiceBase):
             **({"mfu": round(request.mfu, 4)} if request.mfu else {}),
         }
         ttl = self.config.coordinator.lease_ttl_s
-        self.ledger.heartbeat(request.worker_id, stats)
+        allowed = self._record_heartbeat(request, role, stats)
         if role == "compute" and request.wall_seconds > 0:
             self.events.record(
                 "learner", worker_id=request.worker_id, inner_steps=request.inner_steps,
@@ -100,8 +101,36 @@ class MembershipRPCs(ServiceBase):
             lost_chunk_leases=lost_chunks,
             lost_shard_leases=lost_shards,
         )
+        if allowed is not None:
+            reply.tokens_allowed = allowed
         self.wire.add_out("heartbeat", reply, role)
         return reply
+
+    def _record_heartbeat(self, request: pb.HeartbeatRequest, role: str | None, stats: dict) -> int | None:
+        """Keep the worker's stats; for a learner of a budgeted Decoupled run, also its claim on the
+        budget and the allowance it gets now (lifecycle.training_allowance). Synchronous learners
+        stop at their share of the budget themselves (schedule.token_share)."""
+        budget = self.config.train.max_tokens
+        if role != "compute" or not budget or self.config.sync.synchronous:
+            self.ledger.heartbeat(request.worker_id, stats)
+            return None
+        with self._budget_lock:  # two learners' heartbeats must not hand out the same tokens
+            live = set(self._live_learners()) - {request.worker_id}
+            others = [
+                lifecycle.Claim(int(s.get("tokens_unmerged", 0)), int(s.get("tokens_allowed", 0)))
+                for w in self.ledger.workers()
+                if w["id"] in live
+                for s in [json.loads(w["stats"])]
+            ]
+            allowed = lifecycle.training_allowance(
+                budget=budget,
+                tokens_merged=int(self.ledger.counter("tokens_merged")),
+                mine=request.tokens_unmerged,
+                others=others,
+            )
+            stats.update(tokens_unmerged=request.tokens_unmerged, tokens_allowed=allowed)
+            self.ledger.heartbeat(request.worker_id, stats)
+        return allowed
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         role = self._role_of(request.worker_id)

@@ -86,7 +86,10 @@ class Merger(ServiceBase):
             frag.round = syncer.RoundState(p, frag.version, self.clock())
             return
         contributors = {q.arrival.worker_id for q in pending}
-        scale = syncer.coverage_scale(len(contributors), len(contributors | set(self._live_learners())))
+        live = len(contributors | set(self._live_learners()))
+        scale = syncer.coverage_scale(len(contributors), live)
+        steps = sum(q.arrival.steps for q in pending)
+        work = syncer.work_fraction(steps, live, self.config.train.inner_steps)
         try:
             outer_grad = summed.acc.result(scale)
             params, momentum = syncer.outer_step(
@@ -96,7 +99,7 @@ class Merger(ServiceBase):
                 self.policy.outer_lr,
                 self.policy.outer_momentum,
                 self.policy.nesterov,
-                fraction=scale,
+                fraction=work,
                 consume=True,
             )
         except (RuntimeError, ValueError) as e:  # the sum is spent: the round cannot be tried again
@@ -109,7 +112,6 @@ class Merger(ServiceBase):
             )
         version = frag.version + 1
         tokens = sum(q.arrival.tokens for q in pending)
-        steps = sum(q.arrival.steps for q in pending)
         losses = [q.mean_loss for q in pending if q.mean_loss > 0]
         mean_loss = sum(losses) / len(losses) if losses else None
         frag.unpublished.append(
@@ -125,11 +127,14 @@ class Merger(ServiceBase):
         elapsed = time.monotonic() - started
         self.sync_time_s = moving_average(self.sync_time_s, elapsed)
         log.info(
-            "merge fragment=%d version=%d pushes=%d tokens=%d loss=%s (%s) in %.3fs",
+            "merge fragment=%d version=%d pushes=%d steps=%d tokens=%d coverage=%.2f work=%.2f loss=%s (%s) in %.3fs",
             p,
             version,
             len(pending),
+            steps,
             tokens,
+            scale,
+            work,
             f"{mean_loss:.4f}" if mean_loss else "-",
             reason,
             elapsed,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from diloco.compute.prefetch import Batch
-from diloco.compute.rows import RowBook, Unpushed, release_fragment, rows_to_carry
+from diloco.compute.rows import RowBook, Unpushed, release_fragment, rows_to_carry, span_tokens
 
 
 def batch(shard: int, start: int, end: int, last: bool = False) -> Batch:
@@ -99,3 +99,12 @@ def test_the_row_book_gives_everything_back_at_the_end_and_its_copies_stand_apar
     assert sorted(back.spans) == [(4, 0, 8), (5, 0, 8)] and back.released == [4]
     assert book.spans() == [] and book.all_carried()
     assert sorted(copy.spans()) == [(4, 0, 8), (5, 0, 8)]  # the copy kept what the book held
+
+
+def test_span_tokens_counts_rows_by_their_shard_and_unseen_shards_like_the_others() -> None:
+    book = RowBook()
+    for b in (batch(7, 0, 8), batch(9, 16, 24)):
+        book.trained(b)
+    assert span_tokens(book.spans(), {7: 5, 9: 5}) == 16 * 5
+    assert span_tokens([*book.spans(), (3, 0, 2)], {7: 5, 9: 5}) == 18 * 5  # shard 3: resumed rows
+    assert span_tokens([(3, 0, 2)], {}) == 0

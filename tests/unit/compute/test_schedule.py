@@ -223,3 +223,10 @@ def test_a_straggler_sleeps_in_proportion_to_its_step():
     assert straggle_s(0.2, slow_factor=3.0, step_delay_s=0.0) == pytest.approx(0.4)
     assert straggle_s(0.2, slow_factor=1.0, step_delay_s=0.05) == 0.05
     assert straggle_s(0.2, slow_factor=1.0, step_delay_s=0.0) == 0.0
+
+
+def test_a_learner_steps_while_any_of_its_allowance_is_left():
+    assert not schedule.budget_spent(10_000, None)  # no budget: never spent
+    assert not schedule.budget_spent(1_500, (1_000, 600))
+    assert schedule.budget_spent(1_600, (1_000, 600))
+    assert schedule.budget_spent(1_000, (1_000, 0))  # hand in and wait

@@ -1,8 +1,18 @@
 """The run's life and the publisher's pacing: pure decisions, tested by moving numbers, never by sleeping."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from diloco.coordinator.lifecycle import FINISHED, FINISHING, RUNNING, may_enter, next_run_state
+from diloco.coordinator.lifecycle import (
+    FINISHED,
+    FINISHING,
+    RUNNING,
+    Claim,
+    may_enter,
+    next_run_state,
+    training_allowance,
+)
 from diloco.coordinator.service.publisher import GIVE_UP_AT_SHUTDOWN_AFTER, publish_pause, publish_retry
 
 
@@ -47,3 +57,63 @@ def test_failed_publishes_back_off_and_give_up_only_at_shutdown():
     assert publish_retry(100, stopping=False) == 5.0  # while the run goes on, merges are kept
     assert publish_retry(GIVE_UP_AT_SHUTDOWN_AFTER - 1, stopping=True) is not None
     assert publish_retry(GIVE_UP_AT_SHUTDOWN_AFTER, stopping=True) is None
+
+
+# -- a Decoupled run's token budget: each learner's allowance --------------------------------------
+
+
+def test_what_nobody_claims_is_split_evenly_and_the_last_tokens_go_whole():
+    others = [Claim(unmerged=100, allowed=200)]
+    assert training_allowance(budget=1000, tokens_merged=300, mine=100, others=others) == 150
+    assert training_allowance(budget=1000, tokens_merged=699, mine=0, others=others) == 1
+    assert training_allowance(budget=1000, tokens_merged=700, mine=0, others=others) == 0
+    # Over-claimed (a merge counted by the ledger that the learner has not taken yet): nothing, not less.
+    assert training_allowance(budget=1000, tokens_merged=900, mine=500, others=others) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    learners=st.integers(1, 6),
+    batch=st.integers(1, 64),
+    budget=st.integers(1, 5000),
+    events=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["beat", "step", "merge"])), max_size=400),
+)
+def test_learners_under_allowances_train_the_budget_and_at_most_a_batch_each_more(
+    learners, batch, budget, events
+):
+    """Heartbeats, steps and merges in any order: what the learners train never passes the budget
+    by more than one batch per learner; once every learner is paused and its work merged, the
+    merged tokens reach the budget (the run finishes) whatever order things came in."""
+    trained = [0] * learners
+    unmerged = [0] * learners
+    allowance = [(0, 0)] * learners  # (trained when reported, allowed past it)
+    allowed = [0] * learners
+    merged = 0
+
+    def beat(i):
+        others = [Claim(unmerged[j], allowed[j]) for j in range(learners) if j != i]
+        allowed[i] = training_allowance(budget=budget, tokens_merged=merged, mine=unmerged[i], others=others)
+        allowance[i] = (trained[i], allowed[i])
+
+    def step(i):
+        if trained[i] - allowance[i][0] < allowance[i][1]:
+            trained[i] += batch
+            unmerged[i] += batch
+
+    for who, what in events:
+        i = who % learners
+        if what == "beat":
+            beat(i)
+        elif what == "step":
+            step(i)
+        else:  # a learner's work merges (and it learns so)
+            merged, unmerged[i] = merged + unmerged[i], 0
+        assert sum(trained) <= budget + learners * batch
+    for _ in range(budget + 2):  # then the end game: every learner asks, steps, hands in
+        for i in range(learners):
+            beat(i)
+            step(i)
+            merged, unmerged[i] = merged + unmerged[i], 0
+        if merged >= budget:
+            break
+    assert budget <= merged == sum(trained) <= budget + learners * batch

@@ -23,6 +23,7 @@ from diloco.coordinator.syncer import (
     outer_step,
     quorum_needed,
     staleness_refusal,
+    work_fraction,
 )
 
 
@@ -685,3 +686,31 @@ def test_a_push_half_a_period_or_more_after_is_early_for_the_next_round_not_late
     assert missed_round_by(101.0, 100.0, {"A"}, "B", period_s=2.0) == 0.0
     assert missed_round_by(101.5, 100.0, {"A"}, "B", period_s=2.0) == 0.0
     assert missed_round_by(100.99, 100.0, {"A"}, "B", period_s=2.0) == pytest.approx(0.99)
+
+
+# -- work fraction: how much of an outer step a round's momentum takes ----------------------------
+
+
+def test_a_full_round_is_a_whole_step_and_a_short_one_its_share():
+    assert work_fraction(2 * 100, 2, 100) == 1.0  # both learners, H steps each
+    assert work_fraction(100, 2, 100) == 0.5  # one of two learners: its coverage
+    assert work_fraction(3 + 3, 2, 100) == pytest.approx(0.03)  # an end-game round of 3 steps each
+    assert work_fraction(400, 2, 100) == 1.0  # a skipped push's double interval: never above one
+    assert work_fraction(0, 2, 100) == 0.0
+
+
+def test_rounds_of_few_steps_no_longer_each_take_a_whole_momentum_step():
+    """Momentum built up over full rounds, then ten rounds of 3 steps each (an end game): with the
+    work fraction they move the model about as far as their steps' worth, not ten momentum steps."""
+    params, momentum = {"w": torch.tensor([0.0])}, {"w": torch.tensor([0.0])}
+    for _ in range(5):
+        params, momentum = outer_step(params, momentum, {"w": torch.tensor([1.0])}, 0.7, 0.9, True)
+    before = params["w"].clone()
+    whole, short = dict(params), dict(params)
+    m_whole, m_short = dict(momentum), dict(momentum)
+    for _ in range(10):
+        g = {"w": torch.tensor([0.03])}  # a mean delta of 3 steps: already small
+        whole, m_whole = outer_step(whole, m_whole, g, 0.7, 0.9, True)
+        short, m_short = outer_step(short, m_short, g, 0.7, 0.9, True, fraction=work_fraction(6, 2, 100))
+    assert float(before - whole["w"]) > 10.0  # ten whole momentum kicks of a 4.1 buffer
+    assert 0 < float(before - short["w"]) < 2.5  # ≈ 0.3 of a round of momentum, plus the steps

@@ -1,0 +1,85 @@
+"""The learner's heartbeat: what it reports, and what it does with the reply (the run finishing, a
+restarted coordinator, lost shard leases, and its allowance of a Decoupled run's token budget).
+
+Mixed into the Learner (diloco.compute.learner). The budget's decisions are pure functions:
+lifecycle.training_allowance on the coordinator, schedule.budget_spent here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from diloco.client import CoordinatorClient
+from diloco.compute.held import HeldFragment
+from diloco.compute.prefetch import ShardPrefetcher
+from diloco.compute.progress import Progress
+from diloco.compute.rows import RowBook, span_tokens
+from diloco.compute.sync_channel import SyncChannel
+from diloco.v1 import coordinator_pb2 as pb
+
+log = logging.getLogger("diloco.learner")
+
+ALLOWANCE_ASK_S = 0.5  # a learner waiting for budget asks this often, not every heartbeat_s
+
+
+class Heartbeats:
+    """What the heartbeat reads and changes of the Learner (declared here)."""
+
+    client: CoordinatorClient
+    frags: list[HeldFragment]
+    rows: RowBook
+    row_tokens: dict[int, int]
+    progress: Progress
+    prefetcher: ShardPrefetcher
+    channel: SyncChannel
+    stop: threading.Event
+    finishing: threading.Event
+    epoch: int
+    allowance: tuple[int, int] | None
+    _allowance_asked_at: float = 0.0
+
+    _on_starved: Callable[[float], float]
+
+    def _tokens_unmerged(self) -> int:
+        """This learner's claim on the budget: rows trained that no merge it took counts yet."""
+        in_flight = [
+            (s.shard_id, s.row_start, s.row_end)
+            for f in self.frags
+            if f.in_flight and f.push
+            for s in f.push[0].spans
+        ]
+        return span_tokens(self.rows.spans() + in_flight, self.row_tokens)
+
+    def _heartbeat(self) -> None:
+        request = self.progress.heartbeat(self.prefetcher.held_shards())
+        request.tokens_unmerged = self._tokens_unmerged()
+        reply = self.client.heartbeat(request)
+        allowed = reply.tokens_allowed if reply.HasField("tokens_allowed") else None
+        self.allowance = None if allowed is None else (request.tokens_trained, allowed)
+        if reply.run_state in (pb.RUN_STATE_FINISHING, pb.RUN_STATE_FINISHED):
+            self.finishing.set()
+        if reply.coordinator_epoch != self.epoch:
+            log.warning("coordinator epoch %d -> %d: it restarted", self.epoch, reply.coordinator_epoch)
+            self.epoch = reply.coordinator_epoch
+            self.channel.coordinator_restarted()
+        for shard_id in reply.lost_shard_leases:
+            log.warning("lease on shard %d lost", shard_id)
+            self.prefetcher.lose(shard_id)
+
+    def _wait_for_allowance(self, last_empty_push: float) -> float:
+        """The token budget is all claimed (schedule.budget_spent): hand in, as a starved learner
+        does, so the claimed rows merge, and ask for a new allowance sooner than the next heartbeat.
+        Returns when the last empty push was sent."""
+        last_empty_push = self._on_starved(last_empty_push)  # also takes the merges that arrived
+        now = time.monotonic()
+        if now - self._allowance_asked_at >= ALLOWANCE_ASK_S:
+            self._allowance_asked_at = now
+            with contextlib.suppress(Exception):  # the heartbeat thread reports an outage
+                self._heartbeat()
+        else:
+            self.stop.wait(0.05)
+        return last_empty_push
