@@ -8,6 +8,7 @@ finished (a restarted coordinator reads the state from the ledger).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 RUNNING, FINISHING, FINISHED = "running", "finishing", "finished"
@@ -48,23 +49,52 @@ def next_run_state(
 @dataclass(frozen=True)
 class Claim:
     """What a live learner holds of the token budget: tokens it trained that no merge it took
-    counts yet, and the allowance it was given at its last heartbeat (it may be training into it)."""
+    counts yet, the allowance it was given at its last heartbeat (it may be training into it), and
+    how fast it trains (tokens per busy second; 0: not known yet)."""
 
     unmerged: int
     allowed: int
+    rate: float = 0.0
+
+    def counted(self, horizon_s: float) -> int:
+        """The budget this claim holds: what it trained, and of its allowance what it can train
+        before its next heartbeat (all of it while its speed is not known)."""
+        if self.rate <= 0 or self.allowed <= self.rate * horizon_s:  # (an infinite horizon: all)
+            return self.unmerged + self.allowed
+        return self.unmerged + math.ceil(self.rate * horizon_s)
 
 
-def training_allowance(*, budget: int, tokens_merged: int, mine: int, others: list[Claim]) -> int:
+def training_allowance(
+    *,
+    budget: int,
+    tokens_merged: int,
+    mine: int,
+    others: list[Claim],
+    my_rate: float = 0.0,
+    horizon_s: float = math.inf,
+) -> int:
     """Tokens a learner may train past what it just reported, so that a Decoupled run merges its
     token budget and not a round more.
 
     The budget counts merged tokens, and a row's tokens merge only once every fragment was pushed
     after it: when the merged count reaches the budget, each learner still holds about H steps,
     and handing them in overshoots by M·H batches (+17% at M = 2, H = 100 on a 1.2 M-token run).
-    So each learner claims what it holds unmerged plus what it was allowed; what nobody claims is
-    split evenly between the learners, this one's share now. A claim counted twice (a merge the
-    learner has not taken yet) only makes the allowance smaller for a moment; a learner that dies
-    stops claiming once it is found dead, and its rows go back to the pool.
+    So each learner claims what it holds unmerged plus what it may train of its allowance before
+    it reports again (`horizon_s`: a few heartbeats); what nobody claims is split by the learners'
+    speeds (evenly while a speed is not known), this one's share now. Far from the end the
+    allowances are large, so a learner cut off from the coordinator for a while trains on; near
+    the end they are small, and the learners run out together: a fast learner is not left waiting
+    on a slow one's half. The budget holds to a batch per learner when every learner reports within
+    the horizon; a claim counted twice (a merge the learner has not taken yet) only makes the
+    allowance smaller for a moment; a learner that dies stops claiming once it is found dead.
     """
-    free = max(0, budget - tokens_merged - mine - sum(c.unmerged + c.allowed for c in others))
-    return free // (len(others) + 1) or free  # the last few tokens go whole: one more step
+    claimed = sum(c.counted(horizon_s) for c in others)
+    free = max(0, budget - tokens_merged - mine - claimed)
+    known = [r for r in (my_rate, *(c.rate for c in others)) if r > 0]
+    typical = sum(known) / len(known) if known else 1.0
+
+    def speed(r: float) -> float:
+        return r if r > 0 else typical
+
+    share = speed(my_rate) / (speed(my_rate) + sum(speed(c.rate) for c in others))
+    return int(free * share) or free  # the last few tokens go whole: one more step

@@ -199,6 +199,10 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
         for d, t, s in zip(deltas, tokens, steps, strict=True):
             acc.add(d, syncer.merge_weight(t, s, cfg.sync.merge))
         grad = acc.result(scales[version])
+        # The momentum moves by the round's work: its steps over every live learner's H (the
+        # live learners are the round's pushers over its coverage).
+        live = round(len(deltas) / scales[version])
+        work = syncer.work_fraction(sum(steps), live, cfg.train.inner_steps)
         theta, momentum = syncer.outer_step(
             theta,
             momentum,
@@ -206,7 +210,7 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
             cfg.sync.outer_lr,
             cfg.sync.outer_momentum,
             cfg.sync.nesterov,
-            scales[version],
+            work,
         )
 
     final = load_model_params(store.join(str(workdir.resolve()), "checkpoints"), [max(scales)])

@@ -15,6 +15,15 @@ from diloco.coordinator.service.state import (
 )
 from diloco.v1 import coordinator_pb2 as pb
 
+# A learner's allowance counts against the others for what it can train in this many heartbeats.
+ALLOWANCE_HORIZON_HEARTBEATS = 2
+
+
+def training_rate(stats: dict) -> float:
+    """A learner's tokens per busy second, from its heartbeat stats (0: not known yet)."""
+    busy = float(stats.get("busy_seconds", 0.0))
+    return float(stats.get("tokens_trained", 0)) / busy if busy > 0 else 0.0
+
 
 class MembershipRPCs(ServiceBase):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
@@ -117,7 +126,9 @@ class MembershipRPCs(ServiceBase):
         with self._budget_lock:  # two learners' heartbeats must not hand out the same tokens
             live = set(self._live_learners()) - {request.worker_id}
             others = [
-                lifecycle.Claim(int(s.get("tokens_unmerged", 0)), int(s.get("tokens_allowed", 0)))
+                lifecycle.Claim(
+                    int(s.get("tokens_unmerged", 0)), int(s.get("tokens_allowed", 0)), training_rate(s)
+                )
                 for w in self.ledger.workers()
                 if w["id"] in live
                 for s in [json.loads(w["stats"])]
@@ -127,6 +138,8 @@ class MembershipRPCs(ServiceBase):
                 tokens_merged=int(self.ledger.counter("tokens_merged")),
                 mine=request.tokens_unmerged,
                 others=others,
+                my_rate=training_rate(stats),
+                horizon_s=ALLOWANCE_HORIZON_HEARTBEATS * self.config.coordinator.heartbeat_s,
             )
             stats.update(tokens_unmerged=request.tokens_unmerged, tokens_allowed=allowed)
             self.ledger.heartbeat(request.worker_id, stats)

@@ -71,15 +71,33 @@ def test_what_nobody_claims_is_split_evenly_and_the_last_tokens_go_whole():
     assert training_allowance(budget=1000, tokens_merged=900, mine=500, others=others) == 0
 
 
+def test_an_allowance_counts_for_what_its_learner_can_train_before_it_reports_again():
+    """A large allowance given early (a learner alone at the start) does not lock the budget away
+    from a learner that joins later: it counts only for a horizon of its learner's speed."""
+    early = [Claim(unmerged=10_000, allowed=230_000, rate=7_500.0)]
+    got = training_allowance(budget=240_000, tokens_merged=0, mine=0, others=early, horizon_s=6.0)
+    assert got == (240_000 - 10_000 - 45_000) // 2
+    unknown = [Claim(unmerged=10_000, allowed=230_000)]  # speed not known yet: all of it counts
+    assert training_allowance(budget=240_000, tokens_merged=0, mine=0, others=unknown, horizon_s=6.0) == 0
+
+
+def test_a_faster_learner_gets_its_speed_share_so_nobody_waits_on_a_slow_ones_half():
+    slow = [Claim(unmerged=0, allowed=0, rate=1000.0)]
+    assert training_allowance(budget=4000, tokens_merged=0, mine=0, others=slow, my_rate=3000.0) == 3000
+    # A speed not known yet counts as the others' typical speed.
+    assert training_allowance(budget=4000, tokens_merged=0, mine=0, others=slow) == 2000
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     learners=st.integers(1, 6),
     batch=st.integers(1, 64),
     budget=st.integers(1, 5000),
     events=st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["beat", "step", "merge"])), max_size=400),
+    rates=st.lists(st.floats(0.0, 1e5), min_size=6, max_size=6),
 )
 def test_learners_under_allowances_train_the_budget_and_at_most_a_batch_each_more(
-    learners, batch, budget, events
+    learners, batch, budget, events, rates
 ):
     """Heartbeats, steps and merges in any order: what the learners train never passes the budget
     by more than one batch per learner; once every learner is paused and its work merged, the
@@ -91,8 +109,10 @@ def test_learners_under_allowances_train_the_budget_and_at_most_a_batch_each_mor
     merged = 0
 
     def beat(i):
-        others = [Claim(unmerged[j], allowed[j]) for j in range(learners) if j != i]
-        allowed[i] = training_allowance(budget=budget, tokens_merged=merged, mine=unmerged[i], others=others)
+        others = [Claim(unmerged[j], allowed[j], rates[j]) for j in range(learners) if j != i]
+        allowed[i] = training_allowance(
+            budget=budget, tokens_merged=merged, mine=unmerged[i], others=others, my_rate=rates[i]
+        )
         allowance[i] = (trained[i], allowed[i])
 
     def step(i):
