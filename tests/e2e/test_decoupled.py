@@ -132,12 +132,12 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
             # One shard at a time: the replay below trains a push's spans in the order recorded.
             "--set", "data.mix_shards=1",
         ])  # fmt: skip
+        # Every shard is made before the learners start: a learner starved for its first shard
+        # says "nothing from me this round" (an empty push), the round closes without it, and
+        # its first push is then based on an older version, which synchronous DiLoCo never does.
+        data = group.spawn("data-0", "data", ["data", "--coordinator", address])
+        assert group.wait([data], timeout_s=120), "the data worker did not make the shards"
         learners = spawn_learners(group, address, 2)
-        # Both join before any shard is made: a learner that joined after the first round would
-        # push against an older version, which synchronous DiLoCo never does.
-        joined = "SELECT COUNT(*) FROM workers WHERE role = 'compute'"
-        wait_for(lambda: ledger_rows(workdir, joined)[0][0] == 2, 120, "both learners to join")
-        group.spawn("data-0", "data", ["data", "--coordinator", address])
         assert group.wait(learners, timeout_s=240), "learners did not run the data out"
         assert [c.proc.returncode for c in learners] == [0, 0]
     finally:
