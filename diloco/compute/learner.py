@@ -110,6 +110,8 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
             joined.frags,
         )
         self.resumed = self._resume_decision(cfg, reply)
+        if cfg.train.max_tokens and not cfg.sync.synchronous:  # a budget: no step before an allowance
+            self.allowance = (self.progress.tokens_trained, 0)
         if self.resumed is None:
             pulled = pull_everything(self.client, len(self.frags), cfg, o.connect_timeout_s, self.stop)
             with refusing(self.client, log):

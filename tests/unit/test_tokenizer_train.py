@@ -141,7 +141,7 @@ def test_trained_tokenizer_runs_a_job(mixed: Path, tmp_path: Path):
     workdir = tmp_path / "run"
     result = run_cli(
         [
-            "run", "--dataset", str(mixed), "--workdir", str(workdir), "--minutes", "0", "--tokens", "16000",
+            "run", "--dataset", str(mixed), "--workdir", str(workdir), "--minutes", "0", "--tokens", "64000",
             "--learners", "1", "--data-workers", "1", "--inner-steps", "4", "--no-progress",
             "--set", f"data.tokenizer={uri}", "--set", "data.chunk_bytes=65536", "--set", "train.batch_size=8",
             "--set", "train.warmup_steps=1", "--set", "train.lr=0.003", "--set", "model.kwargs.n_layer=1",
@@ -155,7 +155,7 @@ def test_trained_tokenizer_runs_a_job(mixed: Path, tmp_path: Path):
     meta = dict(ledger_rows(workdir, "SELECT key, value FROM meta"))
     assert meta["tokenizer_hash"] == hashlib.sha256(Path(uri).read_bytes()).hexdigest()
     assert json.loads(meta["config"])["model"]["vocab_size"] == 400
-    assert summary["tokens_merged"] >= 16000 and summary["rounds"] >= 2
+    assert summary["tokens_merged"] >= 64000 and summary["rounds"] >= 2
     assert (
         summary["record_stats"]["truncated_compressed"] == 1 and summary["record_stats"]["empty_files"] == 1
     )
