@@ -89,6 +89,10 @@ def test_a_fast_group_beside_a_slow_process_is_never_held_back(small_corpus: Pat
         )
     )
     assert merged.get("learner-0", 0) > 0 and merged.get("learner-1", 0) > 0, merged
+    # The budget is merged, and at most one step of each learner more (its allowance is spent
+    # mid-step): a step of the 2-rank learner is a batch on each rank.
+    step_tokens = summary["config"]["train"]["batch_size"] * (summary["config"]["model"]["seq_len"] + 1)
+    assert 240_000 <= summary["tokens_merged"] <= 240_000 + (2 + 1) * step_tokens, summary["tokens_merged"]
     fast, slow = (summary["learners_detail"][f"learner-{i}"]["tokens_per_s"] for i in (0, 1))
     assert fast >= 1.5 * slow, summary["learners_detail"]
     # Never held back: once it trains, its time goes to inner steps, not to waiting for the

@@ -74,6 +74,14 @@ class WorkersTable(LedgerBase):
         rows = self._q("SELECT id, last_seen FROM workers WHERE role = ? AND state = 'active'", (role,))
         return [r["id"] for r in rows if leases.is_live(r["last_seen"], now, ttl_s)]
 
+    def live_worker_stats(self, role: str, ttl_s: float) -> dict[str, dict[str, Any]]:
+        """The last heartbeat stats of every live worker of a role, by id (one query)."""
+        now = self.clock()
+        rows = self._q(
+            "SELECT id, last_seen, stats FROM workers WHERE role = ? AND state = 'active'", (role,)
+        )
+        return {r["id"]: json.loads(r["stats"]) for r in rows if leases.is_live(r["last_seen"], now, ttl_s)}
+
     def workers(self) -> list[sqlite3.Row]:
         return self._q("SELECT * FROM workers ORDER BY joined")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import grpc
@@ -124,14 +123,13 @@ class MembershipRPCs(ServiceBase):
             self.ledger.heartbeat(request.worker_id, stats)
             return None
         with self._budget_lock:  # two learners' heartbeats must not hand out the same tokens
-            live = set(self._live_learners()) - {request.worker_id}
+            live = self.ledger.live_worker_stats("compute", self.config.coordinator.lease_ttl_s)
             others = [
                 lifecycle.Claim(
                     int(s.get("tokens_unmerged", 0)), int(s.get("tokens_allowed", 0)), training_rate(s)
                 )
-                for w in self.ledger.workers()
-                if w["id"] in live
-                for s in [json.loads(w["stats"])]
+                for worker_id, s in live.items()
+                if worker_id != request.worker_id
             ]
             allowed = lifecycle.training_allowance(
                 budget=budget,
