@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -285,7 +286,9 @@ class StateWriter:
         self._closed = threading.Event()
         self._next: LocalState | None = None
         self._busy = False
-        self._last_offer = 0.0
+        # -inf, not 0: monotonic time starts near the machine's boot, and a machine up for less
+        # than every_s would wait that long for its first copy (and after note_push).
+        self._last_offer = -math.inf
         self._cond = threading.Condition()
         self.writes = 0
         self._thread = threading.Thread(target=self._write_forever, name="local-state", daemon=True)
@@ -314,7 +317,7 @@ class StateWriter:
         except OSError as e:
             log.warning("could not note the push in %s: %s", marker, e)
         with self._cond:
-            self._last_offer = 0.0
+            self._last_offer = -math.inf
 
     def discard(self) -> None:
         """The learner ended cleanly (its work pushed and merged): nothing is left to resume."""

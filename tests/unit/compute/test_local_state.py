@@ -118,6 +118,12 @@ def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None
     path = state_path(tmp_path, "learner-0")
     writer = StateWriter(path, every_s=3600.0)
     try:
+        # The first copy is due at once, however long the machine has been up (monotonic time
+        # starts near its boot: a young machine once waited every_s for it).
+        assert writer.due(time.monotonic())
+        writer.offer(state)
+        wait_for(lambda: writer.writes >= 1, 20, "the first copy")
+        assert not writer.due(time.monotonic())  # offered just now: the next is every_s away
         assert local_state.pushed_step(path) is None
         writer.note_push(7)  # pushed at the step the state was copied: the state holds the push
         assert writer.due(time.monotonic())  # and the next copy is due at once
