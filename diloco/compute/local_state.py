@@ -59,6 +59,9 @@ class LocalState:
     residual: dict[str, torch.Tensor]
     rows: RowBook
     held_shards: list[int]
+    # The pushes of work this learner had made when the copy was taken (StateWriter.push_count):
+    # one noted after it means the copy still holds that push's steps as unpushed.
+    push_count: int = 0
     written_at: float = field(default_factory=time.time)
 
     def row_spans(self) -> list[tuple[int, int, int]]:
@@ -80,21 +83,23 @@ def resume_decision(
     shapes: dict[str, tuple[int, ...]],
     current_versions: list[int],
     max_staleness: int,
-    pushed_at_step: int | None = None,
+    pushes_noted: int | None = None,
 ) -> ResumeDecision:
     """Whether a restarted learner goes on from its local state, and why (or why not).
 
-    pushed_at_step: the step of the last push the dead life made (pushed_step). A push after the
+    pushes_noted: how many pushes of work the dead life had made (pushed_count). A push after the
     state was copied carried work the state still holds as unpushed: resumed, it would be pushed
     and merged a second time (measured: a chaos run whose rounds were all whole ended +5% once a
-    learner killed just after a push re-sent its steps from the older state).
+    learner killed just after a push re-sent its steps from the older state). Pushes are counted,
+    not dated by step: a copy and a push at the same step come in either order (the end game
+    hands in after the step's copy), and a step said "the state holds it" when it did not.
     """
     if state is None:
         return ResumeDecision(False, "no local state")
-    if pushed_at_step is not None and pushed_at_step > state.inner_steps:
+    if pushes_noted is not None and pushes_noted > state.push_count:
         return ResumeDecision(
             False,
-            f"a push at step {pushed_at_step} came after the state (step {state.inner_steps}): "
+            f"{pushes_noted - state.push_count} push(es) came after the state (step {state.inner_steps}): "
             "resumed, that work would be merged twice",
         )
     if state.run_id != run_id or state.worker_id != worker_id:
@@ -140,15 +145,15 @@ def state_path(directory: str | Path, worker_id: str) -> Path:
 
 
 def pushed_path(state: Path) -> Path:
-    """Beside the state: the step of the learner's last push, written before the push leaves."""
+    """Beside the state: how many pushes of work the learner made, written before each leaves."""
     return state.with_suffix(".pushed")
 
 
-def pushed_step(state: Path) -> int | None:
-    """The step of the last push a dead life made (note_push), or None."""
+def pushed_count(state: Path) -> int | None:
+    """How many pushes of work the learner had made when it last noted one (note_push), or None."""
     try:
-        return int(json.loads(pushed_path(state).read_text())["step"])
-    except (OSError, ValueError, KeyError):
+        return int(json.loads(pushed_path(state).read_text())["pushes"])
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -199,6 +204,7 @@ def save(path: Path, state: LocalState) -> None:
         ],
         "resolved": _spans_json(state.rows.resolved),
         "held_shards": state.held_shards,
+        "push_count": state.push_count,
         "written_at": state.written_at,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -269,6 +275,7 @@ def _from_file(meta: dict[str, Any], tensors: dict[str, torch.Tensor], names: li
             _spans(meta["resolved"]),
         ),
         held_shards=[int(s) for s in meta["held_shards"]],
+        push_count=int(meta["push_count"]),
         written_at=float(meta["written_at"]),
     )
 
@@ -291,6 +298,9 @@ class StateWriter:
         self._last_offer = -math.inf
         self._cond = threading.Condition()
         self.writes = 0
+        # Pushes of work made, over every life of this learner: a fresh life (start_fresh) counts
+        # anew, a resumed one goes on from its state's count (which equals the noted one).
+        self.push_count = pushed_count(path) or 0
         self._thread = threading.Thread(target=self._write_forever, name="local-state", daemon=True)
         self._thread.start()
 
@@ -309,15 +319,23 @@ class StateWriter:
         """On the training thread, before a push leaves: a few bytes on disk, so that a restart
         knows whether its state is older than its last push (resume_decision); and the next copy
         is due at once, so the state soon holds the push."""
+        self.push_count += 1
         marker = pushed_path(self.path)
         tmp = marker.with_suffix(".pushed.tmp")
         try:
-            tmp.write_text(json.dumps({"step": step}))
+            tmp.write_text(json.dumps({"pushes": self.push_count, "step": step}))
             os.replace(tmp, marker)
         except OSError as e:
             log.warning("could not note the push in %s: %s", marker, e)
         with self._cond:
             self._last_offer = -math.inf
+
+    def start_fresh(self) -> None:
+        """The last life's state is not resumed: it and its push count go, so that a copy left
+        from it is never taken for this life's (this life's pushes count from 0 again)."""
+        self.path.unlink(missing_ok=True)
+        pushed_path(self.path).unlink(missing_ok=True)
+        self.push_count = 0
 
     def discard(self) -> None:
         """The learner ended cleanly (its work pushed and merged): nothing is left to resume."""

@@ -59,12 +59,12 @@ class KeepsLocalState:
             shapes={n: tuple(p.shape) for n, p in self.params.items()},
             current_versions=list(reply.fragment_versions),
             max_staleness=cfg.sync.max_staleness,
-            pushed_at_step=local_state.pushed_step(path),
+            pushes_noted=local_state.pushed_count(path),
         )
         if state is not None:
             log.info("local state: %s", decision.reason)
         if not decision.resume or state is None:
-            local_state.pushed_path(path).unlink(missing_ok=True)  # a fresh life counts steps anew
+            self.state_writer.start_fresh()
             return None
         with torch.no_grad():
             for name, t in state.params.items():
@@ -126,5 +126,6 @@ class KeepsLocalState:
                 residual=dict(self.residual),
                 rows=self.rows.copy(),
                 held_shards=self.prefetcher.held_shards(),
+                push_count=writer.push_count,
             )
         )

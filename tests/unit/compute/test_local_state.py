@@ -111,7 +111,9 @@ def test_resume_decision_names_its_reason() -> None:
 def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None:
     """Killed after a push and before the next copy: the state still holds the pushed steps as
     unpushed. Resumed, the learner would push that work again and the syncer merge it twice; the
-    push's step, noted on disk before the push left, says so."""
+    push count, noted on disk before each push leaves, says so, even when the push came at the
+    very step of the copy (the end game hands in after the step's copy: a chaos run's learner
+    resumed such a state and a 1-step push of fragment 0 merged twice)."""
     state, _ = a_state(tmp_steps=7)
     shapes = {n: tuple(t.shape) for n, t in state.params.items()}
     kw = {"run_id": "run-1", "worker_id": "learner-0", "shapes": shapes, "max_staleness": 4}
@@ -121,22 +123,31 @@ def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None
         # The first copy is due at once, however long the machine has been up (monotonic time
         # starts near its boot: a young machine once waited every_s for it).
         assert writer.due(time.monotonic())
+        writer.note_push(6)
+        state.push_count = writer.push_count  # copied at step 7, after the push at step 6
         writer.offer(state)
         wait_for(lambda: writer.writes >= 1, 20, "the first copy")
         assert not writer.due(time.monotonic())  # offered just now: the next is every_s away
-        assert local_state.pushed_step(path) is None
-        writer.note_push(7)  # pushed at the step the state was copied: the state holds the push
+        assert local_state.pushed_count(path) == 1
+        back = local_state.load(path, [f.names for f in state.fragments])
+        assert back is not None and back.push_count == 1
+        assert resume_decision(back, current_versions=[5, 2], pushes_noted=1, **kw).resume
+        writer.note_push(7)  # pushed at the step the state was copied, after the copy
         assert writer.due(time.monotonic())  # and the next copy is due at once
-        assert resume_decision(state, current_versions=[5, 2], pushed_at_step=7, **kw).resume
-        writer.note_push(9)
-        assert local_state.pushed_step(path) == 9
-        later = resume_decision(
-            state, current_versions=[5, 2], pushed_at_step=local_state.pushed_step(path), **kw
+        same_step = resume_decision(
+            back, current_versions=[5, 2], pushes_noted=local_state.pushed_count(path), **kw
         )
-        assert not later.resume and "merged twice" in later.reason
+        assert not same_step.resume and "merged twice" in same_step.reason
+        # A restarted writer goes on counting from the marker; a fresh life counts anew and
+        # leaves no copy of the last life to be taken for its own.
+        again = StateWriter(path, every_s=3600.0)
+        assert again.push_count == 2
+        again.start_fresh()
+        assert again.push_count == 0 and not path.exists() and local_state.pushed_count(path) is None
+        again.close()
     finally:
         writer.discard()
-    assert local_state.pushed_step(path) is None  # a clean end leaves nothing
+    assert local_state.pushed_count(path) is None  # a clean end leaves nothing
 
 
 def test_the_writer_keeps_only_the_newest_state_and_discard_removes_it(tmp_path: Path) -> None:
