@@ -80,16 +80,20 @@ def training_allowance(
     after it: when the merged count reaches the budget, each learner still holds about H steps,
     and handing them in overshoots by M·H batches (+17% at M = 2, H = 100 on a 1.2 M-token run).
     So each learner claims what it holds unmerged plus what it may train of its allowance before
-    it reports again (`horizon_s`: a few heartbeats); what nobody claims is split by the learners'
-    speeds (evenly while a speed is not known), this one's share now. Far from the end the
-    allowances are large, so a learner cut off from the coordinator for a while trains on; near
-    the end they are small, and the learners run out together: a fast learner is not left waiting
-    on a slow one's half. The budget holds to a batch per learner when every learner reports within
-    the horizon; a claim counted twice (a merge the learner has not taken yet) only makes the
-    allowance smaller for a moment; a learner that dies stops claiming once it is found dead.
+    it reports again (`horizon_s`: a few heartbeats). What is left to train once every learner's
+    unmerged work is counted is split by the learners' speeds (evenly while a speed is not known),
+    and this one gets its share of it, less only what the others' allowances already hold of it:
+    the learners run out together, and a fast learner is not left waiting on a slow one's half.
+    (Its share of what the others left unclaimed was a share of a share: a 2-rank learner beside
+    a 3x slower one got a quarter less than its speed's due at every ask, ran out mid-run again
+    and again, and waited for the slow one's next heartbeat.) Far from the end the allowances are
+    large, so a learner cut off from the coordinator for a while trains on. The budget holds to a
+    batch per learner when every learner reports within the horizon; a claim counted twice (a
+    merge the learner has not taken yet) only makes the allowance smaller for a moment; a learner
+    that dies stops claiming once it is found dead.
     """
-    claimed = sum(c.counted(horizon_s) for c in others)
-    free = max(0, budget - tokens_merged - mine - claimed)
+    to_train = budget - tokens_merged - mine - sum(c.unmerged for c in others)
+    free = max(0, to_train - sum(c.counted(horizon_s) - c.unmerged for c in others))
     known = [r for r in (my_rate, *(c.rate for c in others)) if r > 0]
     typical = sum(known) / len(known) if known else 1.0
 
@@ -97,4 +101,4 @@ def training_allowance(
         return r if r > 0 else typical
 
     share = speed(my_rate) / (speed(my_rate) + sum(speed(c.rate) for c in others))
-    return int(free * share) or free  # the last few tokens go whole: one more step
+    return int(min(max(0, to_train) * share, free)) or free  # the last few tokens go whole: one more step  # the last few tokens go whole: one more step

@@ -62,9 +62,11 @@ def test_failed_publishes_back_off_and_give_up_only_at_shutdown():
 # -- a Decoupled run's token budget: each learner's allowance --------------------------------------
 
 
-def test_what_nobody_claims_is_split_evenly_and_the_last_tokens_go_whole():
+def test_what_is_left_to_train_is_split_evenly_and_the_last_tokens_go_whole():
     others = [Claim(unmerged=100, allowed=200)]
-    assert training_allowance(budget=1000, tokens_merged=300, mine=100, others=others) == 150
+    # 500 left once both learners' unmerged work is counted: half is mine (the other's 200 is
+    # within its half).
+    assert training_allowance(budget=1000, tokens_merged=300, mine=100, others=others) == 250
     assert training_allowance(budget=1000, tokens_merged=699, mine=0, others=others) == 1
     assert training_allowance(budget=1000, tokens_merged=700, mine=0, others=others) == 0
     # Over-claimed (a merge counted by the ledger that the learner has not taken yet): nothing, not less.
@@ -76,9 +78,28 @@ def test_an_allowance_counts_for_what_its_learner_can_train_before_it_reports_ag
     from a learner that joins later: it counts only for a horizon of its learner's speed."""
     early = [Claim(unmerged=10_000, allowed=230_000, rate=7_500.0)]
     got = training_allowance(budget=240_000, tokens_merged=0, mine=0, others=early, horizon_s=6.0)
-    assert got == (240_000 - 10_000 - 45_000) // 2
+    assert got == (240_000 - 10_000) // 2
     unknown = [Claim(unmerged=10_000, allowed=230_000)]  # speed not known yet: all of it counts
     assert training_allowance(budget=240_000, tokens_merged=0, mine=0, others=unknown, horizon_s=6.0) == 0
+
+
+def test_a_learner_asking_after_the_others_took_theirs_gets_its_whole_share():
+    """Measured: a 2-rank learner beside a 3x slower one, asking every 0.5 s once its allowance
+    ran out, was given its speed's share of what the slow one's allowance left, not its share of
+    what was left to train: a quarter short each time, it ran out mid-run again and again."""
+    slow = [Claim(unmerged=10_000, allowed=23_000, rate=8_000.0)]
+    got = training_allowance(
+        budget=240_000, tokens_merged=110_000, mine=20_000, others=slow, my_rate=27_500.0, horizon_s=6.0
+    )
+    assert got == 100_000 - 23_000  # its share (77.5k) less the slow one's allowance beyond its own
+    # Asking in turn, the slow one gets its share of what is left to train, which the fast one
+    # left it: both run out together.
+    fast = [Claim(unmerged=20_000, allowed=got, rate=27_500.0)]
+    back = training_allowance(
+        budget=240_000, tokens_merged=110_000, mine=10_000, others=fast, my_rate=8_000.0, horizon_s=6.0
+    )
+    assert back == int(100_000 * 8_000 / 35_500)
+    assert abs(got / 27_500 - back / 8_000) < 0.05  # seconds apart, at their speeds
 
 
 def test_a_faster_learner_gets_its_speed_share_so_nobody_waits_on_a_slow_ones_half():
