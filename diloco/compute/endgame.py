@@ -125,7 +125,7 @@ class EndGame:
     def _hand_in_and_leave(self, reason: str, heartbeats: threading.Thread) -> None:
         """Finished work is not thrown away: what was not pushed yet is pushed and merged. Then leave."""
         try:
-            self.progress.ended = time.monotonic()
+            self.progress.end(time.monotonic())
             if not self.stop.is_set():
                 self._flush()
                 self.progress.kept_busy_s = self.progress.busy_s  # pushed and merged, or given back

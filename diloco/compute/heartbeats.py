@@ -74,6 +74,7 @@ class Heartbeats:
         """The token budget is all claimed (schedule.budget_spent): hand in, as a starved learner
         does, so the claimed rows merge, and ask for a new allowance sooner than the next heartbeat.
         Returns when the last empty push was sent."""
+        since = time.monotonic()
         last_empty_push = self._on_starved(last_empty_push)  # also takes the merges that arrived
         now = time.monotonic()
         if now - self._allowance_asked_at >= ALLOWANCE_ASK_S:
@@ -82,4 +83,5 @@ class Heartbeats:
                 self._heartbeat()
         else:
             self.stop.wait(0.05)
+        self.progress.budget_waited(since, time.monotonic())
         return last_empty_push

@@ -305,7 +305,9 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         ready = self.prefetcher.ready()
         waited = time.monotonic()
         item = self.prefetcher.get(timeout_s=0.5)
-        if not ready:  # a stall is waiting with no batch ready, not a thread hand-off
+        # A stall is waiting with no batch ready, not a thread hand-off; the wait for this life's
+        # first batch is start-up (startup.marks), as is the time before it: not in the wall.
+        if not ready and self.progress.life_steps:
             self.progress.stall_s += time.monotonic() - waited
         return item
 
@@ -339,6 +341,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
             first = not self.progress.tokens_trained  # this life's first step (a resume goes on counting)
             if first:
                 self.startup.mark("first_batch")
+                self.progress.started = time.monotonic()  # training time, utilization's wall, from here
             yield item
             if first:
                 self.startup.mark("first_step")

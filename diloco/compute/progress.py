@@ -22,6 +22,10 @@ class Progress:
     kept_busy_s: float = 0.0  # of it, the steps a kill would not lose (pushed, or saved locally)
     stall_s: float = 0.0  # time waiting for data
     sync_wait_s: float = 0.0  # time waiting for the syncer
+    budget_wait_s: float = 0.0  # time with its allowance of the token budget spent (schedule.budget_spent)
+    # When its allowance ran out, while no step came after: a loop that ends then ended its
+    # training there (the run's last merges are the others' end game, as the final flush is).
+    spent_at: float | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None  # the training loop's end: the final flush is not training time
     # The forward's metrics summed over the steps since the last heartbeat, and those steps.
@@ -38,6 +42,17 @@ class Progress:
     def wall_s(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
+    def end(self, now: float) -> None:
+        """The training loop ended: at `now`, or when the allowance it waited on since ran out.
+        A wait that more steps followed is held-back time, and stays in the wall."""
+        self.ended = self.spent_at if self.spent_at is not None else now
+
+    def budget_waited(self, since: float, now: float) -> None:
+        """Time waiting for an allowance of the token budget (schedule.budget_spent)."""
+        self.budget_wait_s += now - since
+        if self.spent_at is None:
+            self.spent_at = since
+
     def stepped(
         self, busy_s: float, tokens: int, loss: float, metrics: dict[str, float] | None = None
     ) -> None:
@@ -47,6 +62,7 @@ class Progress:
                 self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
             self.metric_steps += 1
         self.busy_s += busy_s
+        self.spent_at = None
         self.inner_steps += 1
         self.life_steps += 1
         self.tokens_trained += tokens
@@ -98,5 +114,6 @@ class Progress:
         return (
             f"steps={self.inner_steps} tokens={self.tokens_trained} busy={self.busy_s:.1f}s "
             f"wall={self.wall_s():.1f}s data stall={self.stall_s:.1f}s sync wait={self.sync_wait_s:.1f}s"
+            f" budget wait={self.budget_wait_s:.1f}s"
             f"{group}"
         )
