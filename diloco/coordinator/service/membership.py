@@ -131,14 +131,20 @@ class MembershipRPCs(ServiceBase):
                 for worker_id, s in live.items()
                 if worker_id != request.worker_id
             ]
+            merged = int(self.ledger.counter("tokens_merged"))
             allowed = lifecycle.training_allowance(
                 budget=budget,
-                tokens_merged=int(self.ledger.counter("tokens_merged")),
+                tokens_merged=merged,
                 mine=request.tokens_unmerged,
                 others=others,
                 my_rate=training_rate(stats),
                 horizon_s=ALLOWANCE_HORIZON_HEARTBEATS * self.config.coordinator.heartbeat_s,
             )
+            # DILOCO_LOG_LEVEL=DEBUG: every allowance with what it was made of (the end game's trace).
+            log.debug(
+                "allowance worker=%s merged=%d mine=%d others=%s -> %d", request.worker_id, merged,
+                request.tokens_unmerged, [(c.unmerged, c.allowed, round(c.rate)) for c in others], allowed,
+            )  # fmt: skip
             stats.update(tokens_unmerged=request.tokens_unmerged, tokens_allowed=allowed)
             self.ledger.heartbeat(request.worker_id, stats)
         return allowed
