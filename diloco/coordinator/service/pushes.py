@@ -82,14 +82,7 @@ class PushRPCs(ServiceBase):
         if prior is not None:  # a retry after a lost reply: answer again, change nothing
             for _ in messages:
                 pass
-            # A merged push answers with the version just before its merge, so the learner's
-            # "newer than" pull returns the merge that holds it at once.
-            merged_at = prior["merged_version"] or self._unpublished_merge_of(header.fragment, header.push_id)
-            reply = pb.PushReply(
-                accepted=prior["state"] != "dropped",
-                reason=prior["reason"] or f"already received ({prior['state']})",
-                version=merged_at - 1 if merged_at else self.fragments[header.fragment].version,
-            )
+            reply = self._known_push_reply(header)
             self.wire.add_out("push", reply)
             return reply
 
@@ -162,6 +155,26 @@ class PushRPCs(ServiceBase):
             with self.cond:
                 into.folding -= 1
                 self.cond.notify_all()
+
+    def _known_push_reply(self, header: pb.TensorHeader) -> pb.PushReply:
+        """The answer to a push the ledger holds already (a retry after a lost reply, or a learner
+        asking again after our restart). A merged push answers with the version just before its
+        merge, so the learner's "newer than" pull returns the merge that holds it at once.
+
+        Read under the lock the merger and the publisher hold, so a merge is either unpublished
+        (in memory) or committed to the ledger, never neither. Read apart, a publish between the
+        two reads answered a merged push with its own merge's version; the learner then waited for
+        a later merge that never came (a chaos test's run ended 2 minutes late, in its final
+        flush's two 60-s waits)."""
+        with self.cond:
+            prior = self.ledger.push_state(header.push_id)
+            merged_at = prior["merged_version"] or self._unpublished_merge_of(header.fragment, header.push_id)
+            current = self.fragments[header.fragment].version
+        return pb.PushReply(
+            accepted=prior["state"] != "dropped",
+            reason=prior["reason"] or f"already received ({prior['state']})",
+            version=merged_at - 1 if merged_at else current,
+        )
 
     def _receive_delta(
         self,

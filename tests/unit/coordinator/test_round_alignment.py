@@ -8,6 +8,7 @@ came for the previous round; the learner's schedule then moves that much earlier
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -104,5 +105,46 @@ def test_a_push_that_joins_the_round_late_is_told_by_how_much(tiny_corpus: Path,
             assert late.accepted and 0.3 <= late.missed_round_by_s < 0.75, late  # half its lag
             wait_version(running, 1)
             assert running.service.fragments[0].previous_round[1] == {first.worker_id, second.worker_id}
+        finally:
+            second.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_push_asked_about_while_its_round_merges_is_answered_below_that_merge(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """A learner asks again about a pending push (after a coordinator restart) just as its round
+    merges and is published. The answer must be a version below that merge, or the learner waits
+    for a later one that may never come: a chaos test's run ended 2 minutes late that way. The
+    publish is made to land between the ledger read and the rest of the answer (the window the
+    answer once had); read under the syncer's lock, it waits until the answer is made."""
+    with tiny_coordinator(tiny_corpus, tmp_path, {"train.inner_steps": 50, "sync.quorum": 2}) as (
+        running,
+        first,
+        init,
+    ):
+        second = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE)
+        second.join()
+        service = running.service
+        try:
+            assert push(first, init, "a-1", version=0).accepted  # pending: the quorum is 2
+            read = service.ledger.push_state
+            closer = threading.Thread(target=lambda: push(second, init, "b-1", version=0))
+
+            def read_then_let_the_round_merge(push_id: str):
+                row = read(push_id)
+                if push_id == "a-1" and not closer.is_alive() and row["state"] == "pending":
+                    closer.start()  # the second push closes the round: merged and published
+                    deadline = time.monotonic() + 3
+                    while service.fragments[0].published_version < 1 and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                return row
+
+            service.ledger.push_state = read_then_let_the_round_merge
+            again = push(first, init, "a-1", version=0)
+            service.ledger.push_state = read
+            closer.join(20)
+            wait_version(running, 1)
+            assert again.accepted and again.version == 0, again  # the merge that holds it is 1
         finally:
             second.close()
