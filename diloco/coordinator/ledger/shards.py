@@ -51,18 +51,20 @@ class ShardsTable(LedgerBase):
             ).fetchall()
             by_id = {row["id"]: row for row in ready}
             candidates = [deal.Candidate(row["id"], positions[row["chunk_id"]]) for row in ready]
-            own_work_coming = (
-                slots > 0
-                and slot is not None
-                and any(
-                    positions[r["id"]] % slots == slot
-                    for r in db.execute(
-                        "SELECT id FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
-                    ).fetchall()
-                )
-            )
+            unmade = db.execute(
+                "SELECT id, state FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
+            ).fetchall()
+            own_unmade = [
+                (positions[r["id"]], r["state"])
+                for r in unmade
+                if slots > 0 and slot is not None and positions[r["id"]] % slots == slot
+            ]
+            own_work_coming = bool(own_unmade)
+            # Only a chunk a data worker holds is waited for in order: a pending one (its attempt
+            # failed) may wait behind the slot's bound on ready shards, and must not hold it up.
+            own_being_made = min((pos for pos, state in own_unmade if state == "leased"), default=None)
             while True:
-                choice = deal.choose_shard(candidates, slot, slots, vacant, own_work_coming)
+                choice = deal.choose_shard(candidates, slot, slots, vacant, own_work_coming, own_being_made)
                 if choice.shard_id is None:
                     if own_work_coming:
                         return NoLease.WAIT_DEALT

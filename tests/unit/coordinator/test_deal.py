@@ -54,3 +54,16 @@ def test_takes_anything_once_its_own_are_used_up() -> None:
 def test_without_a_slot_or_dealing_the_lowest_position_wins() -> None:
     assert choose_shard(shards(3, 1, 2), slot=None, slots=2, vacant=(), own_work_coming=False).shard_id == 101
     assert choose_shard(shards(3, 1, 2), slot=0, slots=0, vacant=(), own_work_coming=True).shard_id == 101
+
+
+def test_a_lower_own_position_being_made_is_waited_for_in_order() -> None:
+    """Positions 1 and 5 are the slot's; 5 is ready while a data worker still makes 1. Taking 5
+    would make a learner's rows depend on which shard was ready first (two runs of one seed once
+    trained different chunks); it waits for 1. A lower one merely pending (its attempt failed)
+    is not waited for."""
+    made_first = shards(0, 5)
+    choice = choose_shard(made_first, slot=1, slots=2, vacant=(), own_work_coming=True, own_being_made=1)
+    assert choice.shard_id is None and "dealt in order" in choice.reason
+    assert choose_shard(made_first, slot=1, slots=2, vacant=(), own_work_coming=True).shard_id == 105
+    ready = choose_shard(shards(1, 5), slot=1, slots=2, vacant=(), own_work_coming=True, own_being_made=7)
+    assert ready.shard_id == 101, ready.reason

@@ -298,10 +298,14 @@ def test_dealt_shards_go_to_their_slot_whatever_order_they_were_made_in(ledger):
             lease if isinstance(lease, str) else positions[shard_row(ledger, lease.shard_id)["chunk_id"]]
         )
     assert got[1] == [1, 3]
-    # Slot 0's position 2 is ready, position 0's chunk is not made yet: it waits for it, it
-    # does not take slot 1's.
-    assert got[0][0] == 2
-    assert got[0][1] == "wait-dealt"
+    # Slot 0's position 2 is ready, position 0's chunk is still being made: it waits for it, in
+    # order (taking 2 first made a learner's rows depend on which was ready first), and it does
+    # not take slot 1's. Once 0 is made, it gets 0, then 2.
+    assert got[0] == ["wait-dealt", "wait-dealt"]
+    first = min(positions, key=positions.get)
+    assert complete(ledger, holders[first], first).accepted
+    dealt = [ledger.lease_shard("L0", TTL, slot=0, slots=2) for _ in range(2)]
+    assert [positions[shard_row(ledger, d.shard_id)["chunk_id"]] for d in dealt] == [0, 2]
 
 
 def test_data_workers_make_only_so_many_shards_ahead_per_slot(ledger):
