@@ -101,4 +101,4 @@ def training_allowance(
         return r if r > 0 else typical
 
     share = speed(my_rate) / (speed(my_rate) + sum(speed(c.rate) for c in others))
-    return int(min(max(0, to_train) * share, free)) or free  # the last few tokens go whole: one more step  # the last few tokens go whole: one more step
+    return int(min(max(0, to_train) * share, free)) or free  # the last few tokens go whole: one more step
