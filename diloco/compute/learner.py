@@ -225,7 +225,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
                 f.counted_at_push = (f.steps, f.tokens, f.loss_sum)
             f.push = (header, tensors)
             if self.state_writer is not None:
-                self.state_writer.note_push(self.progress.inner_steps)
+                self.state_writer.note_push()
         self.channel.submit(header, tensors)
 
     def _covered_by(self, p: int) -> Unpushed:

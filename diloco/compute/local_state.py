@@ -315,7 +315,7 @@ class StateWriter:
             self._last_offer = time.monotonic()
             self._cond.notify_all()
 
-    def note_push(self, step: int) -> None:
+    def note_push(self) -> None:
         """On the training thread, before a push leaves: a few bytes on disk, so that a restart
         knows whether its state is older than its last push (resume_decision); and the next copy
         is due at once, so the state soon holds the push."""
@@ -323,7 +323,7 @@ class StateWriter:
         marker = pushed_path(self.path)
         tmp = marker.with_suffix(".pushed.tmp")
         try:
-            tmp.write_text(json.dumps({"pushes": self.push_count, "step": step}))
+            tmp.write_text(json.dumps({"pushes": self.push_count}))
             os.replace(tmp, marker)
         except OSError as e:
             log.warning("could not note the push in %s: %s", marker, e)

@@ -51,14 +51,14 @@ class ShardsTable(LedgerBase):
             ).fetchall()
             by_id = {row["id"]: row for row in ready}
             candidates = [deal.Candidate(row["id"], positions[row["chunk_id"]]) for row in ready]
-            unmade = db.execute(
-                "SELECT id, state FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
-            ).fetchall()
-            own_unmade = [
-                (positions[r["id"]], r["state"])
-                for r in unmade
-                if slots > 0 and slot is not None and positions[r["id"]] % slots == slot
-            ]
+            own_unmade = []  # (position, state) of this slot's train chunks not made yet
+            if slots > 0 and slot is not None:  # only a dealt lease needs them
+                unmade = db.execute(
+                    "SELECT id, state FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
+                ).fetchall()
+                own_unmade = [
+                    (positions[r["id"]], r["state"]) for r in unmade if positions[r["id"]] % slots == slot
+                ]
             own_work_coming = bool(own_unmade)
             # Only a chunk a data worker holds is waited for in order: a pending one (its attempt
             # failed) may wait behind the slot's bound on ready shards, and must not hold it up.

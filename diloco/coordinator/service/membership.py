@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import grpc
@@ -141,10 +142,11 @@ class MembershipRPCs(ServiceBase):
                 horizon_s=ALLOWANCE_HORIZON_HEARTBEATS * self.config.coordinator.heartbeat_s,
             )
             # DILOCO_LOG_LEVEL=DEBUG: every allowance with what it was made of (the end game's trace).
-            log.debug(
-                "allowance worker=%s merged=%d mine=%d others=%s -> %d", request.worker_id, merged,
-                request.tokens_unmerged, [(c.unmerged, c.allowed, round(c.rate)) for c in others], allowed,
-            )  # fmt: skip
+            if log.isEnabledFor(logging.DEBUG):  # not on every heartbeat's path otherwise
+                log.debug(
+                    "allowance worker=%s merged=%d mine=%d others=%s -> %d", request.worker_id, merged,
+                    request.tokens_unmerged, [(c.unmerged, c.allowed, round(c.rate)) for c in others], allowed,
+                )  # fmt: skip
             stats.update(tokens_unmerged=request.tokens_unmerged, tokens_allowed=allowed)
             self.ledger.heartbeat(request.worker_id, stats)
         return allowed

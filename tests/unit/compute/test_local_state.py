@@ -123,7 +123,7 @@ def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None
         # The first copy is due at once, however long the machine has been up (monotonic time
         # starts near its boot: a young machine once waited every_s for it).
         assert writer.due(time.monotonic())
-        writer.note_push(6)
+        writer.note_push()
         state.push_count = writer.push_count  # copied at step 7, after the push at step 6
         writer.offer(state)
         wait_for(lambda: writer.writes >= 1, 20, "the first copy")
@@ -132,7 +132,7 @@ def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None
         back = local_state.load(path, [f.names for f in state.fragments])
         assert back is not None and back.push_count == 1
         assert resume_decision(back, current_versions=[5, 2], pushes_noted=1, **kw).resume
-        writer.note_push(7)  # pushed at the step the state was copied, after the copy
+        writer.note_push()  # pushed at the step the state was copied, after the copy
         assert writer.due(time.monotonic())  # and the next copy is due at once
         same_step = resume_decision(
             back, current_versions=[5, 2], pushes_noted=local_state.pushed_count(path), **kw
