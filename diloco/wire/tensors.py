@@ -151,6 +151,19 @@ def parse_stream_message(raw: bytes) -> pb.TensorStreamMessage | PieceMessage:
         return pb.TensorStreamMessage.FromString(raw)
 
 
+def sq_norm(t: torch.Tensor) -> float:
+    """x·x of a float tensor in one BLAS dot on this thread: the squared norm, and a finiteness
+    check in the same pass (NaN or inf when any value is, or when |x| > ~1e19, which no sane delta
+    or parameter is). numpy, not torch: torch's reductions start an OpenMP team from each gRPC
+    handler thread at once and oversubscribe the cores."""
+    array = t.detach().reshape(-1)
+    if array.dtype not in (torch.float32, torch.float64):
+        array = array.float()
+    values = array.numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        return float(np.dot(values, values))
+
+
 class TensorAssembler:
     """Rebuilds the tensors of one header from its pieces, validating as it goes.
 
@@ -168,6 +181,9 @@ class TensorAssembler:
     ):
         self.header = header
         self.finite = finite
+        # With `finite`: Σ x·x over every value checked, when all are fp32 (each piece's check is
+        # that dot): the squared norm comes free. None when some tensor is of another dtype.
+        self.sq_norm: float | None = 0.0
         names = [s.name for s in header.tensors]
         if len(set(names)) != len(names):
             raise WireError("duplicate tensor names in header")
@@ -206,6 +222,7 @@ class TensorAssembler:
     def _check_finite(self, index: int) -> None:
         dtype = DTYPES[self.header.tensors[index].dtype]
         if not dtype.is_floating_point:
+            self.sq_norm = None
             return
         size = dtype.itemsize
         start, end = self._checked[index], self._filled[index] // size * size  # whole values only
@@ -218,6 +235,7 @@ class TensorAssembler:
             if dtype in (torch.bfloat16, torch.float16):
                 # Half precision (rare on the wire): a sum in float32, which holds any of them.
                 reduced = values.float().numpy().sum()
+                self.sq_norm = None
             else:
                 # x·x is NaN or inf when any value is (or when |x| > ~1e19, which no sane delta
                 # is): one BLAS dot over the piece just copied, 3x faster than numpy's sum.
@@ -225,6 +243,8 @@ class TensorAssembler:
                 reduced = np.dot(array, array)
         if not np.isfinite(reduced):
             raise WireError(f"non-finite (or absurdly large) values in {self.header.tensors[index].name}")
+        if self.sq_norm is not None:
+            self.sq_norm = None if dtype != torch.float32 else self.sq_norm + float(reduced)
         self._checked[index] = end
 
     @property

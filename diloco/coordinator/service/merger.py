@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import math
 import time
-
-import torch
 
 from diloco.coordinator import syncer
 from diloco.coordinator.ledger import MergeRecord
@@ -14,6 +13,7 @@ from diloco.coordinator.service.state import (
     log,
     moving_average,
 )
+from diloco.wire.tensors import sq_norm
 
 # The merger also wakes this often with nothing to wake it: a learner found dead is an event no
 # RPC announces.
@@ -104,7 +104,8 @@ class Merger(ServiceBase):
             )
         except (RuntimeError, ValueError) as e:  # the sum is spent: the round cannot be tried again
             return self._refuse_round(frag, contributors, f"the merge failed ({e}): the round was refused")
-        if not all(torch.isfinite(t).all() for t in (*params.values(), *momentum.values())):
+        # The parameters alone: a non-finite momentum makes a non-finite update, so parameters.
+        if not all(math.isfinite(sq_norm(t)) for t in params.values()):
             # Every delta was finite, yet their merge is not: nothing changes, and the round's
             # pushes are refused (their rows go back to the pool) rather than poisoning the model.
             return self._refuse_round(

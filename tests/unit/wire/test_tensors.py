@@ -1,6 +1,7 @@
 """Tensor streaming on the wire, the run configuration, and the fragment plan."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from diloco.wire.tensors import (
     receive_groups,
     receive_one,
     spec_of,
+    sq_norm,
     stream_many,
     stream_tensors,
 )
@@ -561,3 +563,29 @@ def test_messages_off_the_fast_path_are_parsed_by_protobuf():
     with pytest.raises(DecodeError):
         parse_stream_message(raw[:-1])
     assert parse_stream_message(raw).piece.data == b"abcd"
+
+
+def assembled(tensors: dict[str, torch.Tensor], piece: int) -> TensorAssembler:
+    first, *rest = [parse_stream_message(m.SerializeToString()) for m in messages(tensors, piece)]
+    asm = TensorAssembler(first.header, BIG, finite=True)
+    for m in rest:
+        asm.add(m.piece)
+    return asm
+
+
+@pytest.mark.parametrize("piece", [7, 64, 1 << 20])
+def test_the_finite_check_gives_the_squared_norm_of_fp32_tensors(piece: int) -> None:
+    # The push's outlier check takes its norm from here instead of one more pass over the delta.
+    gen = torch.Generator().manual_seed(5)
+    tensors = {"a": torch.randn(33, 7, generator=gen), "b": torch.randn(1000, generator=gen) * 1e-3}
+    asm = assembled(tensors, piece)
+    want = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors.values())
+    assert asm.sq_norm == pytest.approx(want, rel=1e-5)
+    assert sq_norm(tensors["a"]) == pytest.approx(float(tensors["a"].double().square().sum()), rel=1e-5)
+    # Another dtype on the wire: no norm from the check (the caller computes it).
+    assert assembled({**tensors, "h": torch.ones(3, dtype=torch.bfloat16)}, piece).sq_norm is None
+
+
+def test_sq_norm_is_not_finite_when_a_value_is_not() -> None:
+    for bad in (math.nan, math.inf, 1e20):
+        assert not math.isfinite(sq_norm(torch.tensor([1.0, bad, 2.0])))
