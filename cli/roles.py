@@ -61,12 +61,25 @@ def data(
     connect_timeout: ConnectOpt = 60.0,
     worker_id: WorkerIdOpt = None,
     metrics_port: MetricsPortOpt = None,
+    read_root: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--read-root",
+            envvar="DILOCO_READ_ROOTS",
+            help="read raw data only under this file, directory or prefix (repeat for more); "
+            "segments the coordinator names elsewhere are refused",
+        ),
+    ] = None,
 ) -> None:
     """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
     from diloco.data.worker import run_data_worker
 
     setup_logging("data")
-    sys.exit(run_data_worker(coordinator, stop_on_signals(), connect_timeout, worker_id, metrics_port))
+    sys.exit(
+        run_data_worker(
+            coordinator, stop_on_signals(), connect_timeout, worker_id, metrics_port, tuple(read_root or ())
+        )
+    )
 
 
 @clear_errors

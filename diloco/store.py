@@ -18,7 +18,7 @@ import os
 import posixpath
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import IO
 
 import fsspec
@@ -214,16 +214,40 @@ def list_files(uri: str) -> list[str]:
     return sorted(with_protocol(fs, p) for p in found)
 
 
+def _split(uri: str) -> tuple[str, str]:
+    """(scheme, the rest): ("", path) for a local path."""
+    scheme, _, rest = uri.rpartition("://") if "://" in uri else ("", "", uri)
+    return scheme, rest
+
+
+def _local(scheme: str) -> bool:
+    return scheme in ("", "file")
+
+
 def uri_under(uri: str, root: str) -> bool:
     """Whether `uri` names a file strictly under `root` once normalized: the same scheme, no `..`
-    climbing out, nothing but a path after the root. Both sides check the URIs the other names:
-    the coordinator a completed shard's, a worker the shard it is told to write, read or delete."""
-    scheme, _, rest = uri.rpartition("://") if "://" in uri else ("", "", uri)
-    root_scheme, _, root_rest = root.rpartition("://") if "://" in root else ("", "", root)
+    climbing out, nothing but a path after the root, and for a local path no symlink leading out
+    (object stores have no links). Both sides check the URIs the other names: the coordinator a
+    completed shard's, a worker the shard it is told to write, read or delete."""
+    (scheme, rest), (root_scheme, root_rest) = _split(uri), _split(root)
     if scheme != root_scheme or "\x00" in rest:
         return False
     path, base = posixpath.normpath(rest), posixpath.normpath(root_rest)
-    return path.startswith(base.rstrip("/") + "/") and path == rest.rstrip("/")
+    if not (path.startswith(base.rstrip("/") + "/") and path == rest.rstrip("/")):
+        return False
+    return not _local(scheme) or os.path.realpath(path).startswith(os.path.realpath(base).rstrip("/") + "/")
+
+
+def uri_within(uri: str, roots: Sequence[str]) -> bool:
+    """Whether `uri` is one of `roots` (a file) or lies under one (a directory or prefix)."""
+    return any(uri_under(uri, root) or _same_file(uri, root) for root in roots)
+
+
+def _same_file(uri: str, root: str) -> bool:
+    (scheme, rest), (root_scheme, root_rest) = _split(uri), _split(root)
+    if scheme != root_scheme or "\x00" in rest or posixpath.normpath(rest) != posixpath.normpath(root_rest):
+        return False
+    return not _local(scheme) or os.path.realpath(rest) == os.path.realpath(root_rest)
 
 
 def shard_root(store_uri: str) -> str:

@@ -34,8 +34,11 @@ class DataWorker:
         connect_timeout_s: float = 60.0,
         worker_id: str | None = None,
         security: Security | None = None,
+        read_roots: tuple[str, ...] = (),
     ):
         self.connect_timeout_s = connect_timeout_s
+        # Where this machine lets the coordinator point it (--read-root); none: wherever it says.
+        self.read_roots = read_roots
         self.client = CoordinatorClient(
             address,
             pb.ROLE_DATA,
@@ -83,6 +86,20 @@ class DataWorker:
             heartbeats.join(5.0)  # not inside gRPC at interpreter exit
         return 0
 
+    def _lease_problem(self, lease: pb.LeaseChunkReply) -> str:
+        """Why this worker will not do what a lease asks ("" when it will): a shard written (and,
+        on a refused completion, deleted) outside the run's shard store, or raw data read outside
+        this worker's --read-root."""
+        root = self.client.config.data.store if self.client.config else ""
+        if root and not store.uri_under(lease.shard_uri, store.shard_root(root)):
+            return f"shard URI {lease.shard_uri!r} is outside the run's shard store"
+        outside = [
+            s.uri for s in lease.segments if self.read_roots and not store.uri_within(s.uri, self.read_roots)
+        ]
+        if outside:
+            return f"segment {outside[0]!r} is outside this worker's --read-root"
+        return ""
+
     def _process(self, lease: pb.LeaseChunkReply, maker: ShardMaker) -> None:
         self.current_chunk = lease.chunk_id
         started = time.monotonic()
@@ -96,11 +113,9 @@ class DataWorker:
             ),
             split=lease.split,
         )
-        root = self.client.config.data.store if self.client.config else ""
-        if root and not store.uri_under(lease.shard_uri, store.shard_root(root)):
-            # Written, and on a refused completion deleted: a path outside the store is refused.
-            log.error("chunk %d: shard %r is outside the run's shard store", lease.chunk_id, lease.shard_uri)
-            self.client.fail_chunk(lease.chunk_id, "shard URI outside the run's shard store")
+        if problem := self._lease_problem(lease):
+            log.error("chunk %d: %s", lease.chunk_id, problem)
+            self.client.fail_chunk(lease.chunk_id, problem)
             self.current_chunk = None
             return
         try:
@@ -160,8 +175,9 @@ def run_data_worker(
     connect_timeout_s: float = 60.0,
     worker_id: str | None = None,
     metrics_port: int | None = None,
+    read_roots: tuple[str, ...] = (),
 ) -> int:
-    worker = DataWorker(address, stop, connect_timeout_s, worker_id)
+    worker = DataWorker(address, stop, connect_timeout_s, worker_id, read_roots=read_roots)
     if metrics_port is None:
         return worker.run()
     from diloco.observe.worker_metrics import serve_worker_metrics
