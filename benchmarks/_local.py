@@ -13,15 +13,20 @@ from diloco.config import RunConfig
 from diloco.coordinator.server import RunningCoordinator, start_coordinator
 from diloco.data.worker import DataWorker
 from diloco.model import build_model
+from diloco.security.transport import Security
 
 
-def coordinator_with_shards(workdir: Path, overrides: dict[str, Any]) -> RunningCoordinator:
-    """A coordinator on 127.0.0.1 over a small synthetic corpus, every chunk already a shard."""
+def coordinator_with_shards(
+    workdir: Path, overrides: dict[str, Any], security: Security | None = None, data: Security | None = None
+) -> RunningCoordinator:
+    """A coordinator on 127.0.0.1 over a small synthetic corpus, every chunk already a shard.
+    `security`: the coordinator's (mutual TLS, a token; none: plaintext), `data`: its data worker's."""
+    workdir.mkdir(parents=True, exist_ok=True)
     corpus = workdir / "corpus.txt"
     corpus.write_text("def f(x):\n    return x + 1\n" * 4000)
     cfg = RunConfig().with_overrides({"data.dataset": str(corpus), **overrides})
-    running = start_coordinator(cfg, str(workdir / "coord"))
-    DataWorker(f"127.0.0.1:{running.port}").run()
+    running = start_coordinator(cfg, str(workdir / "coord"), security=security or Security())
+    DataWorker(f"127.0.0.1:{running.port}", security=data or Security()).run()
     return running
 
 

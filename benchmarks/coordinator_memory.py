@@ -81,6 +81,8 @@ def one(learners: int, inflight: int, n_layer: int, n_embd: int) -> dict[str, fl
             "model.kwargs.n_layer": n_layer, "model.kwargs.n_embd": n_embd, "model.kwargs.n_head": 6,
             "sync.fragments": 1, "sync.quorum": learners, "sync.grace_factor": 0.0,
             "coordinator.max_inflight_pushes": inflight, "coordinator.lease_ttl_s": 600,
+            # Every learner here calls from one host: the per-caller cap would stand in for the slots.
+            "coordinator.max_pushes_per_caller": 0, "coordinator.max_workers_per_caller": 0,
         })  # fmt: skip
         cfg = running.service.config
         clients = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(learners)]

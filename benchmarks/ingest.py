@@ -10,6 +10,12 @@ coordinator, which validates, assembles, records the push in its ledger, merges 
 checkpoints. The two take turns (--rounds), so a change in the machine's load falls on both.
 Printed: MB/s of push bytes each way, the ratio (target: ingest + merge >= 50% of raw streaming)
 over all turns and turn by turn, and the server's CPU time per MB pushed.
+
+    python benchmarks/ingest.py --tls --out benchmarks/results/ingest_tls.json
+
+adds a third arm in every turn: a second coordinator that runs mutual TLS (the production path),
+each pushing thread on its own learner certificate's channel. Printed beside the others: TLS
+ingest over plaintext ingest (target: within 15%), over all turns and turn by turn.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from benchmarks._local import coordinator_with_shards, initial_parameters  # noq
 from diloco.client import CoordinatorClient  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
 from diloco.coordinator.server import grpc_options  # noqa: E402
+from diloco.security.certs import TlsFiles, init_ca, issue  # noqa: E402
+from diloco.security.transport import Security, client_channel  # noqa: E402
 from diloco.v1 import coordinator_pb2 as pb  # noqa: E402
 from diloco.wire.tensors import stream_tensors  # noqa: E402
 
@@ -89,11 +97,17 @@ def push_messages(shapes: dict[str, tuple[int, ...]], piece: int) -> list[bytes]
     return [m.SerializeToString() for m in stream_tensors(header, delta, piece)]
 
 
-def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, seconds, out) -> None:
+def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, seconds, out, tls=None) -> None:
     cfg = RunConfig.from_json(cfg_json)
     messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
     push_bytes = sum(len(m) for m in messages)
     channel = grpc.insecure_channel(address, options=grpc_options(cfg))
+    secure: list[grpc.Channel] = []
+    if tls:  # each learner on its own certificate's channel: the coordinator checks the names
+        secure = [
+            client_channel(address, Security(tls=TlsFiles(*tls[w])), grpc_options(cfg)) for w in worker_ids
+        ]
+    calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in secure]
     if not worker_ids:  # the raw server: the very same bytes, nothing to say about them
         call = channel.stream_unary(method)
         sent, elapsed = drive(lambda i: (call(iter(messages)), push_bytes)[1], learners, seconds)
@@ -106,12 +120,14 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
             header.header.CopyFrom(template.header)
             header.header.push_id = uuid.uuid4().hex
             header.header.worker_id = worker_ids[i]
-            reply = call(iter([header.SerializeToString(), *messages[1:]]), timeout=120)
+            send = calls[i] if calls else call
+            reply = send(iter([header.SerializeToString(), *messages[1:]]), timeout=120)
             assert reply.accepted, reply.reason
             return push_bytes
 
         sent, elapsed = drive(push_one, learners, seconds)
-    channel.close()
+    for c in [channel, *secure]:
+        c.close()
     out.put((sent, elapsed, push_bytes))
 
 
@@ -123,13 +139,15 @@ def drive_elsewhere(
     cfg: RunConfig,
     learners: int,
     seconds: float,
+    tls: dict[str, tuple[str, str, str]] | None = None,
 ) -> tuple[int, float, int]:
-    """M pushing threads in a process of their own; returns (bytes sent, seconds, bytes per push)."""
+    """M pushing threads in a process of their own; returns (bytes sent, seconds, bytes per push).
+    `tls`: each worker id's certificate, key and CA files (mutual TLS); none, plaintext."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     child = ctx.Process(
         target=_drive_child,
-        args=(address, method, worker_ids, shapes, cfg.to_json(), learners, seconds, out),
+        args=(address, method, worker_ids, shapes, cfg.to_json(), learners, seconds, out, tls),
     )
     child.start()
     try:
@@ -146,6 +164,36 @@ def server_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def ingest_turn(
+    running, clients: list[CoordinatorClient], shapes, cfg: RunConfig, seconds: float, tls=None
+) -> tuple[int, float, float]:
+    """One turn of pushes to a real coordinator, its merges drained: (bytes, seconds, server CPU s)."""
+    cpu0 = server_cpu_s()
+    address = f"127.0.0.1:{running.port}"
+    sent, elapsed, _ = drive_elsewhere(
+        address, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, len(clients), seconds, tls
+    )
+    # Accepted pushes still waiting for their merge or checkpoint count against ingest.
+    drain_started = time.monotonic()
+    assert running.service.wait_published(120), "merges did not catch up"
+    return sent, elapsed + time.monotonic() - drain_started, server_cpu_s() - cpu0
+
+
+def with_learners(running, learners: int, security: dict[str, Security] | None = None):
+    """Joined learner clients (each on its certificate, with `security`), the first having
+    given the initial parameters; and those parameters."""
+    address = f"127.0.0.1:{running.port}"
+    names = list(security) if security else [None] * learners
+    clients = [
+        CoordinatorClient(address, pb.ROLE_COMPUTE, security=security[n] if n else Security()) for n in names
+    ]
+    for c in clients:
+        c.join()
+    params = initial_parameters(clients[0])
+    clients[0].init_parameters(params)
+    return clients, params
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--learners", type=int, default=4)
@@ -153,56 +201,65 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4, help="raw and ingest take turns this many times")
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=384)
+    p.add_argument("--tls", action="store_true", help="a third arm: ingest by a coordinator on mutual TLS")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
     args = p.parse_args(argv)
     turn_s = args.seconds / args.rounds
+    overrides = {
+        "model.kwargs.n_layer": args.n_layer, "model.kwargs.n_embd": args.n_embd, "model.kwargs.n_head": 6,
+        "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
+    }  # fmt: skip
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
-        running = coordinator_with_shards(Path(tmp), {
-            "model.kwargs.n_layer": args.n_layer, "model.kwargs.n_embd": args.n_embd, "model.kwargs.n_head": 6,
-            "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
-            "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
-        })  # fmt: skip
+        running = coordinator_with_shards(Path(tmp) / "plain", overrides)
         cfg = running.service.config
-        address = f"127.0.0.1:{running.port}"
-        clients = [CoordinatorClient(address, pb.ROLE_COMPUTE) for _ in range(args.learners)]
-        for c in clients:
-            c.join()
-        params = initial_parameters(clients[0])
-        clients[0].init_parameters(params)
+        clients, params = with_learners(running, args.learners)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
+        secure, secure_clients, tls_files = None, [], {}
+        if args.tls:
+            ca = Path(tmp) / "ca"
+            init_ca(ca)
+            files = {f"learner-{i}": issue(ca, "learner", f"learner-{i}") for i in range(args.learners)}
+            tls_files = {n: (f.cert, f.key, f.ca) for n, f in files.items()}
+            secure = coordinator_with_shards(
+                Path(tmp) / "tls", overrides, Security(tls=issue(ca, "coordinator", "coordinator")),
+                Security(tls=issue(ca, "data", "data-0")),
+            )  # fmt: skip
+            secure_clients, _ = with_learners(
+                secure, args.learners, {n: Security(tls=f) for n, f in files.items()}
+            )
         raw, raw_port = raw_server(cfg)
-        # The arms take turns, so a change in the machine's load falls on both alike. The same
-        # pieces go to both; only the header is new per push (its own push_id).
+        # The arms take turns, so a change in the machine's load falls on all alike. The same
+        # pieces go to each; only the header is new per push (its own push_id).
         turns: list[dict[str, float]] = []
         for _ in range(args.rounds):
             cpu0 = server_cpu_s()
             raw_bytes, raw_s, push_bytes = drive_elsewhere(
                 f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners, turn_s
             )
-            cpu1 = server_cpu_s()
-            ingest_bytes, ingest_s, _ = drive_elsewhere(
-                address, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners, turn_s
-            )
-            # Accepted pushes still waiting for their merge or checkpoint count against ingest.
-            drain_started = time.monotonic()
-            assert running.service.wait_published(120), "merges did not catch up"
-            ingest_s += time.monotonic() - drain_started
-            cpu2 = server_cpu_s()
-            turns.append({
-                "raw_bytes": raw_bytes, "raw_s": raw_s, "raw_cpu_s": cpu1 - cpu0,
-                "ingest_bytes": ingest_bytes, "ingest_s": ingest_s, "ingest_cpu_s": cpu2 - cpu1,
-            })  # fmt: skip
+            turn = {"raw_bytes": raw_bytes, "raw_s": raw_s, "raw_cpu_s": server_cpu_s() - cpu0}
+            turn.update(zip(("ingest_bytes", "ingest_s", "ingest_cpu_s"),
+                            ingest_turn(running, clients, shapes, cfg, turn_s), strict=True))  # fmt: skip
+            if secure is not None:
+                turn.update(zip(("tls_bytes", "tls_s", "tls_cpu_s"),
+                                ingest_turn(secure, secure_clients, shapes, cfg, turn_s, tls_files), strict=True))  # fmt: skip
+            turns.append(turn)
         raw.stop(0)
         versions = [f.version for f in running.service.fragments]
-        for c in clients:
+        for c in [*clients, *secure_clients]:
             c.close()
-        running.stop()
+        for r in (running, secure):
+            if r is not None:
+                r.stop()
 
     def total(key: str) -> float:
         return sum(t[key] for t in turns)
 
-    ratios = sorted((t["ingest_bytes"] / t["ingest_s"]) / (t["raw_bytes"] / t["raw_s"]) for t in turns)
+    def rate(t: dict[str, float], arm: str) -> float:
+        return t[f"{arm}_bytes"] / t[f"{arm}_s"]
+
+    ratios = sorted(rate(t, "ingest") / rate(t, "raw") for t in turns)
     result = {
         "learners": args.learners,
         "rounds": args.rounds,
@@ -231,6 +288,21 @@ def main(argv: list[str] | None = None) -> None:
         f"server CPU per MB pushed  : raw {result['raw_cpu_ms_per_mb']:.2f} ms, "
         f"ingest + merge {result['ingest_cpu_ms_per_mb']:.2f} ms"
     )
+    if args.tls:
+        tls_ratios = [rate(t, "tls") / rate(t, "ingest") for t in turns]
+        result.update(
+            tls_mb_per_s=total("tls_bytes") / total("tls_s") / 1e6,
+            tls_cpu_ms_per_mb=total("tls_cpu_s") * 1e3 / (total("tls_bytes") / 1e6),
+            tls_turn_ratios=tls_ratios,
+        )
+        result["tls_ratio"] = result["tls_mb_per_s"] / result["ingest_mb_per_s"]
+        print(
+            f"ingest + merge, mutual TLS: {result['tls_mb_per_s']:8.1f} MB/s  (server CPU {result['tls_cpu_ms_per_mb']:.2f} ms/MB)"
+        )
+        print(
+            f"TLS / plaintext ingest    : {result['tls_ratio']:.0%}  "
+            f"(turn by turn: {', '.join(f'{r:.0%}' for r in tls_ratios)}; worst {min(tls_ratios):.0%})"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

@@ -226,6 +226,21 @@ class CoordinatorConfig:
     # Live workers of one role at most: a join beyond is refused. Fake learners that join and
     # heartbeat would otherwise each shrink every honest round's coverage (and fill the ledger).
     max_workers_per_role: int = 1024
+    # Per caller (its certificate's name under mutual TLS, else its host; see
+    # coordinator/callers.py): live workers it may register, pushes it may have open (in a slot or
+    # waiting for one), and pulls it may have waiting for a new version. 0: no cap. Without them
+    # one machine could join fake learners, or hold every push slot and handler thread.
+    max_workers_per_caller: int = 64
+    # Chunk and shard leases one worker holds at once; beyond, it is told to wait. A learner holds
+    # the shards whose rows it trained but has not pushed yet: H steps' worth, a few shards.
+    max_leases_per_worker: int = 256
+    max_pushes_per_caller: int = 8
+    max_waiting_pulls_per_caller: int = 16
+    # Long-poll pulls waiting at once, all callers together: kept below grpc_workers so joins,
+    # heartbeats and leases always find a handler thread; a pull beyond is told to retry.
+    max_waiting_pulls: int = 32
+    # RPCs running or queued at once; gRPC answers RESOURCE_EXHAUSTED beyond (clients retry).
+    max_concurrent_rpcs: int = 512
     # A completed shard is read back and checked (rows, tokens, checksum: a hash of its stored
     # bytes) before it becomes ready; off, the data workers' reports are taken as they come.
     verify_shards: bool = True

@@ -131,7 +131,8 @@ def status_tables(detail: dict[str, Any]) -> Group:
     run.add_row("last loss", (f"{loss:.4f}" if loss else "-") + metrics_text(d.get("train_metrics")))
     run.add_row("held-out eval", eval_text(d))
     run.add_row("records", records_line(d.get("record_stats", {})).removeprefix("records "))
-    workers = Table(title="workers")
+    shown, total = len(d["workers"]), d.get("workers_total", len(d["workers"]))
+    workers = Table(title="workers" if shown == total else f"workers ({shown} of {total}: the live first)")
     for column in STATUS_COLUMNS:
         workers.add_column(
             column, justify="left" if column in ("worker", "role", "state", "metrics") else "right"

@@ -11,11 +11,13 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import typer
 
 from cli.main import app
@@ -188,17 +190,24 @@ def wait_for(predicate, timeout_s: float, what: str, period_s: float = 0.5):
 
 @contextlib.contextmanager
 def tiny_coordinator(
-    corpus: Path, workdir: Path, overrides: dict[str, object], security: dict[str, Security] | None = None
+    corpus: Path,
+    workdir: Path,
+    overrides: dict[str, object],
+    security: dict[str, Security] | None = None,
+    host: str = "127.0.0.1",
 ):
     """A real coordinator on a 1-layer GPT with its shards made, and a joined learner client that
     gave the initial parameters: (running, learner, init). `security`: the Security of the
-    "coordinator", its "data" worker and the "learner" (mutual TLS); none, plaintext."""
+    "coordinator", its "data" worker and the "learner" (mutual TLS); none, plaintext. `host`: where
+    it listens ("localhost": on 127.0.0.1 and ::1, two hosts to tell callers apart by)."""
     security = security or {}
     cfg = RunConfig().with_overrides({
         "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32,
         "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
     })  # fmt: skip
-    running = start_coordinator_here(cfg, str(workdir), security=security.get("coordinator", Security()))
+    running = start_coordinator_here(
+        cfg, str(workdir), host, security=security.get("coordinator", Security())
+    )
     address = f"127.0.0.1:{running.port}"
     assert DataWorker(address, security=security.get("data", Security())).run() == 0
     learner = CoordinatorClient(address, pb.ROLE_COMPUTE, security=security.get("learner", Security()))
@@ -223,3 +232,20 @@ def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.Ten
     )
     header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=10)
     return header
+
+
+def stalled_push(
+    learner: CoordinatorClient, init: dict[str, torch.Tensor], release: threading.Event
+) -> Callable[[], Iterator[pb.TensorStreamMessage]]:
+    """Streams of a push that sends its header, declaring a whole fragment's tensors, and then
+    nothing until `release` is set: each holds a push slot (and its caller's count) meanwhile."""
+    header = delta_header(learner, "fp32", "stalls")
+    header.worker_id = learner.worker_id
+    for name, t in init.items():
+        header.tensors.add(name=name, dtype="float32", shape=list(t.shape))
+
+    def messages() -> Iterator[pb.TensorStreamMessage]:
+        yield pb.TensorStreamMessage(header=header)
+        release.wait(30)
+
+    return messages

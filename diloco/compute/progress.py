@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from diloco.compute.mfu import mfu
+from diloco.coordinator.limits import MAX_METRICS, MAX_NAME_BYTES
 from diloco.v1 import coordinator_pb2 as pb
 
 
@@ -59,7 +60,11 @@ class Progress:
         """One inner step done, with the metrics its forward returned."""
         if metrics:
             for name, value in metrics.items():
-                self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
+                # What the coordinator takes (limits.heartbeat_problem): 32 short names, finite values.
+                if name in self.metric_sums or (
+                    len(self.metric_sums) < MAX_METRICS and len(name.encode()) <= MAX_NAME_BYTES
+                ):
+                    self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
             self.metric_steps += 1
         self.busy_s += busy_s
         self.spent_at = None
@@ -86,7 +91,11 @@ class Progress:
         """The metrics' means since the last call (a heartbeat), then start again; the last means
         when no step was taken since."""
         if self.metric_steps:
-            self.last_metrics = {name: total / self.metric_steps for name, total in self.metric_sums.items()}
+            self.last_metrics = {
+                name: total / self.metric_steps
+                for name, total in self.metric_sums.items()
+                if math.isfinite(total)
+            }
             self.metric_sums, self.metric_steps = {}, 0
         return self.last_metrics
 

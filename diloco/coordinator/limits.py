@@ -13,6 +13,8 @@ from diloco.config import RunConfig
 from diloco.v1 import coordinator_pb2 as pb
 
 MAX_ID_BYTES = 256
+MAX_NAME_BYTES = 64  # a training metric's name: MAX_METRICS ride on every heartbeat and status
+MAX_METRICS = 32
 MAX_TEXT_BYTES = 4096  # error texts and reasons kept (longer ones are cut)
 # Integers that reach SQLite or a float: far above any real run, far below int63 and float's 2^53.
 MAX_COUNT = 1 << 50
@@ -24,9 +26,9 @@ MAX_RANKS = 4096
 MAX_SHARD_BYTES = 1 << 30
 
 
-def id_problem(value: str, what: str = "worker id") -> str:
-    if len(value.encode()) > MAX_ID_BYTES:
-        return f"{what} is longer than {MAX_ID_BYTES} bytes"
+def id_problem(value: str, what: str = "worker id", limit: int = MAX_ID_BYTES) -> str:
+    if len(value.encode()) > limit:
+        return f"{what} is longer than {limit} bytes"
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         return f"{what} holds control characters"
     return ""
@@ -48,13 +50,15 @@ def heartbeat_problem(request: pb.HeartbeatRequest) -> str:
         return problem
     if not math.isfinite(request.last_loss):
         return "last_loss is not finite"
-    if len(request.train_metrics) > 32 or any(not math.isfinite(v) for v in request.train_metrics.values()):
-        return "train_metrics: at most 32, all finite"
+    if len(request.train_metrics) > MAX_METRICS or any(
+        not math.isfinite(v) for v in request.train_metrics.values()
+    ):
+        return f"train_metrics: at most {MAX_METRICS}, all finite"
     if problem := ranks_problem(request.ranks):
         return problem
     if not math.isfinite(request.mfu) or not 0 <= request.mfu <= 1e3:
         return f"mfu = {request.mfu!r} is not a finite share"
-    if any(id_problem(k, "a metric's name") for k in request.train_metrics) or id_problem(
+    if any(id_problem(k, "a metric's name", MAX_NAME_BYTES) for k in request.train_metrics) or id_problem(
         request.device, "device"
     ):
         return "train_metrics names and device: short, no control characters"

@@ -24,6 +24,7 @@ from diloco.coordinator.wirecount import CountRequestStreams
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, store_root
 from diloco.data.chunks import mixed_order, partition_dataset
 from diloco.errors import DilocoError
+from diloco.observe.access import access_token
 from diloco.observe.events import RunEvents
 from diloco.observe.http import ObserveServer
 from diloco.security.transport import Guard, Security, add_port, check_listen
@@ -215,6 +216,8 @@ def start_coordinator(
     security = security if security is not None else Security.from_env()
     if warning := check_listen(host, security):
         log.warning("%s", warning)
+    if observe is not None and (observe.http_port is not None or observe.metrics_port is not None):
+        check_listen(observe.host, security)  # the page too, before anything is written
     check_port_free(host, port)
     keep_freed_memory()
     ledger, config = open_ledger(config, workdir)
@@ -238,6 +241,7 @@ def start_coordinator(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
         options=grpc_options(config),
+        maximum_concurrent_rpcs=config.coordinator.max_concurrent_rpcs or None,
         interceptors=[
             Guard(security, on_refused=service.caller_refused),
             CountRequestStreams(service.wire, STREAMED_REQUEST_KINDS, parse_stream_message),
@@ -256,28 +260,37 @@ def start_coordinator(
         raise DilocoError(f"cannot listen on {host}:{port} (port in use or address unavailable)")
     server.start()
     service.start()
-    observers = start_observers(service, observe or ObservePorts())
+    observers = start_observers(service, observe or ObservePorts(), security, workdir)
     address = f"{host}:{bound}"
     info = {"address": address, "port": bound, "pid": os.getpid(), "epoch": service.epoch}
     for o in sorted(observers, key=lambda o: not o.page):  # a /metrics of its own wins
         info["metrics_url"] = o.url + "metrics"
         info["http_port" if o.page else "metrics_port"] = o.port
         if o.page:
-            info["page_url"] = o.url
-    store.write_bytes_atomic(str(Path(workdir) / "coordinator.json"), json.dumps(info).encode())
+            info["page_url"] = o.login_url  # what a person opens: it logs the browser in
+    # 0600 from the start: the page's URL carries the token that opens it.
+    with (
+        store.atomic_local_path(str(Path(workdir) / "coordinator.json")) as tmp,
+        os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f,
+    ):
+        f.write(json.dumps(info).encode())
     log.info("coordinator listening on %s epoch=%d", address, service.epoch)
     for o in observers:
         log.info("%s on %s", "status page" if o.page else "metrics", o.url)
     return RunningCoordinator(server, service, ledger, bound, observers)
 
 
-def start_observers(service: CoordinatorService, ports: ObservePorts) -> list[ObserveServer]:
-    """The HTTP servers asked for: /metrics alone on metrics_port, the page (and /metrics) on http_port."""
+def start_observers(
+    service: CoordinatorService, ports: ObservePorts, security: Security, workdir: str | None = None
+) -> list[ObserveServer]:
+    """The HTTP servers asked for: /metrics alone on metrics_port, the page (and /metrics) on
+    http_port; both behind the run's security (diloco.observe.access), with one access token."""
     wanted = [
         (port, page)
         for port, page in ((ports.metrics_port, False), (ports.http_port, True))
         if port is not None
     ]
+    token = access_token(security.mode, security.token, workdir) if wanted else ""
     servers = []
     try:
         for port, page in wanted:
@@ -289,11 +302,16 @@ def start_observers(service: CoordinatorService, ports: ObservePorts) -> list[Ob
                     detail=service.status_detail,
                     events=service.events,
                     page=page,
+                    security=security,
+                    access_token=token,
+                    on_refused=service.caller_refused,
                 )  # fmt: skip
             )
-    except OSError as e:
+    except (OSError, DilocoError) as e:
         for s in servers:
             s.stop()
+        if isinstance(e, DilocoError):
+            raise
         raise DilocoError(f"cannot serve HTTP on {ports.host}: {e.strerror or e}") from e
     return servers
 

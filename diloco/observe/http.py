@@ -6,7 +6,9 @@
     /metrics       Prometheus text exposition
 
 Served by the standard library's threading HTTP server on a thread of the coordinator, on
-loopback unless told otherwise; it only reads.
+loopback unless told otherwise; it only reads. Every request passes the run's rule first
+(diloco.observe.access): HTTPS and an observer certificate or the access token under mTLS, the
+token in token mode, open only where the gRPC side is (plaintext on loopback, or --insecure).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from diloco.observe.access import cookie_name, cookie_value, http_access, role_of, server_context
 from diloco.observe.events import RunEvents
 from diloco.observe.prometheus import CoordinatorMetrics
+from diloco.security.transport import Security, check_listen
 
 log = logging.getLogger("diloco.observe")
 
@@ -30,6 +35,11 @@ log = logging.getLogger("diloco.observe")
 MAX_POINTS = 400
 TIMELINE_KINDS = ("start", "join", "leave", "chunk_failed")
 MAX_TIMELINE = 300
+# A client gets this long to finish its TLS handshake and send its request (its own thread waits).
+REQUEST_TIMEOUT_S = 30.0
+
+Route = Callable[[], tuple[str, bytes]]
+TEXT = "text/plain; charset=utf-8"
 
 
 def downsample(points: list[list[float]], max_points: int = MAX_POINTS) -> list[list[float]]:
@@ -79,8 +89,121 @@ def page_html() -> bytes:
     return (resources.files("diloco.observe") / "page.html").read_bytes()
 
 
-class ObserveServer:
-    """An HTTP server on its own thread. `page` False: only /metrics (the --metrics-port one)."""
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A failed handshake (a plaintext client, an unknown CA) is the client's problem, not ours.
+        log.debug("HTTP connection from %s failed", client_address, exc_info=True)
+
+
+class GuardedServer:
+    """Routes served on a thread of their own, each request checked by `http_access` first:
+    HTTPS when `security` has TLS, and a refusal (401) counted through `on_refused`."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        routes: dict[str, Route],
+        *,
+        security: Security,
+        access_token: str,
+        on_refused: Callable[[str, str], None] | None = None,
+        name: str = "observe-http",
+    ):
+        if warning := check_listen(host, security):  # the gRPC side's rule, and its --insecure
+            log.warning("%s", warning)
+        context = server_context(security.tls) if security.tls else None
+        mode, refused = security.mode, on_refused or (lambda method, why: None)
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = REQUEST_TIMEOUT_S
+
+            def setup(self) -> None:
+                super().setup()
+                if context is not None:  # here, on the request's thread: a slow client stalls no other
+                    self.request.do_handshake()
+
+            def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+                path = urlsplit(self.path).path
+                route = routes.get(path)
+                if route is None:
+                    self.send_error(404, "not found")
+                    return
+                verdict = http_access(
+                    mode,
+                    self.path,
+                    authorization=self.headers.get("Authorization", ""),
+                    cookie=self.headers.get("Cookie", ""),
+                    cert_role=role_of(self.request.getpeercert()) if context is not None else "",
+                    token=access_token,
+                    cookie_key=server.cookie,
+                )
+                if not verdict.allowed:
+                    refused(f"http {path}", verdict.reason)
+                    challenge = {"WWW-Authenticate": 'Bearer realm="diloco"'}
+                    self._reply(401, TEXT, f"{verdict.reason}\n".encode(), challenge)
+                    return
+                if verdict.login:  # the cookie carries the login; the token leaves the address bar
+                    cookie = (
+                        f"{server.cookie}={cookie_value(access_token)}; Path=/; HttpOnly; SameSite=Strict"
+                    )
+                    secure = "; Secure" if context is not None else ""
+                    self._reply(303, TEXT, b"logged in\n", {"Location": "/", "Set-Cookie": cookie + secure})
+                    return
+                try:
+                    kind, body = route()
+                except Exception as e:  # a failed read answers 500, never stops the server
+                    log.warning("%s failed: %s", path, e)
+                    self.send_error(500, str(e))
+                    return
+                self._reply(200, kind, body)
+
+            def _reply(
+                self, code: int, kind: str, body: bytes, headers: dict[str, str] | None = None
+            ) -> None:
+                self.send_response(code)
+                headers = {"Content-Type": kind, "Cache-Control": "no-store", **(headers or {})}
+                headers["Content-Length"] = str(len(body))
+                for key, value in headers.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass  # a page polling every 2 s would flood the coordinator's log
+
+        server = self
+        self.httpd = _Server((host, port), Handler)
+        if context is not None:
+            # Handshakes happen in Handler.setup, not in the accepting thread.
+            self.httpd.socket = context.wrap_socket(
+                self.httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self.tls, self.access_token = context is not None, access_token
+        self.host, self.port = host, self.httpd.server_address[1]
+        self.cookie = cookie_name(self.port)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}/"
+
+    @property
+    def login_url(self) -> str:
+        """The URL a person opens: the page, with the token that logs the browser in (if any)."""
+        return f"{self.url}?token={quote(self.access_token, safe='')}" if self.access_token else self.url
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+class ObserveServer(GuardedServer):
+    """The coordinator's HTTP side. `page` False: only /metrics (the --metrics-port one)."""
 
     def __init__(
         self,
@@ -91,8 +214,11 @@ class ObserveServer:
         detail: Callable[[], dict[str, Any]],
         events: RunEvents,
         page: bool,
+        security: Security,
+        access_token: str,
+        on_refused: Callable[[str, str], None] | None = None,
     ):
-        routes: dict[str, Callable[[], tuple[str, bytes]]] = {
+        routes: dict[str, Route] = {
             "/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(metrics.registry)),
         }
         if page:
@@ -106,41 +232,7 @@ class ObserveServer:
                     ),
                 }
             )
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
-                route = routes.get(self.path.split("?", 1)[0])
-                if route is None:
-                    self.send_error(404, "not found")
-                    return
-                try:
-                    kind, body = route()
-                except Exception as e:  # a failed read answers 500, never stops the server
-                    log.warning("%s failed: %s", self.path, e)
-                    self.send_error(500, str(e))
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Cache-Control", "no-store")
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass  # a page polling every 2 s would flood the coordinator's log
-
         self.page = page
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.host, self.port = host, self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="observe-http", daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/"
-
-    def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(timeout=5)
+        super().__init__(
+            host, port, routes, security=security, access_token=access_token, on_refused=on_refused
+        )

@@ -1,15 +1,22 @@
 """A worker's own Prometheus metrics (`diloco compute --metrics-port`, `diloco data --metrics-port`):
 what it has done in this life, read from its counters when scraped. The coordinator's /metrics
-has the whole run; these are for a machine's own dashboards and alerts."""
+has the whole run; these are for a machine's own dashboards and alerts.
+
+Plain HTTP (a worker's certificate is a client's, not a server's): with the run's token, a scrape
+carries it (`Authorization: Bearer`); beyond loopback it needs the token or --insecure."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
+
+from diloco.observe.http import GuardedServer
+from diloco.security.transport import Security
 
 # name -> (kind, help); a snapshot's key is the name without the role's prefix.
 LEARNER = {
@@ -48,11 +55,23 @@ class SnapshotCollector(Collector):
 
 
 def serve_worker_metrics(
-    role: str, port: int, host: str, snapshot: Callable[[], dict[str, float]], worker_id: Callable[[], str]
+    role: str,
+    port: int,
+    host: str,
+    snapshot: Callable[[], dict[str, float]],
+    worker_id: Callable[[], str],
+    security: Security | None = None,
 ) -> Any:
-    """Start serving on a daemon thread; returns the server (its .server_port, .shutdown())."""
+    """Start serving on a daemon thread; returns the server (its .server_port, .shutdown()).
+    `security`: the worker's own (else this process's, from its flags' environment)."""
     prefix, spec = ("diloco_learner", LEARNER) if role == "learner" else ("diloco_data_worker", DATA_WORKER)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(SnapshotCollector(prefix, spec, snapshot, worker_id))
-    server, _thread = start_http_server(port, addr=host, registry=registry)
-    return server
+    security = security if security is not None else Security.from_env()
+    # The certificate does not protect a plaintext port: only the token (or --insecure) counts.
+    plain = Security(token=security.token, insecure=security.insecure)
+    routes = {"/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry))}
+    server = GuardedServer(
+        host, port, routes, security=plain, access_token=security.token, name=f"{role}-metrics"
+    )
+    return server.httpd

@@ -1,22 +1,31 @@
 """Watching a live run: Prometheus scrapes the coordinator's /metrics, a real browser (headless
 Chromium from Debian's packages) loads its status page, and the curves are on disk afterwards
-(metrics.jsonl and TensorBoard event files)."""
+(metrics.jsonl and TensorBoard event files). The run is mutual TLS, so its page is HTTPS and wants
+an identity: the login link `diloco run` prints, the bearer token, or an observer's certificate."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
+import http.client
 import json
 import os
 import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.client import CoordinatorClient
@@ -37,9 +46,34 @@ def chromium() -> str:
     return binary
 
 
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as reply:
+def get(url: str, context: ssl.SSLContext, token: str = "") -> str:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers), timeout=10, context=context
+    ) as reply:
         return reply.read().decode()
+
+
+def refused(url: str, context: ssl.SSLContext) -> int:
+    """The HTTP status of a request the page refuses (it raises when the page answers instead)."""
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        get(url, context)
+    return caught.value.code
+
+
+def trusting(tls: Path, name: str = "") -> ssl.SSLContext:
+    """A client that trusts the run's private CA, with `name`'s certificate when given."""
+    context = ssl.create_default_context(cafile=str(tls / "ca.crt"))
+    if name:
+        context.load_cert_chain(str(tls / f"{name}.crt"), str(tls / f"{name}.key"))
+    return context
+
+
+def pinned(cert: Path) -> str:
+    """Chromium's pin for the coordinator's key: it trusts that key alone, not every certificate."""
+    key = x509.load_pem_x509_certificate(cert.read_bytes()).public_key()
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return base64.b64encode(hashlib.sha256(der).digest()).decode()
 
 
 def browse(url: str, *extra: str) -> str:
@@ -71,15 +105,37 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
     reader.start()
     try:
-        page = wait_for(
-            lambda: next((m.group(0) for line in output if (m := re.search(r"http://127\.0\.0\.1:\d+/", line))), None),
-            120, "the status page's URL",
+        login = wait_for(
+            lambda: next((m.group(1) for line in output
+                          if (m := re.search(r"status page: (https://127\.0\.0\.1:\d+/\?token=\S+)", line))), None),
+            120, "the status page's login link",
         )  # fmt: skip
-        info = json.loads((workdir / "coordinator.json").read_text())
-        assert info["page_url"] == page and info["metrics_url"] != page + "metrics"  # --metrics-port: its own
+        page, token = login.split("?")[0], parse_qs(urlsplit(login).query)["token"][0]
+        info_path = workdir / "coordinator.json"
+        info = json.loads(info_path.read_text())
+        assert info["page_url"] == login
+        assert info["metrics_url"] != page + "metrics"  # --metrics-port: its own
+        assert info_path.stat().st_mode & 0o077 == 0  # it holds the token: its owner's alone
+        assert (workdir / "http_token").read_text().strip() == token  # Prometheus's bearer_token_file
+        tls_dir = workdir / "tls"
+        ca = trusting(tls_dir)
+
+        # Without credentials, or with a learner's certificate: refused. An observer's opens it.
+        assert refused(page + "api/status", ca) == 401 and refused(info["metrics_url"], ca) == 401
+        assert refused(page + "api/status", trusting(tls_dir, "learner-0")) == 401
+        observer = run_cli(
+            ["certs", "issue", "--out", str(tls_dir), "--role", "observer", "--name", "watcher"], timeout=60
+        )
+        assert observer.returncode == 0, observer.stderr
+        # The refusals are counted as refused RPCs are.
+        assert json.loads(get(page + "api/status", trusting(tls_dir, "watcher")))["calls_refused"] >= 3
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            get(page, ssl.create_default_context(), token)  # the run's CA is its own, no one else's
+        with pytest.raises((OSError, http.client.HTTPException)):  # no plaintext beside the HTTPS
+            urllib.request.urlopen(page.replace("https:", "http:"), timeout=10)
 
         def ready() -> bool:
-            d = json.loads(get(page + "api/status"))
+            d = json.loads(get(page + "api/status", ca, token))
             learners = [
                 w for w in d["workers"] if w["role"] == "compute" and w["alive"] and w.get("last_loss")
             ]
@@ -90,7 +146,7 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         # The live run's latest model, from the command line: evaluated and exported. The job
         # runs mutual TLS (certificates in <workdir>/tls): a user's own tools get one from its CA.
         issued = run_cli(
-            ["certs", "issue", "--out", str(workdir / "tls"), "--role", "evaluator", "--name", "cli"],
+            ["certs", "issue", "--out", str(tls_dir), "--role", "evaluator", "--name", "cli"],
             timeout=60,
         )
         assert issued.returncode == 0, issued.stderr
@@ -110,7 +166,7 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         assert json.loads((tmp_path / "live" / "config.json").read_text())["versions"], exported.stdout
 
         # Prometheus: the text exposition parses, and says what the run is doing.
-        families = {f.name: f for f in text_string_to_metric_families(get(info["metrics_url"]))}
+        families = {f.name: f for f in text_string_to_metric_families(get(info["metrics_url"], ca, token))}
         value = {s.name: s.value for f in families.values() for s in f.samples if not s.labels}
         assert value["diloco_tokens_merged_total"] > 0 and value["diloco_rounds_total"] >= 2
         assert value["diloco_push_seconds_count"] >= 2 and value["diloco_push_bytes_sum"] > 0
@@ -122,21 +178,29 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         }
         assert up == {"learner-0", "learner-1"}
         assert {s.labels["role"] for s in families["diloco_pull_bytes"].samples} >= {"compute", "evaluator"}
-        assert get(page + "metrics").startswith("# HELP")  # the page's port serves /metrics too
+        assert get(page + "metrics", ca, token).startswith("# HELP")  # the page's port serves /metrics too
 
-        # A real browser: the learners' rows and curves with points, and a screenshot of it all.
-        dom = browse(page, "--dump-dom")
+        # A real browser, told to trust the coordinator's key: without the link it gets the
+        # refusal; the link logs it in (a cookie), and the page's own requests carry that cookie:
+        # the learners' rows and curves with points, and a screenshot of it all.
+        trust = [
+            f"--user-data-dir={tmp_path / 'chromium'}",
+            f"--ignore-certificate-errors-spki-list={pinned(tls_dir / 'coordinator.crt')}",
+        ]
+        dom = browse(page, "--dump-dom", *trust)
+        assert "no credentials" in dom and "data-loaded" not in dom, dom[:2000]
+        dom = browse(login, "--dump-dom", *trust)
         assert 'data-loaded="true"' in dom, dom[:2000]
         assert len(re.findall(r'<tr class="learner[^"]*" data-worker="learner-\d"', dom)) == 2, dom
         points = [int(n) for n in re.findall(r'class="curve" data-name="[^"]*" data-points="(\d+)"', dom)]
         assert points and max(points) >= 2, dom
         shot = tmp_path / "page.png"
-        browse(page, f"--screenshot={shot}", "--window-size=1280,1800")
+        browse(login, f"--screenshot={shot}", "--window-size=1280,1800", *trust)
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
         # Seen enough: the run is asked to finish (as an operator would), and ends as ever.
         supervisor = Security(
-            tls=TlsFiles(*(str(workdir / "tls" / f) for f in ("supervisor.crt", "supervisor.key", "ca.crt")))
+            tls=TlsFiles(*(str(tls_dir / f) for f in ("supervisor.crt", "supervisor.key", "ca.crt")))
         )
         with contextlib.closing(
             CoordinatorClient(info["address"], pb.ROLE_OBSERVER, security=supervisor)

@@ -69,10 +69,21 @@ class WorkersTable(LedgerBase):
                 (worker_id,),
             )
 
-    def live_workers(self, role: str, ttl_s: float) -> list[str]:
+    def live_workers(self, role: str | None, ttl_s: float) -> list[str]:
+        """The live workers of a role (None: of every role)."""
         now = self.clock()
-        rows = self._q("SELECT id, last_seen FROM workers WHERE role = ? AND state = 'active'", (role,))
+        rows = self._q(
+            "SELECT id, last_seen FROM workers WHERE (role = ? OR ? IS NULL) AND state = 'active'",
+            (role, role),
+        )
         return [r["id"] for r in rows if leases.is_live(r["last_seen"], now, ttl_s)]
+
+    def leases_held(self, worker_id: str) -> int:
+        """Chunk and shard leases `worker_id` holds now."""
+        return sum(
+            self._one(f"SELECT COUNT(*) FROM {table} WHERE holder = ? AND state = 'leased'", (worker_id,))  # noqa: S608
+            for table in ("chunks", "shards")
+        )
 
     def live_worker_stats(self, role: str, ttl_s: float) -> dict[str, dict[str, Any]]:
         """The last heartbeat stats of every live worker of a role, by id (one query)."""

@@ -13,6 +13,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, syncer
+from diloco.coordinator.callers import Callers, caller_of
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.service.state import (
     RUN_STATES,
@@ -65,6 +66,7 @@ class ServiceBase:
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
+        self.callers = Callers()  # which caller holds each worker id, and its open calls
         self._budget_lock = threading.Lock()  # one learner's allowance is read and written at a time
         self._dropped_by_restart = ledger.pending_pushers()  # awaited by each fragment's first round
         self.epoch = ledger.next_epoch()
@@ -171,14 +173,30 @@ class ServiceBase:
     def _state_pb(self) -> int:
         return RUN_STATES[self.run_state]
 
-    def _require_worker(self, worker_id: str, context: grpc.ServicerContext) -> None:
+    def _require_worker(self, worker_id: str, context: grpc.ServicerContext, method: str) -> None:
+        """A call that acts as a worker: the worker must have joined, and the caller must be the
+        one that joined it (callers.py), so no one frees another's leases or pushes as it."""
         if not worker_id or not self.ledger.known_worker(worker_id):
             context.abort(grpc.StatusCode.NOT_FOUND, f"unknown worker {worker_id!r}: join first")
+        self._require_owner(worker_id, context, method)
+
+    def _require_owner(self, worker_id: str, context: grpc.ServicerContext, method: str) -> None:
+        if problem := self.callers.acting_problem(worker_id, caller_of(context)):
+            self.caller_refused(method, problem)
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+
+    def _holds_enough(self, worker_id: str) -> bool:
+        """Whether a worker holds its cap of leases (coordinator.max_leases_per_worker): it waits,
+        so no one worker hoards the chunks or shards."""
+        cap = self.config.coordinator.max_leases_per_worker
+        return cap > 0 and self.ledger.leases_held(worker_id) >= cap
 
     def _role_of(self, worker_id: str) -> str:
         role = self._roles.get(worker_id)
         if role is None:
-            role = self.ledger.worker_role(worker_id) or "unknown"
+            role = self.ledger.worker_role(worker_id)
+            if role is None:
+                return "unknown"  # not kept: any caller may name any id, the map would grow
             self._roles[worker_id] = role
         return role
 

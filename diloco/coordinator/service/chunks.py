@@ -21,10 +21,12 @@ from diloco.v1 import coordinator_pb2 as pb
 class ChunkRPCs(ServiceBase):
     def LeaseChunk(self, request: pb.LeaseChunkRequest, context: grpc.ServicerContext) -> pb.LeaseChunkReply:
         self.wire.unary_in("lease_chunk", request)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "LeaseChunk")
         ttl = self.config.coordinator.lease_ttl_s
         if self.run_state != "running":
             reply = pb.LeaseChunkReply(done=True, run_state=self._state_pb())
+        elif self._holds_enough(request.worker_id):
+            reply = pb.LeaseChunkReply(retry_after_s=1.0, run_state=self._state_pb())
         else:
             lease = self.ledger.lease_chunk(
                 request.worker_id,
@@ -64,7 +66,7 @@ class ChunkRPCs(ServiceBase):
         self, request: pb.CompleteChunkRequest, context: grpc.ServicerContext
     ) -> pb.CompleteChunkReply:
         self.wire.unary_in("complete_chunk", request)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "CompleteChunk")
         if not request.completion_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion_id is required")
         if not store.uri_under(request.shard_uri, self.shard_root):
@@ -161,7 +163,7 @@ class ChunkRPCs(ServiceBase):
 
     def FailChunk(self, request: pb.FailChunkRequest, context: grpc.ServicerContext) -> pb.FailChunkReply:
         self.wire.unary_in("fail_chunk", request)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "FailChunk")
         request.error = limits.cut_text(request.error)
         quarantined = self.ledger.fail_chunk(
             request.worker_id, request.chunk_id, request.error, self.config.coordinator.max_chunk_attempts

@@ -33,7 +33,7 @@ def eval_report_problem(request: pb.ReportEvalRequest, fragments: int) -> str:
 class EvalRPCs(ServiceBase):
     def ReportEval(self, request: pb.ReportEvalRequest, context: grpc.ServicerContext) -> pb.ReportEvalReply:
         self.wire.unary_in("report_eval", request)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "ReportEval")
         problem = eval_report_problem(request, self.config.sync.fragments)
         if not problem:
             self.ledger.record_eval(

@@ -8,6 +8,7 @@ import uuid
 import grpc
 
 from diloco.coordinator import lifecycle, limits
+from diloco.coordinator.callers import caller_of
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -39,15 +40,20 @@ class MembershipRPCs(ServiceBase):
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
-        cap = self.config.coordinator.max_workers_per_role
-        if (
-            not self.ledger.known_worker(worker_id)
-            and len(self.ledger.live_workers(role, self.config.coordinator.lease_ttl_s)) >= cap
+        c = self.config.coordinator
+        if not self.ledger.known_worker(worker_id) and len(self.ledger.live_workers(role, c.lease_ttl_s)) >= (
+            c.max_workers_per_role
         ):
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{cap} live {role} workers already (coordinator.max_workers_per_role): join refused",
+                f"{c.max_workers_per_role} live {role} workers already (coordinator.max_workers_per_role): join refused",
             )
+        live = self.ledger.live_workers(None, c.lease_ttl_s)
+        if problem := self.callers.join_problem(
+            worker_id, caller_of(context), live, c.max_workers_per_caller
+        ):
+            self.caller_refused("Join", problem)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)  # clients retry: a lease may lapse
         self.ledger.join(worker_id, role, request.host or "?")
         self._roles[worker_id] = role
         log.info(
@@ -74,7 +80,7 @@ class MembershipRPCs(ServiceBase):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         role = self._role_of(request.worker_id)
         self.wire.unary_in("heartbeat", request, role)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "Heartbeat")
         if problem := limits.heartbeat_problem(request):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad heartbeat: {problem}")
         stats = {
@@ -154,6 +160,8 @@ class MembershipRPCs(ServiceBase):
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveReply:
         role = self._role_of(request.worker_id)
         self.wire.unary_in("leave", request, role)
+        if self.ledger.known_worker(request.worker_id):  # an unknown id is no one's: nothing to free
+            self._require_owner(request.worker_id, context, "Leave")
         self.ledger.leave(request.worker_id)
         request.reason = limits.cut_text(request.reason, 512)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")

@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from diloco.coordinator import checkpoint
+from diloco.coordinator.callers import caller_of
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     MAX_PULL_WAIT_S,
@@ -58,7 +59,7 @@ class ParameterRPCs(ServiceBase):
             )
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad init stream: {e}")
-        self._require_worker(header.worker_id, context)
+        self._require_worker(header.worker_id, context, "InitParameters")
         bad = [n for n, t in tensors.items() if not t.is_floating_point() or not torch.isfinite(t).all()]
         if bad or not tensors:
             context.abort(
@@ -108,9 +109,27 @@ class ParameterRPCs(ServiceBase):
         if self._role_of(request.worker_id) == "evaluator":
             kind = "eval_pull"  # monitoring: kept out of the learners' bytes per token
         self.wire.unary_in(kind, request)
+        self._require_worker(request.worker_id, context, "PullParameters")
         if list(request.have_versions) and len(request.have_versions) != len(request.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_versions must match fragments")
-        deadline = time.monotonic() + min(max(request.wait_s, 0.0), MAX_PULL_WAIT_S)
+        wait_s = min(max(request.wait_s, 0.0), MAX_PULL_WAIT_S)
+        if wait_s <= 0:
+            yield from self._pull(request, context, kind, wait_s)
+            return
+        # A long-poll holds a handler thread while it waits: bounded per caller and in all, below
+        # the thread pool, so joins, heartbeats and leases always find one.
+        c, caller = self.config.coordinator, caller_of(context)
+        if problem := self.callers.open("pull", caller, c.max_waiting_pulls_per_caller, c.max_waiting_pulls):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{problem}; retry shortly")
+        try:
+            yield from self._pull(request, context, kind, wait_s)
+        finally:
+            self.callers.close("pull", caller)
+
+    def _pull(
+        self, request: pb.PullRequest, context: grpc.ServicerContext, kind: str, wait_s: float
+    ) -> Iterator[pb.TensorStreamMessage]:
+        deadline = time.monotonic() + wait_s
         with self.cond:
             while not self.fragments and time.monotonic() < deadline and not self._stop.is_set():
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))

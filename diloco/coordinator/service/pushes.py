@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from diloco.coordinator import limits, syncer
+from diloco.coordinator.callers import caller_of
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
@@ -24,11 +25,25 @@ from diloco.coordinator.stream_watch import StreamLimits, StreamWatch
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 from diloco.wire.codecs import CodecError
-from diloco.wire.tensors import TensorAssembler, WireError
+from diloco.wire.tensors import TensorAssembler, WireError, sq_norm
 
 
 class PushRPCs(ServiceBase):
     def PushDelta(
+        self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
+    ) -> pb.PushReply:
+        # One caller has at most max_pushes_per_caller pushes open, waiting or in a slot: pushes
+        # that stall cannot take every slot (nor every handler thread waiting for one).
+        caller = caller_of(context)
+        if problem := self.callers.open("push", caller, self.config.coordinator.max_pushes_per_caller):
+            self.ledger.bump("pushes_deferred")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)
+        try:
+            return self._push_in_slot(request_iterator, context)
+        finally:
+            self.callers.close("push", caller)
+
+    def _push_in_slot(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.PushReply:
         # At most max_inflight_pushes deltas are held at once; the rest are told to come back
@@ -65,7 +80,7 @@ class PushRPCs(ServiceBase):
         first, messages = stream_header(request_iterator, context, "push stream must start with a header")
         header = first.header
         watch.declared_bytes = sum(math.prod(s.shape) * 4 for s in header.tensors)  # fp32 at most
-        self._require_worker(header.worker_id, context)
+        self._require_worker(header.worker_id, context, "PushDelta")
         if not header.push_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push_id is required")
         if not self.fragments:
@@ -89,6 +104,7 @@ class PushRPCs(ServiceBase):
         frag = self.fragments[header.fragment]
         empty = header.tokens == 0 and not header.tensors
         tensors: dict[str, torch.Tensor] = {}
+        squared: float | None = None
         codec = header.codec or "fp32"
         if codec != self.config.sync.codec:
             self.ledger.bump("pushes_malformed")
@@ -104,7 +120,7 @@ class PushRPCs(ServiceBase):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {problem}")
         if not empty:
             try:
-                tensors = self._receive_delta(header, frag.names, codec, messages)
+                tensors, squared = self._receive_delta(header, frag.names, codec, messages)
             except (WireError, CodecError) as e:
                 self.ledger.bump("pushes_malformed")
                 self.metrics.refused("malformed")
@@ -118,10 +134,9 @@ class PushRPCs(ServiceBase):
 
         norm_per_h = 0.0
         if tensors:
-            # Accumulated in float64 without a float64 copy of the delta.
-            norm = math.hypot(
-                *(float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in tensors.values())
-            )
+            if squared is None:  # decoded from a codec: one more pass
+                squared = sum(sq_norm(t) for t in tensors.values())
+            norm = math.sqrt(squared)
             # A delta of more than H steps is compared per H steps; a shorter one as it is (it
             # is smaller, never an outlier for being short).
             norm_per_h = norm / max(1.0, header.inner_steps / self.config.train.inner_steps)
@@ -182,8 +197,9 @@ class PushRPCs(ServiceBase):
         names: list[str],
         codec: str,
         messages: Iterator[pb.TensorStreamMessage],
-    ) -> dict[str, torch.Tensor]:
-        """The delta's fp32 tensors: raw for fp32, else one encoded blob per tensor, decoded here."""
+    ) -> tuple[dict[str, torch.Tensor], float | None]:
+        """The delta's fp32 tensors: raw for fp32, else one encoded blob per tensor, decoded here;
+        and their squared norm when the wire check gave it (fp32), else None."""
         if codec == "fp32":
             expected = {n: self.specs[n] for n in names}
         else:
@@ -208,10 +224,11 @@ class PushRPCs(ServiceBase):
         received = asm.tensors()
         self.metrics.push_bytes.observe(sum(t.numel() * t.element_size() for t in received.values()))
         if codec == "fp32":
-            return received
-        return {
+            return received, asm.sq_norm
+        decoded = {
             n: codecs.decode(received[n].numpy().tobytes(), codec, tuple(self.specs[n].shape)) for n in names
         }
+        return decoded, None
 
     def _accept_push(
         self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool, refuse: str = ""

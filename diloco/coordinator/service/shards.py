@@ -16,10 +16,12 @@ from diloco.v1 import coordinator_pb2 as pb
 class ShardRPCs(ServiceBase):
     def LeaseShard(self, request: pb.LeaseShardRequest, context: grpc.ServicerContext) -> pb.LeaseShardReply:
         self.wire.unary_in("lease_shard", request)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "LeaseShard")
         ttl = self.config.coordinator.lease_ttl_s
         if self.run_state != "running":
             reply = pb.LeaseShardReply(done=True, run_state=self._state_pb())
+        elif self._holds_enough(request.worker_id):
+            reply = pb.LeaseShardReply(retry_after_s=1.0, run_state=self._state_pb())
         else:
             slots = self.config.data.deal
             live = set(self._live_learners()) if slots else set()
@@ -60,7 +62,7 @@ class ShardRPCs(ServiceBase):
         self, request: pb.ReportShardRequest, context: grpc.ServicerContext
     ) -> pb.ReportShardReply:
         self.wire.unary_in("report_shard", request)
-        self._require_worker(request.worker_id, context)
+        self._require_worker(request.worker_id, context, "ReportShard")
         again = self.ledger.report_corrupt_shard(request.shard_id, request.error)
         log.warning(
             "shard %d reported corrupt by %s (%s); reprocessing=%s",

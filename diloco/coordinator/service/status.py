@@ -105,7 +105,10 @@ class StatusRPCs(ServiceBase):
             "wire_bytes_out": wire_out,
             "wire_by_rpc": self.wire.by_kind(),
             "wire_by_role": self.wire.by_role(),
-            "workers": workers,
+            # Bounded, so Status fits its message limit whatever joined (a week of restarts,
+            # or fake workers): the live ones first, then the most recently seen.
+            "workers": shown_workers(workers, STATUS_MAX_WORKERS),
+            "workers_total": len(workers),
             "uptime_s": round(now - self.started_at, 3),
             "security": self.security_mode,
             "calls_refused": int(counters.get("calls_refused", 0)),
@@ -119,7 +122,17 @@ class StatusRPCs(ServiceBase):
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         self.wire.unary_in("status", request)
         d = self.status_detail()
-        reply = pb.StatusReply(
+        limit = self.config.coordinator.max_message_bytes // 2  # of the client's, which may be smaller
+        while True:  # the worker list halved until the reply fits (bounded: 10 halvings at most)
+            reply = self._status_reply(d)
+            if reply.ByteSize() <= limit or not d["workers"]:
+                break
+            d["workers"] = shown_workers(d["workers"], len(d["workers"]) // 2)
+        self.wire.add_out("status", reply)
+        return reply
+
+    def _status_reply(self, d: dict[str, Any]) -> pb.StatusReply:
+        return pb.StatusReply(
             run_state=self._state_pb(),
             coordinator_epoch=self.epoch,
             chunks_total=d["chunks_total"],
@@ -155,8 +168,19 @@ class StatusRPCs(ServiceBase):
             ],
             detail_json=json.dumps(d),
         )
-        self.wire.add_out("status", reply)
-        return reply
+
+
+# Workers a status lists at most (each up to ~4 KB of stats: metric names are bounded).
+STATUS_MAX_WORKERS = 512
+
+
+def shown_workers(workers: list[dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    """At most `limit` of the workers: the live ones first, then by how recently each was seen;
+    in their order of joining."""
+    if len(workers) <= limit:
+        return workers
+    order = sorted(range(len(workers)), key=lambda i: (not workers[i]["alive"], workers[i]["last_seen_s"]))
+    return [workers[i] for i in sorted(order[:limit])]
 
 
 def mean_metrics(per_learner: list[dict[str, float]]) -> dict[str, float]:

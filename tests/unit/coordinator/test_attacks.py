@@ -22,7 +22,7 @@ from diloco.coordinator import limits
 from diloco.coordinator.server import start_coordinator
 from diloco.data.shard import ShardInfo, write_shard
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import delta_header, tiny_coordinator
+from tests.support import delta_header, stalled_push, tiny_coordinator
 
 
 def refused(call) -> str:
@@ -269,7 +269,9 @@ def test_joins_beyond_the_cap_of_live_workers_are_refused(tiny_corpus: Path, tmp
             assert "max_workers_per_role" in caught.value.details()
             second.join()  # one already in may join again (a retry, a restart under its id)
             # Other roles have their own cap.
-            CoordinatorClient(address, pb.ROLE_DATA, worker_id="data-x").join()
+            data = CoordinatorClient(address, pb.ROLE_DATA, worker_id="data-x")
+            data.join()
+            data.close()
         finally:
             second.close()
             third.close()
@@ -282,24 +284,17 @@ def test_a_push_that_sends_its_header_and_stalls_gives_its_slot_back(
     overrides = {"coordinator.max_inflight_pushes": 1, "coordinator.push_idle_s": 2.0}
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
         release = threading.Event()
-        header = delta_header(learner, "fp32", "stalls")
-        header.worker_id = learner.worker_id
-        for name, t in init.items():  # a whole fragment's tensors declared, none of them sent
-            header.tensors.add(name=name, dtype="float32", shape=list(t.shape))
-
-        def header_then_nothing():
-            yield pb.TensorStreamMessage(header=header)
-            release.wait(30)  # holds the only push slot, sending nothing
+        header_then_nothing = stalled_push(learner, init, release)  # holds the only slot
 
         outcome: list[tuple[grpc.StatusCode, str]] = []
 
-        def stalled_push() -> None:
+        def push_and_stall() -> None:
             try:
                 learner.stub.PushDelta(header_then_nothing(), timeout=30)
             except grpc.RpcError as e:
                 outcome.append((e.code(), e.details()))
 
-        thread = threading.Thread(target=stalled_push)
+        thread = threading.Thread(target=push_and_stall)
         thread.start()
         try:
             time.sleep(0.3)

@@ -1,0 +1,85 @@
+"""Who is calling, and what each caller holds: so that no caller acts as another's worker,
+registers workers without bound, or holds every push slot and pull wait.
+
+A caller is its certificate's name under mutual TLS (one certificate, one worker id: the guard
+already checks that), else the host it calls from. In token mode every holder of the token is
+trusted alike, so the host is the only thing that tells two of them apart: fake learners joined
+from one machine then share one cap, and one machine cannot act as another machine's worker.
+(Behind one NAT every worker shares a host; mutual TLS is the way to tell them apart there.)
+
+Bindings live in memory: after a coordinator restart a worker id is bound again by the first
+caller that uses it (the workers re-join at once, see client.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any
+
+
+def caller_of(context: Any) -> str:
+    """The caller of one RPC: `cert:<name>` under mutual TLS, else `host:<address>`."""
+    names = context.auth_context().get("x509_common_name")
+    if names:
+        return "cert:" + names[0].decode(errors="replace")
+    return "host:" + peer_host(context.peer())
+
+
+def peer_host(peer: str) -> str:
+    """gRPC's peer string without its port: ipv4:10.0.0.2:5000 -> 10.0.0.2, ipv6:[::1]:5000 -> ::1."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6" and rest.startswith("["):
+        return rest[1 : rest.find("]")]
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer  # unix sockets and the like: the whole string
+
+
+class Callers:
+    """Worker ids bound to the callers that use them, and each caller's open calls by kind."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: dict[str, str] = {}  # worker id -> caller
+        self._open: Counter[tuple[str, str]] = Counter()  # (kind, caller) -> calls open
+
+    def join_problem(self, worker_id: str, caller: str, live: Iterable[str], cap: int) -> str:
+        """Why `caller` may not join as `worker_id` now ("" when it may; it is then bound to it):
+        the id is live under another caller (a worker moved to another host joins once its old
+        lease lapses), or the caller has `cap` live workers already (0: no cap)."""
+        live = set(live)
+        with self._lock:
+            owner = self._owner.get(worker_id)
+            if owner is not None and owner != caller and worker_id in live:
+                return f"worker id {worker_id!r} is live under another caller until its lease lapses"
+            mine = sum(1 for w, c in self._owner.items() if c == caller and w in live and w != worker_id)
+            if cap and mine >= cap:
+                return f"{caller} has {mine} live workers (coordinator.max_workers_per_caller = {cap})"
+            self._owner[worker_id] = caller
+            return ""
+
+    def acting_problem(self, worker_id: str, caller: str) -> str:
+        """Why `caller` may not act as `worker_id` ("" when it may): another caller holds the id.
+        An id nobody holds (a coordinator restart forgot it) is bound to its first user."""
+        with self._lock:
+            owner = self._owner.setdefault(worker_id, caller)
+        return "" if owner == caller else f"worker {worker_id!r} belongs to another caller"
+
+    def open(self, kind: str, caller: str, cap: int, total_cap: int = 0) -> str:
+        """Count one more open call of `kind` for `caller` ("" when counted), unless the caller
+        has `cap` open or everyone together has `total_cap` (0: no cap): why not."""
+        with self._lock:
+            if cap and self._open[kind, caller] >= cap:
+                return f"{caller} has {cap} {kind} calls open already"
+            if total_cap and sum(n for (k, _), n in self._open.items() if k == kind) >= total_cap:
+                return f"{total_cap} {kind} calls open already"
+            self._open[kind, caller] += 1
+            return ""
+
+    def close(self, kind: str, caller: str) -> None:
+        with self._lock:
+            self._open[kind, caller] -= 1
+            if self._open[kind, caller] <= 0:
+                del self._open[kind, caller]
