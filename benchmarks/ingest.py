@@ -43,7 +43,7 @@ from diloco.client import CoordinatorClient  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
 from diloco.coordinator.server import grpc_options  # noqa: E402
 from diloco.security.certs import TlsFiles, init_ca, issue  # noqa: E402
-from diloco.security.transport import Security, client_channel  # noqa: E402
+from diloco.security.transport import Security, add_port, client_channel  # noqa: E402
 from diloco.v1 import coordinator_pb2 as pb  # noqa: E402
 from diloco.wire.tensors import stream_tensors  # noqa: E402
 
@@ -51,8 +51,9 @@ RAW_METHOD = "/bench.Raw/Ingest"
 PUSH_METHOD = "/diloco.v1.Coordinator/PushDelta"
 
 
-def raw_server(cfg: RunConfig) -> tuple[grpc.Server, int]:
-    """A client-streaming handler that reads every message and answers: gRPC's own ceiling."""
+def raw_server(cfg: RunConfig, security: Security | None = None) -> tuple[grpc.Server, int]:
+    """A client-streaming handler that reads every message and answers: gRPC's own ceiling
+    (with `security`, over its mutual TLS: the transport's own cost of TLS)."""
 
     def ingest(request_iterator, context):
         n = sum(len(m) for m in request_iterator)
@@ -63,7 +64,7 @@ def raw_server(cfg: RunConfig) -> tuple[grpc.Server, int]:
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(cfg))
     server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_port(server, "127.0.0.1:0", security or Security())
     server.start()
     return server, port
 
@@ -101,9 +102,13 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
     cfg = RunConfig.from_json(cfg_json)
     messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
     push_bytes = sum(len(m) for m in messages)
-    channel = grpc.insecure_channel(address, options=grpc_options(cfg))
+    raw_tls = (tls or {}).get("raw")
+    if raw_tls:
+        channel = client_channel(address, Security(tls=TlsFiles(*raw_tls)), grpc_options(cfg))
+    else:
+        channel = grpc.insecure_channel(address, options=grpc_options(cfg))
     secure: list[grpc.Channel] = []
-    if tls:  # each learner on its own certificate's channel: the coordinator checks the names
+    if tls and worker_ids:  # each learner on its own certificate's channel: the coordinator checks the names
         secure = [
             client_channel(address, Security(tls=TlsFiles(*tls[w])), grpc_options(cfg)) for w in worker_ids
         ]
@@ -216,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = running.service.config
         clients, params = with_learners(running, args.learners)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
-        secure, secure_clients, tls_files = None, [], {}
+        secure, secure_clients, tls_files, raw_tls = None, [], {}, None
         if args.tls:
             ca = Path(tmp) / "ca"
             init_ca(ca)
@@ -229,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             secure_clients, _ = with_learners(
                 secure, args.learners, {n: Security(tls=f) for n, f in files.items()}
             )
+            # gRPC's own ceiling over the same mutual TLS: what the transport's TLS costs alone.
+            raw_tls = raw_server(cfg, Security(tls=issue(ca, "coordinator", "raw")))
         raw, raw_port = raw_server(cfg)
         # The arms take turns, so a change in the machine's load falls on all alike. The same
         # pieces go to each; only the header is new per push (its own push_id).
@@ -241,11 +248,18 @@ def main(argv: list[str] | None = None) -> None:
             turn = {"raw_bytes": raw_bytes, "raw_s": raw_s, "raw_cpu_s": server_cpu_s() - cpu0}
             turn.update(zip(("ingest_bytes", "ingest_s", "ingest_cpu_s"),
                             ingest_turn(running, clients, shapes, cfg, turn_s), strict=True))  # fmt: skip
+            if raw_tls is not None:
+                cpu0 = server_cpu_s()
+                sent, secs, _ = drive_elsewhere(f"127.0.0.1:{raw_tls[1]}", RAW_METHOD, [], shapes, cfg, args.learners,
+                                                turn_s, {"raw": tls_files["learner-0"]})  # fmt: skip
+                turn.update(raw_tls_bytes=sent, raw_tls_s=secs, raw_tls_cpu_s=server_cpu_s() - cpu0)
             if secure is not None:
                 turn.update(zip(("tls_bytes", "tls_s", "tls_cpu_s"),
                                 ingest_turn(secure, secure_clients, shapes, cfg, turn_s, tls_files), strict=True))  # fmt: skip
             turns.append(turn)
         raw.stop(0)
+        if raw_tls is not None:
+            raw_tls[0].stop(0)
         versions = [f.version for f in running.service.fragments]
         for c in [*clients, *secure_clients]:
             c.close()
@@ -294,10 +308,17 @@ def main(argv: list[str] | None = None) -> None:
             tls_mb_per_s=total("tls_bytes") / total("tls_s") / 1e6,
             tls_cpu_ms_per_mb=total("tls_cpu_s") * 1e3 / (total("tls_bytes") / 1e6),
             tls_turn_ratios=tls_ratios,
+            raw_tls_mb_per_s=total("raw_tls_bytes") / total("raw_tls_s") / 1e6,
+            raw_tls_cpu_ms_per_mb=total("raw_tls_cpu_s") * 1e3 / (total("raw_tls_bytes") / 1e6),
         )
         result["tls_ratio"] = result["tls_mb_per_s"] / result["ingest_mb_per_s"]
         print(
             f"ingest + merge, mutual TLS: {result['tls_mb_per_s']:8.1f} MB/s  (server CPU {result['tls_cpu_ms_per_mb']:.2f} ms/MB)"
+        )
+        print(
+            f"raw gRPC streaming, mTLS  : {result['raw_tls_mb_per_s']:8.1f} MB/s  "
+            f"({result['raw_tls_mb_per_s'] / result['raw_mb_per_s']:.0%} of plaintext; server CPU "
+            f"{result['raw_tls_cpu_ms_per_mb']:.2f} ms/MB against {result['raw_cpu_ms_per_mb']:.2f})"
         )
         print(
             f"TLS / plaintext ingest    : {result['tls_ratio']:.0%}  "

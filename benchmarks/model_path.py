@@ -62,16 +62,20 @@ def main(argv: list[str] | None = None) -> None:
     models = {name: build_model(cfg.model, 257, cfg.train.seed) for name in ("direct", "generic")}
     optims = {name: make_inner_optimizer(m, cfg.train) for name, m in models.items()}
     rates: dict[str, list[float]] = {"direct": [], "generic": []}
+    # Both start from one init and train the same batches in the same order: at equal tokens
+    # their losses must agree (the same loss, not just the same speed).
+    losses: dict[str, list[float]] = {"direct": [], "generic": []}
     for repeat in range(args.repeats + 1):  # the first round warms both up and is not counted
         for name in ("direct", "generic") if repeat % 2 else ("generic", "direct"):
             model, opt = models[name], optims[name]
             started = time.perf_counter()
             for i, rows in enumerate(batches):
                 if name == "direct":
-                    direct_step(model, opt, rows, i, cfg)
+                    loss = direct_step(model, opt, rows, i, cfg)
                 else:
-                    batch = Batch({"input_ids": rows}, 0, 0, bs, False)
-                    inner_step(model, opt, batch, step=i, train=cfg.train, device=device)
+                    batch = Batch({"input_ids": rows}, 0, 0, bs, False)  # what the learner's prefetcher makes
+                    loss, _ = inner_step(model, opt, batch.columns, step=i, train=cfg.train, device=device)
+                losses[name].append(loss)
             if repeat:
                 rates[name].append(args.steps * bs * seq / (time.perf_counter() - started))
     ratios = [g / d for g, d in zip(rates["generic"], rates["direct"], strict=True)]
@@ -79,12 +83,18 @@ def main(argv: list[str] | None = None) -> None:
         "tokens_per_s": {k: statistics.mean(v) for k, v in rates.items()},
         "generic_over_direct": {"mean": statistics.mean(ratios), "min": min(ratios), "max": max(ratios)},
         "repeats": args.repeats, "steps": args.steps, "threads": args.threads, "overrides": args.overrides,
+        "final_loss": {k: v[-1] for k, v in losses.items()},
+        "max_loss_gap": max(abs(a - b) for a, b in zip(losses["direct"], losses["generic"], strict=True)),
     }  # fmt: skip
     print(f"direct  {result['tokens_per_s']['direct']:>10,.0f} tokens/s")
     print(f"generic {result['tokens_per_s']['generic']:>10,.0f} tokens/s")
     r = result["generic_over_direct"]
     print(
         f"generic / direct: {r['mean']:.4f} (min {r['min']:.4f}, max {r['max']:.4f} over {args.repeats} pairs)"
+    )
+    print(
+        f"loss at equal tokens: direct {result['final_loss']['direct']:.5f}, generic "
+        f"{result['final_loss']['generic']:.5f}; largest gap over every step {result['max_loss_gap']:.2e}"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

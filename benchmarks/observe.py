@@ -1,18 +1,24 @@
 """What watching a run costs, and how fast its page loads.
 
-    python benchmarks/observe.py --pairs 3 --minutes 1.0      # (a) and (b)
-    python benchmarks/observe.py --pairs 0                    # (b) only
+    python benchmarks/observe.py --pairs 4 --tokens 600000 --ingest-rounds 6   # (a), (b) and (c)
+    python benchmarks/observe.py --pairs 0 --ingest-rounds 0                   # (b) only
 
-(a) Cost: the same `diloco run` (same seed, same token budget) with the status page, /metrics and
+(a) Learners: the same `diloco run` (same seed, same token budget) with the status page, /metrics and
     a scraper that reads /metrics, /api/status and /api/history every 2 s (as Prometheus and an
-    open page would), next to one with all of it off (--http-port -1). The evaluator is off in
-    both (it is a role of its own, not the page's cost). Pairs alternate which arm runs first;
-    printed: learner tokens/s (trained tokens per learner-second of wall time) and data workers'
-    tokens/s, each as the ratio on/off, mean and worst over the pairs. Target: within 2%.
+    open page would, with the run's credentials: `diloco run` serves them over TLS behind its
+    token), next to one with all of it off (--http-port -1). The evaluator is off in both (it is a
+    role of its own, not the page's cost). One unwatched warm-up run first (the machine's first run
+    is slower, whichever arm it is); then pairs, alternating which arm runs first. Printed, as the
+    ratio on/off with mean, sd and worst over the pairs: each learner's tokens per second of its own
+    training time (first inner step to last: start-up left out), its speed in its inner steps
+    (tokens per busy second), and data workers' tokens/s. Target: within 2%.
 (b) Page load: a coordinator's HTTP side fed with the history of a long run — 64 learners, 10,000
     merges, the in-memory event ring full — and headless Chromium loads the page; the page
     records the milliseconds from navigation to its first full picture (data-render-ms).
     Target: under 1 s. Also printed: the bytes and server time of /api/history and /api/status.
+(c) Ingest: the coordinator's ingest + merge (benchmarks/ingest.py's pushes, from another process)
+    with its page and /metrics served and scraped every 2 s by another process, against the same
+    coordinator with them off, in alternating turns. Target: within 2%.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import ssl
 import statistics
 import subprocess
 import sys
@@ -31,6 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -38,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from diloco.observe.events import KEEP_EVENTS, RunEvents  # noqa: E402
 from diloco.observe.http import ObserveServer  # noqa: E402
 from diloco.observe.prometheus import CoordinatorMetrics  # noqa: E402
+from diloco.security.transport import Security  # noqa: E402
 
 LEARNERS, MERGES = 64, 10_000
 
@@ -62,12 +71,7 @@ def run_once(
         while not stop.wait(2.0):
             try:
                 info = json.loads(info_path.read_text())
-                for url in (
-                    info["metrics_url"],
-                    info["page_url"] + "api/status",
-                    info["page_url"] + "api/history",
-                ):
-                    urllib.request.urlopen(url, timeout=5).read()
+                read_all(info, workdir / name / "tls" / "ca.crt")
                 scrapes[0] += 1
             except (OSError, KeyError, ValueError):
                 continue
@@ -80,34 +84,125 @@ def run_once(
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{out[-3000:]}")
     s = json.loads((workdir / name / "summary.json").read_text())
+    busy = [d["tokens_per_s"] for d in s["learners_detail"].values() if d.get("tokens_per_s")]
     return {
-        "learner_tokens_per_s": s["tokens_trained"] / max(s["wall_seconds"], 1e-9) / s["learners"],
+        "learner_tokens_per_s": s["learner_tokens_per_s"] / s["learners"],
+        "learner_busy_tokens_per_s": statistics.mean(busy) if busy else 0.0,
         "data_tokens_per_s": s.get("data_tokens_per_s", 0.0),
         "eval_loss": s["eval_loss"],
         "scrapes": scrapes[0],
     }
 
 
-def cost(pairs: int, tokens: int, minutes: float) -> dict[str, Any]:
+def read_all(info: dict[str, Any], ca: Path) -> None:
+    """/metrics, /api/status and /api/history once, as a scraper with the run's token would."""
+    token = parse_qs(urlsplit(info["page_url"]).query).get("token", [""])[0]
+    context = ssl.create_default_context(cafile=str(ca)) if info["page_url"].startswith("https") else None
+    page = info["page_url"].split("?", 1)[0]
+    for url in (info["metrics_url"], page + "api/status", page + "api/history"):
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        urllib.request.urlopen(request, timeout=5, context=context).read()
+
+
+COST_KEYS = ("learner_tokens_per_s", "learner_busy_tokens_per_s", "data_tokens_per_s")
+
+
+def cost(pairs: int, tokens: int, minutes: float, null: bool = False) -> dict[str, Any]:
+    """Pairs of runs, watched ("on") and not; with `null`, neither is watched: the noise floor
+    of the same measure (what two identical runs differ by)."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="diloco-observe-") as tmp:
+        run_once(Path(tmp), "warmup", False, tokens, minutes, seed=99)
         for i in range(pairs):
             order = [True, False] if i % 2 == 0 else [False, True]
             got = {
-                w: run_once(Path(tmp), f"p{i}-{'on' if w else 'off'}", w, tokens, minutes, seed=i + 1)
+                w: run_once(
+                    Path(tmp), f"p{i}-{'on' if w else 'off'}", w and not null, tokens, minutes, seed=i + 1
+                )
                 for w in order
             }
             rows.append({"seed": i + 1, "on": got[True], "off": got[False]})
-            print(f"pair {i + 1}: learner tokens/s on {got[True]['learner_tokens_per_s']:,.0f} "
-                  f"off {got[False]['learner_tokens_per_s']:,.0f}; data tokens/s on "
-                  f"{got[True]['data_tokens_per_s']:,.0f} off {got[False]['data_tokens_per_s']:,.0f}; "
-                  f"{got[True]['scrapes']} scrapes", flush=True)  # fmt: skip
+            print(f"pair {i + 1}: " + "; ".join(f"{k} on {got[True][k]:,.0f} off {got[False][k]:,.0f}" for k in COST_KEYS)
+                  + f"; {got[True]['scrapes']} scrapes", flush=True)  # fmt: skip
+            if not null and not got[True]["scrapes"]:
+                raise RuntimeError("the watched run was never scraped: the measure would be void")
     result: dict[str, Any] = {"pairs": rows}
-    for key in ("learner_tokens_per_s", "data_tokens_per_s"):
+    for key in COST_KEYS:
         ratios = [r["on"][key] / r["off"][key] for r in rows if r["off"][key]]
         result[key] = {"mean_ratio": statistics.mean(ratios), "worst_ratio": min(ratios),
                        "stdev": statistics.stdev(ratios) if len(ratios) > 1 else 0.0}  # fmt: skip
     return result
+
+
+SCRAPER = """
+import json, sys, time
+sys.path.insert(0, sys.argv[2])
+from benchmarks.observe import read_all
+info = json.loads(sys.argv[1])
+while True:
+    started = time.monotonic()
+    read_all(info, None)
+    print("scraped", flush=True)
+    time.sleep(max(0.0, 2.0 - (time.monotonic() - started)))
+"""
+
+
+def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
+    """The coordinator's ingest + merge with its HTTP side served and scraped every 2 s by another
+    process, against the same coordinator with it off, in alternating turns (plaintext, as in
+    benchmarks/ingest.py: the scraper's own TLS would be the scraper's cost)."""
+    from benchmarks._local import coordinator_with_shards
+    from benchmarks.ingest import ingest_turn, with_learners
+    from diloco.coordinator.server import ObservePorts, start_observers
+    from diloco.security.transport import Security
+
+    overrides = {
+        "model.kwargs.n_layer": 6, "model.kwargs.n_embd": 384, "model.kwargs.n_head": 6, "sync.fragments": 1,
+        "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
+    }  # fmt: skip
+    turns = []
+    with tempfile.TemporaryDirectory(prefix="diloco-observe-ingest-") as tmp:
+        running = coordinator_with_shards(Path(tmp), overrides)
+        clients, params = with_learners(running, learners)
+        shapes = {n: tuple(t.shape) for n, t in params.items()}
+        cfg = running.service.config
+        try:
+            for i in range(rounds):
+                got = {}
+                for watched in [False, True] if i % 2 == 0 else [True, False]:
+                    servers, scraper, scrapes = [], None, 0
+                    if watched:
+                        servers = start_observers(running.service, ObservePorts(0, 0), Security(), tmp)
+                        info = {"page_url": next(o.url for o in servers if o.page),
+                                "metrics_url": next(o.url for o in servers if not o.page) + "metrics"}  # fmt: skip
+                        scraper = subprocess.Popen(
+                            [sys.executable, "-c", SCRAPER, json.dumps(info), str(ROOT)],
+                            stdout=subprocess.PIPE, text=True,
+                        )  # fmt: skip
+                        assert (
+                            scraper.stdout is not None and scraper.stdout.readline()
+                        )  # scraping before pushes start
+                    try:
+                        sent, secs, cpu = ingest_turn(running, clients, shapes, cfg, seconds)
+                    finally:
+                        if scraper is not None:
+                            scraper.kill()
+                            scrapes = 1 + len(scraper.communicate(timeout=10)[0].splitlines())
+                        for o in servers:
+                            o.stop()
+                    got[watched] = {"mb_per_s": sent / secs / 1e6, "cpu_ms_per_mb": cpu * 1e3 / (sent / 1e6),
+                                    "scrapes": scrapes}  # fmt: skip
+                turns.append(got)
+                print(f"ingest turn {i + 1}: on {got[True]['mb_per_s']:.0f} MB/s ({got[True]['scrapes']} scrapes), "
+                      f"off {got[False]['mb_per_s']:.0f} MB/s",
+                      flush=True)  # fmt: skip
+        finally:
+            for c in clients:
+                c.close()
+            running.stop()
+    ratios = [t[True]["mb_per_s"] / t[False]["mb_per_s"] for t in turns]
+    return {"turns": [{"on": t[True], "off": t[False]} for t in turns], "mean_ratio": statistics.mean(ratios),
+            "worst_ratio": min(ratios), "stdev": statistics.stdev(ratios) if len(ratios) > 1 else 0.0}  # fmt: skip
 
 
 def synthetic_history(events: RunEvents, start: float) -> dict[str, Any]:
@@ -151,7 +246,7 @@ def page_load(repeats: int) -> dict[str, Any]:
     events = RunEvents(None)
     detail = synthetic_history(events, time.time() - MERGES)
     server = ObserveServer("127.0.0.1", 0, metrics=CoordinatorMetrics(lambda: detail), detail=lambda: detail,
-                           events=events, page=True)  # fmt: skip
+                           events=events, page=True, security=Security(), access_token="")  # fmt: skip
     try:
         served = {}
         for path in ("api/history", "api/status"):
@@ -181,15 +276,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=600_000)
     p.add_argument("--minutes", type=float, default=3.0)
     p.add_argument("--page-repeats", type=int, default=3)
+    p.add_argument("--ingest-rounds", type=int, default=6, help="(c): turns of each arm; 0: skip")
+    p.add_argument("--null", action="store_true", help="(a) with neither run watched: the noise floor")
+    p.add_argument("--ingest-seconds", type=float, default=5.0, help="(c): seconds of pushes per turn")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "observe.json")
     a = p.parse_args(argv)
     result: dict[str, Any] = {"page": page_load(a.page_repeats)}
     print(f"page: {result['page']['events_kept']:,} events, /api/history {result['page']['served']['api/history']}, "
           f"/api/status {result['page']['served']['api/status']}; Chromium's first full render "
           f"{result['page']['render_ms']} ms (target < 1000)", flush=True)  # fmt: skip
+    if a.ingest_rounds:
+        r = result["ingest"] = ingest_cost(a.ingest_rounds, a.ingest_seconds, learners=4)
+        print(f"ingest + merge on/off: mean {r['mean_ratio']:.3f}, worst {r['worst_ratio']:.3f}, sd {r['stdev']:.3f} "
+              f"(target >= 0.98)", flush=True)  # fmt: skip
     if a.pairs:
-        result["cost"] = cost(a.pairs, a.tokens, a.minutes)
-        for key in ("learner_tokens_per_s", "data_tokens_per_s"):
+        result["cost"] = cost(a.pairs, a.tokens, a.minutes, a.null)
+        result["cost"]["null"] = a.null
+        for key in COST_KEYS:
             r = result["cost"][key]
             print(f"{key} on/off: mean {r['mean_ratio']:.3f}, worst {r['worst_ratio']:.3f}, sd {r['stdev']:.3f} "
                   f"(target >= 0.98)")  # fmt: skip
