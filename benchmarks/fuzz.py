@@ -7,7 +7,9 @@ identities against a real coordinator (diloco.testing.fuzz), counted.
 With --mtls the coordinator runs mutual TLS, each call is made by one of several certificates'
 holders (learners, a data worker, an observer, an operator, a stranger from another CA), and may
 act as another worker or call what its role may not: every such call must be refused and change
-nothing (`must_refuse` counts them).
+nothing (`must_refuse` counts them). Without it, where this machine has ::1 beside 127.0.0.1,
+the coordinator listens on both and two of the identities call from ::1: a call from one host as a
+live worker the other host joined must be refused and change nothing (counted the same way).
 
 Prints the calls by kind, the refusals, and pushes accepted and refused. The invariants are
 checked after every call; the first that fails (a handler answering anything but a result or a
@@ -32,7 +34,14 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from hypothesis.stateful import run_state_machine_as_test  # noqa: E402
 
 from diloco.security.transport import client_channel  # noqa: E402
-from diloco.testing.fuzz import Tally, audit_ok, fuzz_certificates, fuzz_overrides, make_machine  # noqa: E402
+from diloco.testing.fuzz import (  # noqa: E402
+    Tally,
+    audit_ok,
+    fuzz_certificates,
+    fuzz_overrides,
+    has_ipv6_loopback,
+    make_machine,
+)
 from tests.support import copy_corpus, tiny_coordinator  # noqa: E402
 
 
@@ -52,10 +61,13 @@ def main() -> None:
         corpus = copy_corpus(Path(tmp) / "corpus", 300_000)
         workdir = Path(tmp) / "coordinator"
         mine, security = fuzz_certificates(Path(tmp)) if args.mtls else ({}, None)
-        with tiny_coordinator(corpus, workdir, fuzz_overrides(), security) as (running, _, init):
+        # Plaintext: two hosts (127.0.0.1 and ::1) where this machine has both.
+        two_hosts = not args.mtls and has_ipv6_loopback()
+        host = "localhost" if two_hosts else "127.0.0.1"
+        with tiny_coordinator(corpus, workdir, fuzz_overrides(), security, host) as (running, _, init):
             address = f"127.0.0.1:{running.port}"
             channels = {who: client_channel(address, s, []) for who, s in mine.items()} if args.mtls else None
-            machine = make_machine(running, init, tally, channels)
+            machine = make_machine(running, init, tally, channels, two_hosts)
             run_state_machine_as_test(
                 machine,
                 settings=settings(
@@ -69,7 +81,8 @@ def main() -> None:
         violations = audit_ok(workdir)
     # Reaching here means no crash: the first one stops the run with its failing call sequence.
     result = {**asdict(tally), "audit_violations": violations,
-              "seconds": round(time.monotonic() - started, 1), "examples": args.examples, "steps": args.steps, "mtls": args.mtls}  # fmt: skip
+              "seconds": round(time.monotonic() - started, 1), "examples": args.examples, "steps": args.steps, "mtls": args.mtls,
+              "two_hosts": two_hosts}  # fmt: skip
     print(json.dumps(result, indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -30,6 +30,9 @@ class ParameterRPCs(ServiceBase):
         first, messages = stream_header(
             request_iterator, context, "bad init stream: it must start with a header"
         )
+        # Checked at the header, before the call may hold the one initialization slot (and
+        # stream a whole model in): only a joined learner's own call may decide the model.
+        self._require_worker(first.header.worker_id, context, "InitParameters")
         with self.cond:
             # Learners that join together all offer their parameters; one is taken. The others
             # are answered at the header, before their megabytes are sent, and pull instead.
@@ -59,7 +62,6 @@ class ParameterRPCs(ServiceBase):
             )
         except WireError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad init stream: {e}")
-        self._require_worker(header.worker_id, context, "InitParameters")
         bad = [n for n, t in tensors.items() if not t.is_floating_point() or not torch.isfinite(t).all()]
         if bad or not tensors:
             context.abort(

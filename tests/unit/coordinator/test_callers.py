@@ -6,7 +6,6 @@ then each attack of issue 14 against a real coordinator."""
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ import pytest
 
 from diloco.client import CoordinatorClient
 from diloco.coordinator.callers import Callers, peer_host
+from diloco.testing.fuzz import has_ipv6_loopback
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import stalled_push, tiny_coordinator
 
@@ -68,14 +68,6 @@ def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as caught:
         call()
     return caught.value.code(), caught.value.details()
-
-
-def has_ipv6_loopback() -> bool:
-    try:
-        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(120)

@@ -10,7 +10,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from diloco.security.transport import client_channel
-from diloco.testing.fuzz import Tally, audit_ok, fuzz_certificates, fuzz_overrides, make_machine
+from diloco.testing.fuzz import (
+    Tally,
+    audit_ok,
+    fuzz_certificates,
+    fuzz_overrides,
+    has_ipv6_loopback,
+    make_machine,
+)
 from tests.support import tiny_coordinator
 
 # ~300 calls, the same ones every run (the benchmark runs ten thousand and more).
@@ -28,13 +35,17 @@ def test_random_calls_from_several_identities_never_crash_or_poison_the_run(
     tiny_corpus: Path, tmp_path: Path
 ) -> None:
     tally = Tally()
-    with tiny_coordinator(tiny_corpus, tmp_path, fuzz_overrides()) as (running, _, init):
-        machine = make_machine(running, init, tally)
+    # Two hosts (127.0.0.1 and ::1) where this machine has both: a worker id is its host's.
+    two_hosts = has_ipv6_loopback()
+    host = "localhost" if two_hosts else "127.0.0.1"
+    with tiny_coordinator(tiny_corpus, tmp_path, fuzz_overrides(), host=host) as (running, _, init):
+        machine = make_machine(running, init, tally, two_hosts=two_hosts)
         run_state_machine_as_test(
             machine,
             settings=SUITE_RUN,
         )
     assert tally.calls >= 200 and tally.refused > 0, tally
+    assert tally.must_refuse > 0 or not two_hosts, tally  # calls as another host's worker came up
     assert audit_ok(tmp_path) == []
 
 
