@@ -107,7 +107,7 @@ def read_all(info: dict[str, Any], ca: Path) -> None:
 COST_KEYS = ("learner_tokens_per_s", "learner_busy_tokens_per_s", "data_tokens_per_s")
 
 
-def cost(pairs: int, tokens: int, minutes: float, null: bool = False) -> dict[str, Any]:
+def cost(pairs: int, tokens: int, minutes: float, null: bool = False, first_seed: int = 1) -> dict[str, Any]:
     """Pairs of runs, watched ("on") and not; with `null`, neither is watched: the noise floor
     of the same measure (what two identical runs differ by)."""
     rows = []
@@ -117,11 +117,16 @@ def cost(pairs: int, tokens: int, minutes: float, null: bool = False) -> dict[st
             order = [True, False] if i % 2 == 0 else [False, True]
             got = {
                 w: run_once(
-                    Path(tmp), f"p{i}-{'on' if w else 'off'}", w and not null, tokens, minutes, seed=i + 1
+                    Path(tmp),
+                    f"p{i}-{'on' if w else 'off'}",
+                    w and not null,
+                    tokens,
+                    minutes,
+                    seed=first_seed + i,
                 )
                 for w in order
             }
-            rows.append({"seed": i + 1, "on": got[True], "off": got[False]})
+            rows.append({"seed": first_seed + i, "on": got[True], "off": got[False]})
             print(f"pair {i + 1}: " + "; ".join(f"{k} on {got[True][k]:,.0f} off {got[False][k]:,.0f}" for k in COST_KEYS)
                   + f"; {got[True]['scrapes']} scrapes", flush=True)  # fmt: skip
             if not null and not got[True]["scrapes"]:
@@ -278,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--page-repeats", type=int, default=3)
     p.add_argument("--ingest-rounds", type=int, default=6, help="(c): turns of each arm; 0: skip")
     p.add_argument("--null", action="store_true", help="(a) with neither run watched: the noise floor")
+    p.add_argument("--first-seed", type=int, default=1, help="(a): pair i runs seed first_seed + i")
     p.add_argument("--ingest-seconds", type=float, default=5.0, help="(c): seconds of pushes per turn")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "observe.json")
     a = p.parse_args(argv)
@@ -290,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ingest + merge on/off: mean {r['mean_ratio']:.3f}, worst {r['worst_ratio']:.3f}, sd {r['stdev']:.3f} "
               f"(target >= 0.98)", flush=True)  # fmt: skip
     if a.pairs:
-        result["cost"] = cost(a.pairs, a.tokens, a.minutes, a.null)
+        result["cost"] = cost(a.pairs, a.tokens, a.minutes, a.null, a.first_seed)
         result["cost"]["null"] = a.null
         for key in COST_KEYS:
             r = result["cost"][key]
