@@ -183,19 +183,22 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         # A real browser, told to trust the coordinator's key: without the link it gets the
         # refusal; the link logs it in (a cookie), and the page's own requests carry that cookie:
         # the learners' rows and curves with points, and a screenshot of it all.
-        trust = [
-            f"--user-data-dir={tmp_path / 'chromium'}",
-            f"--ignore-certificate-errors-spki-list={pinned(tls_dir / 'coordinator.crt')}",
-        ]
-        dom = browse(page, "--dump-dom", *trust)
+        pin = f"--ignore-certificate-errors-spki-list={pinned(tls_dir / 'coordinator.crt')}"
+
+        def trust(profile: str) -> list[str]:
+            # A profile of its own per launch: one still shutting down would take the next
+            # launch's work over (Chromium's single instance per profile) and it would do nothing.
+            return [f"--user-data-dir={tmp_path / 'chromium' / profile}", pin]
+
+        dom = browse(page, "--dump-dom", *trust("refused"))
         assert "no credentials" in dom and "data-loaded" not in dom, dom[:2000]
-        dom = browse(login, "--dump-dom", *trust)
+        dom = browse(login, "--dump-dom", *trust("page"))
         assert 'data-loaded="true"' in dom, dom[:2000]
         assert len(re.findall(r'<tr class="learner[^"]*" data-worker="learner-\d"', dom)) == 2, dom
         points = [int(n) for n in re.findall(r'class="curve" data-name="[^"]*" data-points="(\d+)"', dom)]
         assert points and max(points) >= 2, dom
         shot = tmp_path / "page.png"
-        browse(login, f"--screenshot={shot}", "--window-size=1280,1800", *trust)
+        browse(login, f"--screenshot={shot}", "--window-size=1280,1800", *trust("screenshot"))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
         # Seen enough: the run is asked to finish (as an operator would), and ends as ever.
