@@ -39,8 +39,8 @@ from diloco.testing.fuzz import (  # noqa: E402
     audit_ok,
     fuzz_certificates,
     fuzz_overrides,
-    has_ipv6_loopback,
     make_machine,
+    plaintext_hosts,
 )
 from tests.support import copy_corpus, tiny_coordinator  # noqa: E402
 
@@ -62,8 +62,7 @@ def main() -> None:
         workdir = Path(tmp) / "coordinator"
         mine, security = fuzz_certificates(Path(tmp)) if args.mtls else ({}, None)
         # Plaintext: two hosts (127.0.0.1 and ::1) where this machine has both.
-        two_hosts = not args.mtls and has_ipv6_loopback()
-        host = "localhost" if two_hosts else "127.0.0.1"
+        host, two_hosts = ("127.0.0.1", False) if args.mtls else plaintext_hosts()
         with tiny_coordinator(corpus, workdir, fuzz_overrides(), security, host) as (running, _, init):
             address = f"127.0.0.1:{running.port}"
             channels = {who: client_channel(address, s, []) for who, s in mine.items()} if args.mtls else None

@@ -108,15 +108,19 @@ def read_bytes(uri: str, start: int | None = None, end: int | None = None) -> by
         raise StoreError(f"not found: {uri}") from e
 
 
-def write_bytes_atomic(uri: str, data: bytes) -> None:
+def write_bytes_atomic(uri: str, data: bytes, mode: int = 0o666) -> None:
     """Write so a reader sees the old file or the whole new one, never a part.
 
-    Local files: write a temporary sibling, fsync, rename. Object stores already publish a PUT
-    atomically, so the object is written once, under its final name.
+    Local files: write a temporary sibling, fsync, rename; `mode` (less the umask) from the
+    moment the file exists, so a secret is never readable by others, even briefly. Object stores
+    already publish a PUT atomically, so the object is written once, under its final name.
     """
     fs, path = filesystem(uri)
     if is_local(uri):
-        with atomic_local_path(uri) as tmp, open(tmp, "wb") as f:
+        with (
+            atomic_local_path(uri) as tmp,
+            os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as f,
+        ):
             f.write(data)
         return
     # Block-sized writes, so s3fs uploads parts of S3_BLOCK_SIZE as they fill (a multipart upload

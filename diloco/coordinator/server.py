@@ -268,12 +268,8 @@ def start_coordinator(
         info["http_port" if o.page else "metrics_port"] = o.port
         if o.page:
             info["page_url"] = o.login_url  # what a person opens: it logs the browser in
-    # 0600 from the start: the page's URL carries the token that opens it.
-    with (
-        store.atomic_local_path(str(Path(workdir) / "coordinator.json")) as tmp,
-        os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f,
-    ):
-        f.write(json.dumps(info).encode())
+    # 0600: the page's URL carries the token that opens it.
+    store.write_bytes_atomic(str(Path(workdir) / "coordinator.json"), json.dumps(info).encode(), mode=0o600)
     log.info("coordinator listening on %s epoch=%d", address, service.epoch)
     for o in observers:
         log.info("%s on %s", "status page" if o.page else "metrics", o.url)
@@ -310,9 +306,9 @@ def start_observers(
     except (OSError, DilocoError) as e:
         for s in servers:
             s.stop()
-        if isinstance(e, DilocoError):
-            raise
-        raise DilocoError(f"cannot serve HTTP on {ports.host}: {e.strerror or e}") from e
+        if isinstance(e, OSError):
+            raise DilocoError(f"cannot serve HTTP on {ports.host}: {e.strerror or e}") from e
+        raise
     return servers
 
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import ssl
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
+from diloco import store
 from diloco.security.certs import TlsFiles
 
 # The certificate roles that may read the page and /metrics (as they may call Status).
@@ -111,9 +111,7 @@ def access_token(mode: str, run_token: str, workdir: str | Path | None) -> str:
     if len(kept) >= 16:
         return kept
     made = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(made + "\n")
+    store.write_bytes_atomic(str(path), (made + "\n").encode(), mode=0o600)
     return made
 
 

@@ -339,6 +339,13 @@ def has_ipv6_loopback() -> bool:
         return False
 
 
+def plaintext_hosts() -> tuple[str, bool]:
+    """Where a plaintext coordinator for the fuzzer listens, and whether `make_machine` gets two
+    hosts: localhost (127.0.0.1 and ::1) where ::1 binds, else 127.0.0.1 alone."""
+    two = has_ipv6_loopback()
+    return ("localhost" if two else "127.0.0.1"), two
+
+
 def fuzz_overrides() -> dict[str, object]:
     """The coordinator the fuzzer drives: a short staleness bound (stale pushes are refused
     early), data for many epochs (shards to lease for the whole run), leases and workers that

@@ -15,8 +15,8 @@ from diloco.testing.fuzz import (
     audit_ok,
     fuzz_certificates,
     fuzz_overrides,
-    has_ipv6_loopback,
     make_machine,
+    plaintext_hosts,
 )
 from tests.support import tiny_coordinator
 
@@ -36,8 +36,7 @@ def test_random_calls_from_several_identities_never_crash_or_poison_the_run(
 ) -> None:
     tally = Tally()
     # Two hosts (127.0.0.1 and ::1) where this machine has both: a worker id is its host's.
-    two_hosts = has_ipv6_loopback()
-    host = "localhost" if two_hosts else "127.0.0.1"
+    host, two_hosts = plaintext_hosts()
     with tiny_coordinator(tiny_corpus, tmp_path, fuzz_overrides(), host=host) as (running, _, init):
         machine = make_machine(running, init, tally, two_hosts=two_hosts)
         run_state_machine_as_test(
