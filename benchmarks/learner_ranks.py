@@ -1,6 +1,6 @@
-"""A learner of N ranks (a torchrun group, DDP inside) against a learner of one process.
+"""A learner of N ranks (a torchrun group, DDP or FSDP2 inside) against a learner of one process.
 
-    python benchmarks/learner_ranks.py --ranks 2 --pairs 3 --tokens 400000
+    python benchmarks/learner_ranks.py --ranks 2 --pairs 3 --tokens 400000 [--data-parallel fsdp]
 
 Each pair is two `diloco run`s of one seed, one learner each, one thread per rank: the whole
 1-rank job (coordinator and data worker included) pinned to one core, the whole N-rank job to N
@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.chaos import diloco_run  # noqa: E402
 
 
-def arm(workdir: Path, ranks: int, seed: int, tokens: int, batch: int, timeout_s: float) -> dict[str, Any]:
+def arm(
+    workdir: Path, ranks: int, seed: int, tokens: int, batch: int, timeout_s: float, data_parallel: str = "ddp"
+) -> dict[str, Any]:
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:ranks])
     summary = diloco_run(
         f"ranks{ranks}-seed{seed}",
@@ -40,7 +42,7 @@ def arm(workdir: Path, ranks: int, seed: int, tokens: int, batch: int, timeout_s
          "--tokens", str(tokens), "--minutes", "0", "--http-port", "-1",
          "--set", "train.threads=1", "--set", f"train.batch_size={batch}",
          # Shards made ahead, so the data worker is mostly done before the learner's steps.
-         "--set", "data.max_ready_shards=64"],
+         "--set", "data.max_ready_shards=64", "--data-parallel", data_parallel],
         timeout_s,
         prefix=["taskset", "-c", cores],
     )  # fmt: skip
@@ -70,6 +72,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=400_000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--data-parallel", choices=["ddp", "fsdp"], default="ddp", help="inside the group")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "learner_ranks.json")
     args = parser.parse_args()
     cores = os.cpu_count() or 1
@@ -80,7 +83,9 @@ def main() -> None:
         for i in range(args.pairs):
             seed = i + 1
             order = (1, args.ranks) if i % 2 == 0 else (args.ranks, 1)
-            runs = {r: arm(Path(tmp), r, seed, args.tokens, args.batch, args.timeout) for r in order}
+            runs = {
+                r: arm(Path(tmp), r, seed, args.tokens, args.batch, args.timeout, args.data_parallel) for r in order
+            }
             one, group = runs[1], runs[args.ranks]
             row = {
                 "seed": seed,
@@ -100,6 +105,7 @@ def main() -> None:
             )
     result = {
         "ranks": args.ranks,
+        "data_parallel": args.data_parallel,
         "cores": cores,
         "tokens": args.tokens,
         "batch_size": args.batch,

@@ -3,6 +3,12 @@ wall time, and the simulator's sync-time model checked against the measured push
 
     python benchmarks/slow_links.py --links 100mbit:50ms,1gbit:20ms --seconds 75   # needs root (tc)
 
+The `auto` arm (issue 17 item 6) is `diloco run --auto` calibrated from the same link's
+`decoupled` arm (its measured step time; the defaults otherwise) and told that link's rate and
+shaped round trip: it must end at an eval no worse than the defaults' after the same wall time,
+that is, reach the defaults' final loss no later than they do. Arms run in the order given, so
+`decoupled` must come before `auto`.
+
 Each link is made with `tc qdisc ... netem` on the loopback device (half the round trip each way,
 a rate limit), or, on a kernel without sch_netem (this project's development VM), with `tbf`: the
 rate alone, the round trip left at loopback's (~0). Every byte between the job's processes crosses it: DDP's all-reduce between its
@@ -62,6 +68,10 @@ def shaped_loopback(rate: str, rtt_s: float, gbps: float) -> Iterator[float]:
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, timeout=10)
 
 
+# What `--auto` chooses (diloco.simulate.tune), printed beside its result.
+TUNED = ("train.inner_steps", "sync.fragments", "sync.overlap_steps", "sync.codec", "data.chunk_bytes")
+
+
 def predicted(summary: dict[str, Any], bandwidth_gbps: float, rtt_s: float) -> dict[str, float]:
     """The simulator's time for one fragment each way (fp32 unless the run used a codec)."""
     cfg = summary["config"]
@@ -80,7 +90,7 @@ def main() -> None:
     p.add_argument("--links", default="100mbit:50ms,1gbit:20ms", help="RATE:RTT, comma-separated")
     p.add_argument("--seconds", type=float, default=75.0, help="wall time of every arm")
     p.add_argument("--workers", type=int, default=2, help="DDP ranks = diloco learners")
-    p.add_argument("--arms", default="ddp,sync-diloco,decoupled")
+    p.add_argument("--arms", default="ddp,sync-diloco,decoupled,auto")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "slow_links.json")
     args = p.parse_args()
@@ -102,6 +112,7 @@ def main() -> None:
             gbps, rtt_s = parse_bandwidth(rate), parse_duration(rtt)
             with shaped_loopback(rate, rtt_s, gbps) as rtt_s:
                 for arm in args.arms.split(","):
+                    row_extra: dict[str, Any] = {}
                     print(f"== {spec} {arm}", file=sys.stderr, flush=True)
                     if arm == "ddp":
                         r = run_ddp(cfg, workers=args.workers, max_tokens=0, max_seconds=args.seconds,
@@ -110,14 +121,20 @@ def main() -> None:
                                "tokens_per_s": r["tokens_per_second"], "wire_bytes_per_token": r["wire_bytes_per_token"]}  # fmt: skip
                     else:
                         name = f"{arm}-{rate}-{rtt}"
-                        r = run_diloco(name, DILOCO_ARMS[arm], config_path, 0, args.workers, Path(tmp),
-                                       args.seconds / 60)  # fmt: skip
+                        flags = DILOCO_ARMS.get(arm, [])
+                        if arm == "auto":  # tuned for this link from the default arm's own run
+                            flags = ["--auto", str(Path(tmp) / f"decoupled-{rate}-{rtt}"),
+                                     "--link-bandwidth", rate, "--link-rtt", f"{rtt_s * 1e3:g}ms"]  # fmt: skip
+                        r = run_diloco(name, flags, config_path, 0, args.workers, Path(tmp), args.seconds / 60)
+                        if arm == "auto":
+                            row_extra = {"tuned": {k: r["config"][k.split(".")[0]][k.split(".")[1]]
+                                                   for k in TUNED}}  # fmt: skip
                         t = r.get("transfers", {})
                         row = {"link": spec, "rtt_shaped_s": rtt_s, "arm": arm, "eval_loss": r["eval_loss"],
                                "tokens_per_s": r["merged_tokens_per_s"],
                                "wire_bytes_per_token": r["wire_bytes_per_token"],
                                "push_s": t.get("push_seconds_mean"), "pull_s": t.get("pull_seconds_mean"),
-                               "predicted": predicted(r, gbps, rtt_s)}  # fmt: skip
+                               "predicted": predicted(r, gbps, rtt_s), **row_extra}  # fmt: skip
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     print(
@@ -129,9 +146,18 @@ def main() -> None:
         print(f"{r['link']:<16}{r['arm']:<14}{r['eval_loss']:>8.4f}{r['tokens_per_s']:>9.0f}"
               f"{r['wire_bytes_per_token']:>10.1f}{cells[0]:>9}{m.get('push_s', float('nan')):>8.3f}"
               f"{r.get('pull_s') or float('nan'):>9.3f}{m.get('pull_s', float('nan')):>8.3f}")  # fmt: skip
+    verdicts = []
+    for spec in args.links.split(","):  # item 6: tuned no worse than the defaults at equal wall time
+        by_arm = {r["arm"]: r for r in rows if r["link"] == spec}
+        if "auto" in by_arm and "decoupled" in by_arm:
+            ratio = by_arm["auto"]["eval_loss"] / by_arm["decoupled"]["eval_loss"]
+            verdicts.append({"link": spec, "auto_over_defaults": round(ratio, 4), "no_later": ratio <= 1.0})
+            print(f"{spec}: --auto eval / defaults' = {ratio:.4f} ({'met' if ratio <= 1.0 else 'NOT met'}); "
+                  f"tuned {by_arm['auto'].get('tuned')}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"seconds": args.seconds, "workers": args.workers, "rows": rows}, indent=2) + "\n"
+        json.dumps({"seconds": args.seconds, "workers": args.workers, "config": args.overrides, "rows": rows,
+                    "auto_vs_defaults": verdicts}, indent=2) + "\n"
     )
     print(f"results: {args.out}")
 

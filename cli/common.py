@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -45,6 +46,13 @@ MetricsPortOpt = Annotated[
 ConnectOpt = Annotated[
     float, typer.Option("--connect-timeout", help="seconds to wait for the coordinator at start")
 ]
+
+
+class DataParallelChoice(StrEnum):
+    """How a learner of several ranks holds its model (diloco.compute.replicas)."""
+
+    ddp = "ddp"
+    fsdp = "fsdp"
 
 
 def clear_errors(fn: F) -> F:

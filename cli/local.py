@@ -7,13 +7,12 @@ from typing import Annotated
 
 import typer
 
-from cli.common import ConfigOpt, ModelOpt, SetOpt, build_config, clear_errors
-from diloco.config_parse import parse_assignments
+from cli.common import ConfigOpt, DataParallelChoice, ModelOpt, SetOpt, build_config, clear_errors
 from diloco.errors import DilocoError
 
 
-def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> dict[str, str]:
-    """`diloco tune`'s recommendation from an earlier run, as config overrides (printed)."""
+def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> list[str]:
+    """`diloco tune`'s recommendation from an earlier run, as `--set` assignments (printed)."""
     from diloco.simulate.costs import parse_bandwidth, parse_duration
     from diloco.simulate.tune import recommend_for_run
 
@@ -29,7 +28,7 @@ def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> di
     typer.echo(f"--auto ({run_dir}, {bandwidth} at {rtt}): " + " ".join(tuning.overrides()))
     if not tuning.fits:
         typer.echo("warning: --auto: even int4 at H = 500 overloads this link; the syncs will lag", err=True)
-    return parse_assignments(tuning.overrides())
+    return tuning.overrides()
 
 
 @clear_errors
@@ -46,6 +45,9 @@ def run(
             "a list gives each learner its own (2,1: a 2-rank learner, then 1-rank ones)"
         ),
     ] = "1",
+    data_parallel: Annotated[
+        DataParallelChoice, typer.Option(help="inside a learner of several ranks: ddp, or fsdp (sharded)")
+    ] = DataParallelChoice.ddp,
     data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
     workdir: Annotated[Path | None, typer.Option(help="run directory (default: ./runs/<name>)")] = None,
     name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
@@ -120,13 +122,13 @@ def run(
     roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
     if unknown := set(roles) - {"coordinator", "data", "learner", "evaluator"}:
         raise DilocoError(f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))}")
-    base = default_run_config()
-    if auto is not None:
-        base = base.with_overrides(auto_overrides(auto, link_bandwidth, link_rtt, learners))
+    # --auto's choices go over a --config file (a full dump would otherwise undo them); --set
+    # and the dedicated flags still go over --auto.
+    tuned = auto_overrides(auto, link_bandwidth, link_rtt, learners) if auto is not None else []
     cfg = build_config(
-        base,
+        default_run_config(),
         config,
-        set_,
+        [*tuned, *(set_ or [])],
         {
             "train.seed": seed,
             "model.factory": model,
@@ -151,6 +153,7 @@ def run(
             tokens=tokens,
             learners=learners,
             learner_ranks=ranks,
+            data_parallel=data_parallel.value,
             data_workers=data_workers,
             workdir=str(workdir) if workdir else None,
             name=name,

@@ -13,6 +13,7 @@ from cli.common import (
     ConfigOpt,
     ConnectOpt,
     CoordinatorOpt,
+    DataParallelChoice,
     MetricsPortOpt,
     ModelOpt,
     SetOpt,
@@ -102,6 +103,11 @@ def compute(
     nproc: Annotated[
         int, typer.Option(help="ranks in this learner: starts torchrun with N ranks (DDP inside)")
     ] = 1,
+    data_parallel: Annotated[
+        DataParallelChoice,
+        typer.Option(envvar="DILOCO_DATA_PARALLEL", help="inside a group of ranks: ddp (a whole "
+                     "replica per rank) or fsdp (each rank holds 1/N of the model: FSDP2)"),
+    ] = DataParallelChoice.ddp,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.group import torchrun_argv, under_torchrun
@@ -115,7 +121,7 @@ def compute(
 
     setup_logging("learner")
     overrides = LocalOverrides(
-        device, threads, slow_factor, connect_timeout, worker_id, state_dir, metrics_port
+        device, threads, slow_factor, connect_timeout, worker_id, state_dir, metrics_port, data_parallel.value
     )
     sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
 

@@ -11,13 +11,15 @@ coordinator; they follow rank 0 step by step through a small protocol of collect
     every parameter      -- broadcast -->        hold the same replica
     STEP: batch spec + columns -- broadcast -->  train on their part of the rows (DDP all-reduces
                                                  the gradients, so the replicas stay equal)
+    GATHER p (FSDP only) -- all-gather -->       fragment p whole on rank 0, for its push
     MERGE p: fragment p's tensors -- broadcast --> write them, at the same step as rank 0
+                         (FSDP: scattered into the shards)
     STOP                 -- broadcast -->        exit 0
 
 A learner's step is train.batch_size rows whatever its size: its ranks split them, so a run's
 config means the same for a 1-rank and an 8-rank learner (H, the learning rate, a push's tokens),
-and more ranks only make the steps faster. Inside the group gradients go through torch.distributed's DDP (gloo on CPU, NCCL on CUDA), never a
-home-made collective. Rank 0 sends the whole batch and every rank takes its own rows: the batch is
+and more ranks only make the steps faster. Inside the group gradients go through torch.distributed's
+DDP or FSDP2 (gloo on CPU, NCCL on CUDA; diloco.compute.replicas), never a home-made collective. Rank 0 sends the whole batch and every rank takes its own rows: the batch is
 token ids (tens of KB), so one broadcast is cheaper than a scatter's per-rank shapes. Nothing is
 pickled: specs travel as int64 tensors.
 """
@@ -34,15 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from diloco.config import RunConfig
-
 log = logging.getLogger("diloco.group")
 
 # Rank 0 may wait long for data or an unreachable coordinator while the others wait in a
 # broadcast; a dead rank is torchrun's to notice (it takes the group down), not a timeout's.
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 
-OP_STEP, OP_MERGE, OP_STOP = 1, 2, 3
+OP_STEP, OP_MERGE, OP_STOP, OP_GATHER = 1, 2, 3, 4
 
 # dtypes a batch column may have, by a code that travels in the spec.
 DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.float32, torch.float16,
@@ -252,82 +252,3 @@ def watch_parent(poll_s: float = 1.0) -> None:
         gone("is gone")
 
     threading.Thread(target=watch, name="watch-parent", daemon=True).start()
-
-
-def wrap_data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """The model as DDP over the group: gradients all-reduced (averaged) at every backward. Its
-    construction also broadcasts rank 0's parameters and buffers, a second guard that the
-    replicas start equal."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
-
-
-def lead(
-    group: Group, config_json: str, cfg: RunConfig, model: torch.nn.Module, device: torch.device
-) -> torch.nn.Module:
-    """Rank 0, once it holds the run's parameters: the config and every parameter to the other
-    ranks; returns the model to train (DDP over the group)."""
-    if cfg.train.batch_size % group.world:
-        log.warning(
-            "train.batch_size %d does not split evenly over %d ranks: DDP's mean weighs the rows "
-            "of the smaller parts more", cfg.train.batch_size, group.world,
-        )  # fmt: skip
-    group.share_text(config_json)
-    group.share_tensors(model.parameters())
-    return wrap_data_parallel(model, device)
-
-
-def send_fragment(
-    group: Group, fragment: int, names: list[str], params: dict[str, torch.nn.Parameter]
-) -> None:
-    """Rank 0, after writing a merged fragment: the same values on every rank, before the next
-    step; then every parameter compared across the ranks. Raises if they differ."""
-    group.send_op(OP_MERGE, arg=fragment)
-    group.share_tensors(params[n] for n in names)
-    if not group.replicas_equal(params.values()):
-        raise RuntimeError(f"the ranks' replicas differ after the merge of fragment {fragment}")
-
-
-def run_follower(group: Group, device_spec: str | None, threads: int | None) -> int:
-    """Ranks 1..N-1: build the run's model, take rank 0's parameters, then train every batch and
-    write every merge rank 0 sends, until it says stop. Returns the exit code."""
-    from diloco.compute.device import pick_device, set_threads
-    from diloco.compute.inner import inner_step
-    from diloco.fragments import assign_fragments
-    from diloco.model.factory import build_model
-    from diloco.model.optim import make_inner_optimizer
-
-    cfg = RunConfig.from_json(group.share_text(None))
-    device = group.device_for(pick_device(device_spec or cfg.train.device))
-    set_threads(threads if threads is not None else cfg.train.threads)
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, seed=cfg.train.seed).to(device)
-    optimizer = make_inner_optimizer(model, cfg.train)
-    params = dict(model.named_parameters())
-    plan = assign_fragments([(n, p.numel()) for n, p in params.items()], cfg.sync.fragments)
-    group.share_tensors(model.parameters())
-    trained = wrap_data_parallel(model, device)
-    if cfg.train.compile:
-        trained = torch.compile(trained)
-    log.info("rank %d of %d on %s follows rank 0", group.rank, group.world, device)
-    steps = 0
-    while True:
-        op, step, arg = group.recv_op()
-        if op == OP_STEP:
-            columns = group.recv_batch()
-            loss, _ = inner_step(
-                trained, optimizer, columns, step=step, train=cfg.train, device=device,
-                where=f"model.factory {cfg.model.factory}",
-            )  # fmt: skip
-            group.mean(loss)
-            steps += 1
-        elif op == OP_MERGE:
-            group.share_tensors(params[n] for n in plan[arg])
-            group.replicas_equal(params.values())  # rank 0 compares, and stops the group if not
-        elif op == OP_STOP:
-            log.info("rank %d: %d steps; rank 0 says stop", group.rank, steps)
-            return 0
-        else:
-            raise RuntimeError(f"unknown group op {op}")

@@ -24,7 +24,7 @@ import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import group as ranks
-from diloco.compute import outer, schedule
+from diloco.compute import outer, replicas, schedule
 from diloco.compute.endgame import EndGame
 from diloco.compute.handshake import check_same_model, join_run, pull_everything
 from diloco.compute.heartbeats import Heartbeats
@@ -63,6 +63,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         # The torchrun group this process leads (None: a learner of one process). The other
         # ranks follow it from the first shared parameters (group_live) to the stop.
         self.group, self.group_live = group, False
+        self.data_parallel: replicas.Replicated | replicas.Sharded | None = None  # set with the group
         self.client = CoordinatorClient(
             address,
             pb.ROLE_COMPUTE,
@@ -103,12 +104,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         self.epoch, self.run_id = reply.coordinator_epoch, reply.run_id
         self.cfg, self.device = cfg, joined.device
         self.progress.device = str(joined.device)
-        self.model, self.optimizer, self.params, self.frags = (
-            joined.model,
-            joined.optimizer,
-            joined.params,
-            joined.frags,
-        )
+        self.model, self.optimizer, self.params, self.frags = joined.model, joined.optimizer, joined.params, joined.frags
         self.resumed = self._resume_decision(cfg, reply)
         if cfg.train.max_tokens and not cfg.sync.synchronous:  # a budget: no step before an allowance
             self.allowance = (self.progress.tokens_trained, 0)
@@ -123,8 +119,10 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
             for header, tensors in pulled:
                 self._apply(Merged.full(header.fragment, header.version, tensors))
         self.train_model = self.model
-        if self.group is not None:
-            self.train_model = ranks.lead(self.group, reply.config_json, cfg, self.model, self.device)
+        if self.group is not None:  # DDP or FSDP inside: what trains, and with which optimizer
+            self.data_parallel = replicas.lead(o.data_parallel, self.group, reply.config_json, cfg.train,
+                                      self.model, self.optimizer, self.device)  # fmt: skip
+            self.train_model, self.optimizer = self.data_parallel.train_model, self.data_parallel.optimizer
             self.group_live = True
         if cfg.train.compile:  # the wrapper shares the parameters; names stay the model's own
             self.train_model = torch.compile(self.train_model)
@@ -147,6 +145,8 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         alpha = self.cfg.sync.mix_alpha
         value, version = self._merged_value(f, merged)
         keep = alpha == 0 and self.cfg.sync.keep_overlap and bool(f.at_push)
+        if self.group_live and (alpha > 0 or keep):  # the mix reads what we trained since
+            self.data_parallel.refresh(merged.fragment, f.names, self.params)
         outer.take(
             self.params,
             value,
@@ -167,7 +167,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
             self.rows.overwritten(merged.fragment)  # its waiting rows ride on the next push
         f.at_push = {}
         if self.group_live:  # every rank writes the same values before its next step
-            ranks.send_fragment(self.group, merged.fragment, f.names, self.params)
+            self.data_parallel.write(merged.fragment, f.names, self.params)
             self.progress.replica_checks += 1
 
     def _merged_value(self, f: HeldFragment, merged: Merged) -> tuple[dict[str, torch.Tensor], int]:
@@ -209,6 +209,8 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         )
         tensors: dict[str, torch.Tensor] = {}
         if not empty:
+            if self.group_live:  # FSDP: the shards' values into rank 0's whole copy
+                self.data_parallel.refresh(p, f.names, self.params)
             tensors = outer.delta(f.base, self.params, f.names)
             header.codec = self.cfg.sync.codec
             if header.codec != "fp32":
@@ -401,5 +403,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
     def _stop_group(self) -> None:
         """The other ranks exit once the loop ends: the hand-in after it is rank 0's alone."""
         if self.group_live:
+            for p, f in enumerate(self.frags):  # the hand-in's pushes read rank 0's copy
+                self.data_parallel.refresh(p, f.names, self.params)
             self.group_live = False
             self.group.stop()

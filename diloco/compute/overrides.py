@@ -20,3 +20,5 @@ class LocalOverrides:
     state_dir: str | None = None
     # Serve this learner's own Prometheus metrics on this loopback port (0: any free one; None: off).
     metrics_port: int | None = None
+    # Inside a torchrun group: "ddp" (a whole replica per rank) or "fsdp" (sharded, FSDP2).
+    data_parallel: str = "ddp"

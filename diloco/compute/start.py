@@ -20,7 +20,9 @@ def run_learner(
     group = ranks.Group.from_env()  # under torchrun with N > 1: one rank of an N-rank learner
     if group is not None and not group.leader:
         o = overrides or LocalOverrides()
-        return ranks.run_follower(group, o.device, o.threads)
+        from diloco.compute.follower import run_follower
+
+        return run_follower(group, o.device, o.threads)
     if group is not None and overrides is not None and overrides.state_dir:
         # Its local state would restore rank 0's inner optimizer alone: the replicas would
         # differ. A restarted group pulls the global model, as a learner without one does.

@@ -81,6 +81,8 @@ class LocalRunOptions:
     # figure per learner (the last repeats: (1,) is every learner one process, (2, 1) a 2-rank
     # learner beside 1-rank ones).
     learner_ranks: tuple[int, ...] = (1,)
+    # How a learner of several ranks holds its model: "ddp" or "fsdp" (diloco.compute.replicas).
+    data_parallel: str = "ddp"
     data_workers: int = 2
     workdir: str | None = None
     name: str | None = None
@@ -198,7 +200,7 @@ class LocalRun:
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             if o.ranks_of(i) > 1:
-                args += ["--nproc", str(o.ranks_of(i))]
+                args += ["--nproc", str(o.ranks_of(i)), "--data-parallel", o.data_parallel]
             self.group.spawn(f"learner-{i}", "learner", [*args, *self._tls(f"learner-{i}")])
         if (
             self.config.eval.every_s > 0 or self.config.eval.every_merges > 0

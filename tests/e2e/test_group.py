@@ -50,25 +50,31 @@ def learner_lines(workdir: Path) -> list[str]:
     ]
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_a_two_rank_learner_trains_what_one_rank_trains(small_corpus: Path, tmp_path: Path) -> None:
+    """DDP (whole replicas) and FSDP2 (each rank holds half of every parameter and of AdamW's
+    state): both train what one rank trains."""
     budget = ["--sync", "--tokens", "30000", "--minutes", "2"]
-    two = group_run(small_corpus, tmp_path / "two", ranks=2, batch=4, extra=budget)
     one = group_run(small_corpus, tmp_path / "one", ranks=1, batch=4, extra=budget)
-    assert two["ranks_per_learner"] == {"learner-0": 2} and one["ranks_per_learner"] == {"learner-0": 1}
-    for key in ("tokens_trained", "tokens_merged", "rounds", "fragment_versions"):
-        assert two[key] == one[key], (key, two[key], one[key])
-    # The same rows in the same order; only the order of float additions differs (DDP's
-    # all-reduce of the two halves' gradients against one backward over the whole batch).
-    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=2e-3)
-    assert two["eval_loss"] < two["first_loss"]
-    # One learner to the coordinator: rank 1's steps send nothing.
-    assert two["wire_bytes_per_token"] == pytest.approx(one["wire_bytes_per_token"], rel=0.02)
-    done = [line for line in learner_lines(tmp_path / "two") if "learner done" in line]
-    assert done and "ranks=2 replicas equal after" in done[-1], done
-    checks = int(done[-1].split("replicas equal after ")[1].split()[0])
-    assert checks >= two["rounds"] // 2, (checks, two["rounds"])
-    assert any("rank 1 of 2" in line and "follows rank 0" in line for line in learner_lines(tmp_path / "two"))
+    assert one["ranks_per_learner"] == {"learner-0": 1}
+    for kind in ("ddp", "fsdp"):
+        workdir = tmp_path / kind
+        two = group_run(small_corpus, workdir, ranks=2, batch=4, extra=[*budget, "--data-parallel", kind])
+        assert two["ranks_per_learner"] == {"learner-0": 2}
+        for key in ("tokens_trained", "tokens_merged", "rounds", "fragment_versions"):
+            assert two[key] == one[key], (kind, key, two[key], one[key])
+        # The same rows in the same order; only the order of float additions differs (the
+        # all-reduce or reduce-scatter of the two halves' gradients against one backward).
+        assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=2e-3), kind
+        assert two["eval_loss"] < two["first_loss"]
+        # One learner to the coordinator: rank 1's steps send nothing.
+        assert two["wire_bytes_per_token"] == pytest.approx(one["wire_bytes_per_token"], rel=0.02), kind
+        lines = learner_lines(workdir)
+        done = [line for line in lines if "learner done" in line]
+        assert done and "ranks=2 replicas equal after" in done[-1], done
+        checks = int(done[-1].split("replicas equal after ")[1].split()[0])
+        assert checks >= two["rounds"] // 2, (kind, checks, two["rounds"])
+        assert any("rank 1 of 2" in line and f"follows rank 0 ({kind})" in line for line in lines), kind
 
 
 @pytest.mark.timeout(300)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -53,12 +54,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_ranks(rank: int, port: int, out: dict) -> None:
+def join_two(rank: int, port: int) -> Group:
+    """This spawned process as `rank` of a 2-rank gloo group on loopback."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", DILOCO_GROUP_BACKEND="gloo")  # fmt: skip
     torch.set_num_threads(1)
     group = Group.from_env()
     assert group is not None and group.world == 2 and group.rank == rank
+    return group
+
+
+def spawn_two(body: Callable[[int, int, dict], None]) -> tuple[dict, dict]:
+    """Run body(rank, port, out) in two processes; returns what each wrote to out[rank]."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(body, args=(free_port(), out), nprocs=2, join=True)
+        return dict(out[0]), dict(out[1])
+
+
+def two_ranks(rank: int, port: int, out: dict) -> None:
+    group = join_two(rank, port)
     text = group.share_text('{"run": "é"}' if group.leader else None)
     weights = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
     group.share_tensors(weights)  # rank 0's values everywhere
@@ -88,10 +103,7 @@ def two_ranks(rank: int, port: int, out: dict) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback")
 def test_two_gloo_ranks_follow_rank_0() -> None:
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(two_ranks, args=(free_port(), out), nprocs=2, join=True)
-        zero, one = out[0], out[1]
+    zero, one = spawn_two(two_ranks)
     assert zero["text"] == one["text"] == '{"run": "é"}'
     assert zero["weights"] == one["weights"] == [[0.0] * 3, [[10.0, 10.0], [10.0, 10.0]]]
     assert (zero["rows"], one["rows"]) == ([0, 2, 4], [6, 8])  # 5 rows: 3 and 2

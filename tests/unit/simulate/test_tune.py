@@ -46,18 +46,23 @@ def test_chunks_sized_to_a_minute_of_one_learner(run_dir: Path) -> None:
     assert missing.exit_code == 2 and "--calibrate" in missing.output
 
 
-def test_diloco_run_auto_takes_the_recommendation_and_flags_still_win(run_dir: Path) -> None:
-    """`diloco run --auto RUN_DIR`: the tuned settings sit under the user's own flags and --set."""
+def test_diloco_run_auto_takes_the_recommendation_and_flags_still_win(run_dir: Path, tmp_path: Path) -> None:
+    """`diloco run --auto RUN_DIR`: the tuned settings go over a --config file (a whole dump of a
+    config included, which would otherwise undo every one of them) and under the user's own
+    flags and --set, as `diloco run` stacks them."""
     from cli.common import build_config
     from cli.local import auto_overrides
     from diloco.local.launch import default_run_config
 
     slow = auto_overrides(run_dir, "10Mbit", "50ms", 2)
     tuned = recommend_for_run(str(run_dir), bandwidth_gbps=0.01, rtt_s=0.05, learners=2)
-    assert slow == dict(o.split("=", 1) for o in tuned.overrides())
-    base = default_run_config().with_overrides(slow)
+    assert slow == tuned.overrides()
+    dump = tmp_path / "run.toml"
+    dump.write_text(default_run_config().to_toml())
+    base = build_config(default_run_config(), dump, slow, {})
     assert base.sync.codec == tuned.codec and base.train.inner_steps == tuned.inner_steps
-    mine = build_config(base, None, ["sync.codec=fp32"], {"train.inner_steps": 20})
+    assert base.sync.fragments == tuned.fragments
+    mine = build_config(default_run_config(), dump, [*slow, "sync.codec=fp32"], {"train.inner_steps": 20})
     assert (mine.sync.codec, mine.train.inner_steps, mine.sync.fragments) == ("fp32", 20, tuned.fragments)
     with pytest.raises(DilocoError, match="--auto"):
         auto_overrides(run_dir.parent / "nothing", "1Gbit", "50ms", 2)
