@@ -41,7 +41,7 @@ def run(
     learner_ranks: Annotated[
         str,
         typer.Option(
-            help="ranks per learner, each a torchrun group of N processes (DDP inside); "
+            help="ranks per learner, each a torchrun group of N processes (DDP or FSDP inside); "
             "a list gives each learner its own (2,1: a 2-rank learner, then 1-rank ones)"
         ),
     ] = "1",

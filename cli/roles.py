@@ -101,12 +101,15 @@ def compute(
     ] = None,
     metrics_port: MetricsPortOpt = None,
     nproc: Annotated[
-        int, typer.Option(help="ranks in this learner: starts torchrun with N ranks (DDP inside)")
+        int, typer.Option(help="ranks in this learner: starts torchrun with N ranks (DDP or FSDP inside)")
     ] = 1,
     data_parallel: Annotated[
         DataParallelChoice,
-        typer.Option(envvar="DILOCO_DATA_PARALLEL", help="inside a group of ranks: ddp (a whole "
-                     "replica per rank) or fsdp (each rank holds 1/N of the model: FSDP2)"),
+        typer.Option(
+            envvar="DILOCO_DATA_PARALLEL",
+            help="inside a group of ranks: ddp (a whole "
+            "replica per rank) or fsdp (each rank holds 1/N of the model: FSDP2)",
+        ),
     ] = DataParallelChoice.ddp,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""

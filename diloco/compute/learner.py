@@ -8,7 +8,7 @@
 
 With τ = 0 the learner waits for each merge: synchronous DiLoCo (with P = 1 and quorum = all).
 A learner may be a torchrun group (diloco.compute.group): this class is its rank 0, the only one
-that talks to the coordinator; the inner loop is plain PyTorch (DDP inside a group).
+that talks to the coordinator; the inner loop is plain PyTorch (DDP or FSDP2 inside a group).
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class LocalRunOptions:
     minutes: float = 5.0
     tokens: int = 0
     learners: int = 2
-    # Ranks per learner: each learner a torchrun group of this many processes (DDP inside); one
+    # Ranks per learner: each learner a torchrun group of this many processes (DDP or FSDP inside); one
     # figure per learner (the last repeats: (1,) is every learner one process, (2, 1) a 2-rank
     # learner beside 1-rank ones).
     learner_ranks: tuple[int, ...] = (1,)
