@@ -32,14 +32,11 @@ from diloco.model.optim import make_inner_optimizer
 log = logging.getLogger("diloco.group")
 
 DataParallel = Literal["ddp", "fsdp"]
-DATA_PARALLEL: tuple[DataParallel, ...] = ("ddp", "fsdp")
 
 
 class Replicated:
     """DDP: a whole replica per rank. Its construction also broadcasts rank 0's parameters and
     buffers, a second guard that the replicas start equal."""
-
-    kind: DataParallel = "ddp"
 
     def __init__(self, group: Group, model: torch.nn.Module, device: torch.device, train: TrainConfig,
                  optimizer: torch.optim.Optimizer | None = None):  # fmt: skip
@@ -75,8 +72,6 @@ class Sharded:
     blocks) is sharded on its own, so only one block is gathered at a time in the forward, then
     the root for the rest (embeddings, head). Gradients are reduce-scattered (averaged, as DDP's);
     AdamW's state exists only for each rank's shard."""
-
-    kind: DataParallel = "fsdp"
 
     def __init__(self, group: Group, model: torch.nn.Module, device: torch.device, train: TrainConfig):
         from torch.distributed.fsdp import fully_shard
