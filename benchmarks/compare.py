@@ -66,9 +66,11 @@ def run_diloco(
     workdir: Path,
     max_minutes: float,
     ranks: int = 1,
+    prefix: list[str] | None = None,
 ) -> dict[str, Any]:
+    """`diloco run` of one arm (under `prefix`, e.g. `ip netns exec NS`) and its summary."""
     cmd = [
-        sys.executable, "-m", "cli", "run", "--config", str(config_path), "--tokens", str(tokens),
+        *(prefix or []), sys.executable, "-m", "cli", "run", "--config", str(config_path), "--tokens", str(tokens),
         "--minutes", str(max_minutes), "--learners", str(workers), "--data-workers", "2",
         "--learner-ranks", str(ranks), "--workdir", str(workdir / name), "--name", name, "--no-progress",
         "--set", "eval.every_s=0",  # the evaluator only watches; DDP and torchft have none

@@ -56,6 +56,7 @@ from diloco.data.process import process_chunk
 from diloco.evaluate import eval_loss, unigram_entropy
 from diloco.model import build_model, lr_at, make_inner_optimizer
 from diloco.model.contract import loss_and_metrics  # noqa: E402
+from diloco.testing.netlab import Machine, enter_namespace
 from diloco.tokenizer import load_tokenizer
 
 # The benchmark's own default chunk size: small enough that a short run does not tokenize far more
@@ -130,8 +131,12 @@ def _train_rank(
     result_path: str,
     log_every: int,
     slow_factor: float,
+    machines: list[Machine] | None = None,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    if machines:  # each rank on its own machine (diloco.testing.netlab), rank 0's the rendezvous
+        enter_namespace(machines[rank].namespace)
+        os.environ.update(MASTER_ADDR=machines[0].address, GLOO_SOCKET_IFNAME=machines[rank].device)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # N processes share the machine: split its cores, or they oversubscribe and thrash.
     set_threads(cfg.train.threads if cfg.train.threads > 0 else max(1, cores // world))
@@ -281,9 +286,12 @@ def run_ddp(
     log_every: int = 50,
     grace_seconds: float = 120.0,
     slow_factor: float = 1.0,
+    machines: list[Machine] | None = None,
 ) -> dict[str, Any]:
     """Train with DDP over `workers` processes until max_tokens (None: cfg.train.max_tokens; 0: no
     token bound) or max_seconds of training; returns the result dict (also written to `out`).
+    `machines`: rank r runs in machines[r]'s network namespace and all-reduces across the lab's
+    links (None: every rank on loopback).
 
     The whole run, processes included, is bounded by max_seconds + grace_seconds; past that every
     rank is killed and TimeoutError raised.
@@ -291,6 +299,8 @@ def run_ddp(
     cfg = cfg.validate()
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if machines is not None and len(machines) < workers:
+        raise ValueError(f"{workers} ranks need as many machines, not {len(machines)}")
     started = time.perf_counter()
     tokens_budget = cfg.train.max_tokens if max_tokens is None else max_tokens
     bs, seq_len = cfg.train.batch_size, cfg.model.seq_len
@@ -307,7 +317,7 @@ def run_ddp(
     with tempfile.TemporaryDirectory(prefix="ddp_baseline_") as tmp:
         result_path = os.path.join(tmp, "result.json")
         args = (workers, _free_port(), cfg, train_rows, eval_rows, max_steps, max_seconds, eval_batches,
-                result_path, log_every, slow_factor)  # fmt: skip
+                result_path, log_every, slow_factor, machines)  # fmt: skip
         run_processes(_rank_main, args, workers, max_seconds + grace_seconds, "DDP baseline")
         result = json.loads(Path(result_path).read_text())
 

@@ -107,31 +107,34 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
         channel = client_channel(address, Security(tls=TlsFiles(*raw_tls)), grpc_options(cfg))
     else:
         channel = grpc.insecure_channel(address, options=grpc_options(cfg))
-    secure: list[grpc.Channel] = []
-    if tls and worker_ids:  # each learner on its own certificate's channel: the coordinator checks the names
-        secure = [
-            client_channel(address, Security(tls=TlsFiles(*tls[w])), grpc_options(cfg)) for w in worker_ids
+    # Each learner on a connection of its own, as learner processes are (with `tls`, on its own
+    # certificate's channel: the coordinator checks the names), in both ingest arms alike.
+    own: list[grpc.Channel] = []
+    if worker_ids:
+        own = [
+            client_channel(address, Security(tls=TlsFiles(*tls[w])), grpc_options(cfg))
+            if tls
+            else grpc.insecure_channel(address, options=grpc_options(cfg))
+            for w in worker_ids
         ]
-    calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in secure]
+    calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in own]
     if not worker_ids:  # the raw server: the very same bytes, nothing to say about them
         call = channel.stream_unary(method)
         sent, elapsed = drive(lambda i: (call(iter(messages)), push_bytes)[1], learners, seconds)
     else:
         template = pb.TensorStreamMessage.FromString(messages[0])
-        call = channel.stream_unary(method, response_deserializer=pb.PushReply.FromString)
 
         def push_one(i: int) -> int:
             header = pb.TensorStreamMessage()
             header.header.CopyFrom(template.header)
             header.header.push_id = uuid.uuid4().hex
             header.header.worker_id = worker_ids[i]
-            send = calls[i] if calls else call
-            reply = send(iter([header.SerializeToString(), *messages[1:]]), timeout=120)
+            reply = calls[i](iter([header.SerializeToString(), *messages[1:]]), timeout=120)
             assert reply.accepted, reply.reason
             return push_bytes
 
         sent, elapsed = drive(push_one, learners, seconds)
-    for c in [channel, *secure]:
+    for c in [channel, *own]:
         c.close()
     out.put((sent, elapsed, push_bytes))
 

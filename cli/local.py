@@ -109,6 +109,15 @@ def run(
         str, typer.Option(help="with --auto: each learner's link, e.g. 1Gbit")
     ] = "1Gbit",
     link_rtt: Annotated[str, typer.Option(help="with --auto: that link's round trip, e.g. 50ms")] = "50ms",
+    host: Annotated[
+        str, typer.Option(help="the address the coordinator listens on and every process dials")
+    ] = "127.0.0.1",
+    learner_prefix: Annotated[
+        str,
+        typer.Option(
+            help='a command each learner runs under, {i} its index: "taskset -c {i}", "ip netns exec ns{i}"'
+        ),
+    ] = "",
 ) -> None:
     """Run a whole job on this machine: coordinator, data workers and learners as processes."""
     from diloco.local.launch import LocalRunOptions, default_run_config, run_local
@@ -163,6 +172,8 @@ def run(
             http_port=None if http_port < 0 else http_port,
             metrics_port=metrics_port,
             tls=tls,
+            host=host,
+            learner_prefix=learner_prefix,
             show_progress=not no_progress,
         )
     )

@@ -1,4 +1,4 @@
-"""`diloco run`: a whole job on this machine, every role its own process on 127.0.0.1.
+"""`diloco run`: a whole job on this machine, every role its own process (on 127.0.0.1 unless told).
 
     coordinator ── data workers (raw chunks -> shards)
                └── learners (shards -> inner steps -> deltas -> merged globals)
@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import shlex
 import signal
 import time
 from dataclasses import dataclass, field
@@ -98,6 +99,12 @@ class LocalRunOptions:
     metrics_port: int | None = None
     # Mutual TLS between every process (certificates made in <workdir>/tls); False: plaintext.
     tls: bool = True
+    # The address the coordinator listens on and every process dials: another than loopback when
+    # learners run elsewhere (with learner_prefix: another network namespace, a container).
+    host: str = "127.0.0.1"
+    # A command each learner runs under, "{i}" its index: e.g. "taskset -c {i}" to give each its
+    # core, or "ip netns exec ns{i}" to put each on its own (emulated) machine.
+    learner_prefix: str = ""
 
     def ranks_of(self, learner: int) -> int:
         return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1
@@ -158,7 +165,7 @@ class LocalRun:
             "--config",
             str(config_path),
             "--host",
-            "127.0.0.1",
+            self.options.host,
         ]
         o = self.options
         for flag, port in (("--http-port", o.http_port), ("--metrics-port", o.metrics_port)):
@@ -201,7 +208,8 @@ class LocalRun:
                 args += ["--slow-factor", str(o.slow_learner)]
             if o.ranks_of(i) > 1:
                 args += ["--nproc", str(o.ranks_of(i)), "--data-parallel", o.data_parallel]
-            self.group.spawn(f"learner-{i}", "learner", [*args, *self._tls(f"learner-{i}")])
+            prefix = shlex.split(o.learner_prefix.format(i=i)) if o.learner_prefix else None
+            self.group.spawn(f"learner-{i}", "learner", [*args, *self._tls(f"learner-{i}")], prefix=prefix)
         if (
             self.config.eval.every_s > 0 or self.config.eval.every_merges > 0
         ):  # the held-out loss of the global model, while it trains
@@ -240,7 +248,9 @@ class LocalRun:
             names = {"coordinator": "coordinator", "evaluator": "evaluator"}
             names.update({f"data-{i}": "data" for i in range(o.data_workers)})
             names.update({f"learner-{i}": "learner" for i in range(o.learners)})
-            self.certificates = run_certificates(self.workdir, names)
+            self.certificates = run_certificates(
+                self.workdir, names, coordinator_hosts=(o.host,) if o.host != "127.0.0.1" else ()
+            )
         started = time.monotonic()
         started_at = time.time()
         self.console.print(

@@ -28,6 +28,7 @@ class Child:
     proc: subprocess.Popen | ForkedProcess
     log_path: Path
     cpu_s: float | None = None  # user + system CPU seconds, once it has exited and been reaped
+    prefix: list[str] | None = None  # the command it runs under (spawn's), kept for a respawn
 
     @property
     def alive(self) -> bool:
@@ -84,6 +85,7 @@ class ProcessGroup:
         """Start `python -m cli <args>` with its output in <log_dir>/<name>.log; `prefix` is a
         command that execs it (e.g. `ip netns exec NS`, to run it in another network namespace)."""
         child = self._start(name, role, args, self.log_dir / f"{name}.log", extra_env, prefix=prefix)
+        child.prefix = prefix
         self.children.append(child)
         return child
 
@@ -181,6 +183,8 @@ class ProcessGroup:
         child.alive  # noqa: B018 (reaped now, so its CPU time is known)
         self.retired.append(child)
         args = args or child.args
+        if child.prefix:  # a spare runs without it (on this machine, not where the child ran)
+            return self.spawn(child.name, child.role, args, prefix=child.prefix)
         return self._hand_to_spare(child.name, child.role, args) or self.spawn(child.name, child.role, args)
 
     def cpu_seconds_by_role(self) -> dict[str, float]:

@@ -12,8 +12,11 @@ from diloco.security.certs import TlsFiles, init_ca, issue
 SUPERVISOR = "supervisor"
 
 
-def run_certificates(workdir: Path, names: dict[str, str]) -> dict[str, TlsFiles]:
-    """name -> role: each a certificate (made when missing), by name."""
+def run_certificates(
+    workdir: Path, names: dict[str, str], coordinator_hosts: tuple[str, ...] = ()
+) -> dict[str, TlsFiles]:
+    """name -> role: each a certificate (made when missing), by name; the coordinator's also names
+    `coordinator_hosts`, the addresses it is dialled at besides loopback."""
     directory = workdir / "tls"
     if not (directory / "ca.key").exists():
         init_ca(directory, name=f"diloco run {workdir.name}")
@@ -22,8 +25,9 @@ def run_certificates(workdir: Path, names: dict[str, str]) -> dict[str, TlsFiles
         cert, key = directory / f"{name}.crt", directory / f"{name}.key"
         made[name] = (
             TlsFiles(str(cert), str(key), str(directory / "ca.crt"))
-            if cert.exists() and key.exists()
-            else issue(directory, role, name)
+            # The coordinator's again when told its addresses: an earlier run's may not name them.
+            if cert.exists() and key.exists() and not (role == "coordinator" and coordinator_hosts)
+            else issue(directory, role, name, hosts=coordinator_hosts if role == "coordinator" else ())
         )
     return made
 
