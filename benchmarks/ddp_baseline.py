@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig
 from diloco.corpus import resolve_dataset
-from diloco.data.chunks import partition
+from diloco.data.chunks import lease_positions, partition
 from diloco.data.process import process_chunk
 from diloco.evaluate import eval_loss, unigram_entropy
 from diloco.model import build_model, lr_at, make_inner_optimizer
@@ -70,7 +70,10 @@ def build_rows(
     """Train and eval rows [n, seq_len + 1], made exactly as diloco's data plane makes shards.
 
     The dataset is partitioned into chunks (some held out for eval) and each chunk is tokenized
-    and packed with process_chunk, in chunk-index order, stopping once there are enough rows.
+    and packed with process_chunk, stopping once there are enough rows: train chunks in the order
+    a run's coordinator hands them out (diloco.data.chunks.lease_positions), so a short baseline
+    trains on the stretch of corpus a short diloco run does; eval chunks in index order, as the
+    run's held-out split is read.
     Train rows are then shuffled with the run's seed (all ranks get the same permutation); eval
     rows stay in order so every run evaluates on the same rows.
     """
@@ -80,6 +83,11 @@ def build_rows(
             f"model vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
         )
     chunks = partition(resolve_dataset(cfg.data.dataset), cfg.data.chunk_bytes, cfg.data.eval_fraction)
+    positions = lease_positions(len(chunks), cfg.train.seed if cfg.data.shuffle else None)
+    ranked = sorted(
+        zip(chunks, positions, strict=True), key=lambda cp: cp[1] if cp[0].split == "train" else -1
+    )
+    chunks = [chunk for chunk, _ in ranked]
     wanted = {"train": max_train_rows, "eval": max_eval_rows}
     parts: dict[str, list[np.ndarray]] = {"train": [], "eval": []}
     have = {"train": 0, "eval": 0}

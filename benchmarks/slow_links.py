@@ -27,13 +27,13 @@ held-out split (another data.chunk_bytes holds out other text; its own eval is k
 `own_eval_loss`). Arms run in the order given, so `decoupled` must come before `auto`.
 
 Printed per link and arm: trained tokens/s, eval loss after the same wall time, wire bytes per
-token, packets the links' queues dropped; for the diloco arms the mean push and pull of one
-fragment as the coordinator timed them, next to diloco.simulate.costs' prediction for one
-learner's link (bytes / rate + RTT / 2). A push is timed from its first piece to the reply: the
-link's time less the first half round trip. A pull is timed until its last piece is handed to
-gRPC, while most of the fragment still waits in buffers on the coordinator's side of the link (at
-100 Mbit/s: 0.05 s timed for a fragment the link needs 0.27 s for): no check of the model. Writes
-benchmarks/results/slow_links.json.
+token, packets the links' queues dropped; for the diloco arms the mean push of one fragment as
+the coordinator timed it, and the mean pull of one as the learners timed it, next to
+diloco.simulate.costs' prediction for one learner's link (bytes / rate + RTT / 2). Both clocks run
+from the first piece's arrival to the last's, so each sees the link's time less the first half
+round trip. (The coordinator's own pull clock, kept as `pull_s_coordinator`, stops when the last
+piece is handed to gRPC, with most of the fragment still in buffers on its side of the link.)
+Writes benchmarks/results/slow_links.json.
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def run_arm(
         t = r.get("transfers", {})
         row.update(eval_loss=r["eval_loss"], tokens_per_s=r["merged_tokens_per_s"],
                    wire_bytes_per_token=r["wire_bytes_per_token"], push_s=t.get("push_seconds_mean"),
-                   pull_s=t.get("pull_seconds_mean"), predicted=predicted(r, gbps, rtt_s))  # fmt: skip
+                   pull_s=t.get("learner_pull_seconds_mean"),
+                   pull_s_coordinator=t.get("pull_seconds_mean"), predicted=predicted(r, gbps, rtt_s))  # fmt: skip
     row["dropped_packets"] = dropped(lab) - drops_before
     return row
 

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -41,6 +41,36 @@ RETRYABLE = {
 CLIENT_MESSAGE_LIMIT = 64 << 20
 # How long a worker rides out a coordinator outage (a restart, a network cut) before giving up.
 WORKER_OUTAGE_TOLERANCE_S = 600.0
+
+
+class PullClock:
+    """The receiving side of pulls: time from a stream's first message to its end, summed, and the
+    fragments they brought. The coordinator's own clock stops once the last piece is handed to
+    gRPC, with most of it still in buffers on its side of the link."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self._now = now
+        self._lock = threading.Lock()  # pulls run on the sync thread and, at (re)joins, the main one
+        self.seconds = 0.0
+        self.fragments = 0
+
+    def timed(self, messages: Iterable[T]) -> Iterator[T]:
+        first = None
+        for message in messages:
+            if first is None:
+                first = self._now()
+            yield message
+        if first is not None:
+            with self._lock:
+                self.seconds += self._now() - first
+
+    def count(self, fragments: int) -> None:
+        with self._lock:
+            self.fragments += fragments
+
+    def report(self, heartbeat: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
+        heartbeat.pull_seconds, heartbeat.pulled_fragments = self.seconds, self.fragments
+        return heartbeat
 
 
 def backoff_delay(
@@ -86,6 +116,7 @@ class CoordinatorClient:
         self.join_reply: pb.JoinReply | None = None
         self.closed = False
         self.ranks = 1  # a learner that is a torchrun group says how many ranks it has, at join
+        self.pull_clock = PullClock()
 
     def close(self) -> None:
         # In-flight calls end CANCELLED and no retry starts: background threads wind down.
@@ -253,7 +284,9 @@ class CoordinatorClient:
         def once() -> list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]]:
             request.worker_id = self.worker_id
             stream = self.stub.PullParameters(request, timeout=wait_s + 300.0)
-            return list(receive_groups(stream, max_bytes=1 << 40))
+            groups = list(receive_groups(self.pull_clock.timed(stream), max_bytes=1 << 40))
+            self.pull_clock.count(len(groups))
+            return groups
 
         return self._retry(once, "pull", retry_for_s=retry_for_s)
 

@@ -147,7 +147,7 @@ class EndGame:
         # The final counters, for status and utilization: tried once, like leave(), so a
         # coordinator that is gone does not hold the exit up.
         with contextlib.suppress(Exception):
-            final = self.progress.heartbeat(self.prefetcher.held_shards())
+            final = self.client.pull_clock.report(self.progress.heartbeat(self.prefetcher.held_shards()))
             self.client.last_heartbeat(final, timeout_s=FINAL_CALL_TIMEOUT_S)
         self.client.leave(reason)
         self.client.close()

@@ -57,6 +57,7 @@ class Heartbeats:
     def _heartbeat(self) -> None:
         request = self.progress.heartbeat(self.prefetcher.held_shards())
         request.tokens_unmerged = self._tokens_unmerged()
+        self.client.pull_clock.report(request)
         reply = self.client.heartbeat(request)
         allowed = reply.tokens_allowed if reply.HasField("tokens_allowed") else None
         self.allowance = None if allowed is None else (request.tokens_trained, allowed)

@@ -162,6 +162,16 @@ def mixed_order(files: list[str], seed: int) -> list[str]:
     return order
 
 
+def lease_positions(n_chunks: int, shuffle_seed: int | None) -> list[int]:
+    """Chunk i's place in the order chunks (and their shards) are handed out: a seeded random
+    order, or the dataset's own without a seed. The ledger records it; a baseline that should
+    train on the rows a run trains on (benchmarks/ddp_baseline.py) takes chunks in it too."""
+    order = list(range(n_chunks))
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(order)
+    return order
+
+
 def eval_indices(n_chunks: int, eval_fraction: float) -> set[int]:
     """About `eval_fraction` of chunk indices, evenly spread; at least one when there are two chunks."""
     if eval_fraction <= 0 or n_chunks < 2:

@@ -182,6 +182,13 @@ def summarize(
     )
     summary.update(data_plane_metrics(d, train_seconds))
     summary["sync_wait_share"] = mean_of([w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed])
+    # One fragment's pull as the learners timed it, arrival to arrival: the coordinator's own
+    # clock (transfers.pull_seconds_mean) stops with most of the bytes still in its buffers.
+    pulled = sum(w.get("pulled_fragments", 0) for w in timed)
+    if pulled:
+        summary["transfers"]["learner_pull_seconds_mean"] = (
+            sum(w.get("pull_seconds", 0.0) for w in timed) / pulled
+        )
     summary["goodput"] = goodput(
         d.get("learner_kept_busy_seconds", 0.0),
         summary["tokens_merged"],

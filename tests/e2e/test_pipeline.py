@@ -97,6 +97,8 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     assert summary["rounds"] >= 2
     assert 0 < summary["tokens_merged"] <= summary["tokens_trained"]
     assert summary["wire_bytes"] > 0
+    # The learners timed their pulls' arrival (at least the join's full pull).
+    assert summary["transfers"]["learner_pull_seconds_mean"] > 0, summary["transfers"]
     assert summary["sample"].startswith("def ")
     assert summary["chunks"] == summary["shards"] > 1
     assert_one_shard_per_chunk(workdir)

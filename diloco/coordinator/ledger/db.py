@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import sqlite3
 import threading
 import time
@@ -11,6 +10,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from diloco.data.chunks import lease_positions
 from diloco.data.types import ChunkSpec
 
 # Why the pushes of an open round are dropped when the coordinator restarts. Such a push never
@@ -134,9 +134,7 @@ class LedgerBase:
         whatever the run happens to end on (say, a directory of lookup tables) shapes the model.
         """
         chunks = list(chunks)
-        order = list(range(len(chunks)))
-        if shuffle_seed is not None:
-            random.Random(shuffle_seed).shuffle(order)
+        order = lease_positions(len(chunks), shuffle_seed)
         with self._tx() as db:
             if db.execute("SELECT 1 FROM meta WHERE key = 'dataset'").fetchone():
                 return

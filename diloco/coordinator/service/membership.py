@@ -92,6 +92,8 @@ class MembershipRPCs(ServiceBase):
             "wall_seconds": request.wall_seconds,
             "data_stall_seconds": request.data_stall_seconds,
             "sync_wait_seconds": request.sync_wait_seconds,
+            "pull_seconds": request.pull_seconds,
+            "pulled_fragments": request.pulled_fragments,
             "train_metrics": dict(request.train_metrics),
             **({"device": request.device} if request.device else {}),
             "ranks": max(1, request.ranks),
