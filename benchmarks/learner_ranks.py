@@ -32,7 +32,13 @@ from benchmarks.chaos import diloco_run  # noqa: E402
 
 
 def arm(
-    workdir: Path, ranks: int, seed: int, tokens: int, batch: int, timeout_s: float, data_parallel: str = "ddp"
+    workdir: Path,
+    ranks: int,
+    seed: int,
+    tokens: int,
+    batch: int,
+    timeout_s: float,
+    data_parallel: str = "ddp",
 ) -> dict[str, Any]:
     cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:ranks])
     summary = diloco_run(
@@ -84,7 +90,8 @@ def main() -> None:
             seed = i + 1
             order = (1, args.ranks) if i % 2 == 0 else (args.ranks, 1)
             runs = {
-                r: arm(Path(tmp), r, seed, args.tokens, args.batch, args.timeout, args.data_parallel) for r in order
+                r: arm(Path(tmp), r, seed, args.tokens, args.batch, args.timeout, args.data_parallel)
+                for r in order
             }
             one, group = runs[1], runs[args.ranks]
             row = {

@@ -104,7 +104,12 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         self.epoch, self.run_id = reply.coordinator_epoch, reply.run_id
         self.cfg, self.device = cfg, joined.device
         self.progress.device = str(joined.device)
-        self.model, self.optimizer, self.params, self.frags = joined.model, joined.optimizer, joined.params, joined.frags
+        self.model, self.optimizer, self.params, self.frags = (
+            joined.model,
+            joined.optimizer,
+            joined.params,
+            joined.frags,
+        )
         self.resumed = self._resume_decision(cfg, reply)
         if cfg.train.max_tokens and not cfg.sync.synchronous:  # a budget: no step before an allowance
             self.allowance = (self.progress.tokens_trained, 0)
