@@ -103,10 +103,12 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
     messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
     push_bytes = sum(len(m) for m in messages)
     raw_tls = (tls or {}).get("raw")
-    if raw_tls:
-        channel = client_channel(address, Security(tls=TlsFiles(*raw_tls)), grpc_options(cfg))
-    else:
-        channel = grpc.insecure_channel(address, options=grpc_options(cfg))
+    channel = None  # the raw arms' one connection; the ingest arms' learners have their own
+    if not worker_ids:
+        if raw_tls:
+            channel = client_channel(address, Security(tls=TlsFiles(*raw_tls)), grpc_options(cfg))
+        else:
+            channel = grpc.insecure_channel(address, options=grpc_options(cfg))
     # Each learner on a connection of its own, as learner processes are (with `tls`, on its own
     # certificate's channel: the coordinator checks the names), in both ingest arms alike.
     own: list[grpc.Channel] = []
@@ -118,7 +120,7 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
             for w in worker_ids
         ]
     calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in own]
-    if not worker_ids:  # the raw server: the very same bytes, nothing to say about them
+    if channel is not None:  # the raw server: the very same bytes, nothing to say about them
         call = channel.stream_unary(method)
         sent, elapsed = drive(lambda i: (call(iter(messages)), push_bytes)[1], learners, seconds)
     else:
@@ -134,7 +136,7 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
             return push_bytes
 
         sent, elapsed = drive(push_one, learners, seconds)
-    for c in [channel, *own]:
+    for c in [*([channel] if channel else []), *own]:
         c.close()
     out.put((sent, elapsed, push_bytes))
 

@@ -56,7 +56,7 @@ from diloco.data.shard import concat_columns, read_shard  # noqa: E402
 from diloco.evaluate import evaluate  # noqa: E402
 from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
-from diloco.results import load_model  # noqa: E402
+from diloco.results import held_out_shards, load_model  # noqa: E402
 from diloco.simulate.config import LinkConfig  # noqa: E402
 from diloco.simulate.costs import parse_bandwidth, parse_duration, transfer_seconds  # noqa: E402
 from diloco.testing.netlab import Link, NetLab  # noqa: E402
@@ -83,18 +83,17 @@ def predicted(summary: dict[str, Any], bandwidth_gbps: float, rtt_s: float) -> d
     return {"push_s": transfer_seconds(frag_params, link), "pull_s": transfer_seconds(frag_params, pull_link)}
 
 
-def on_held_out_of(model_file: str, reference: str) -> float:
-    """`model_file`'s loss on the held-out split of the run whose model is `reference`. A run
-    with another data.chunk_bytes (which --auto may choose) holds out other chunks, so its own eval
-    is on other text (unigram entropy 3.122 against the defaults' 3.109 for 1 MiB chunks)."""
-    held_out = load_model(reference, None).eval_shards
+def on_held_out_of(model_file: str, reference_run: Path) -> float:
+    """`model_file`'s loss on the held-out split of `reference_run`. A run with another
+    data.chunk_bytes (which --auto may choose) holds out other chunks, so its own eval is on other
+    text (unigram entropy 3.122 against the defaults' 3.109 for 1 MiB chunks)."""
     loaded = load_model(model_file, None)
-    columns = concat_columns([read_shard(s["uri"], s["checksum"]) for s in held_out])
+    columns = concat_columns([read_shard(s["uri"], s["checksum"]) for s in held_out_shards(reference_run)])
     return evaluate(loaded.model, columns, loaded.cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES).loss
 
 
 def run_arm(
-    arm: str, spec: str, lab: NetLab, args: argparse.Namespace, cfg: RunConfig, tmp: Path
+    arm: str, spec: str, lab: NetLab, args: argparse.Namespace, cfg: RunConfig, config_path: Path, tmp: Path
 ) -> dict[str, Any]:
     """One arm on the lab's machines: its row of the table."""
     rate, rtt = spec.split(":")
@@ -109,9 +108,10 @@ def run_arm(
                    wire_bytes_per_token=r["wire_bytes_per_token"])  # fmt: skip
     else:
         name = f"{arm}-{rate}-{rtt}"
+        defaults_run = tmp / f"decoupled-{rate}-{rtt}"
         flags = DILOCO_ARMS.get(arm, [])
         if arm == "auto":  # tuned for this link from the default arm's own run
-            flags = ["--auto", str(tmp / f"decoupled-{rate}-{rtt}"),
+            flags = ["--auto", str(defaults_run),
                      "--link-bandwidth", rate, "--link-rtt", f"{rtt_s * 1e3:g}ms"]  # fmt: skip
         # The whole `diloco run` on the hub; each learner on its own machine ("{i}": its index).
         flags = [
@@ -121,15 +121,13 @@ def run_arm(
             "--learner-prefix",
             f"ip netns exec {lab.namespace('w{i}')}",
         ]
-        r = run_diloco(name, flags, args.config_path, 0, args.workers, tmp, args.seconds / 60,
+        r = run_diloco(name, flags, config_path, 0, args.workers, tmp, args.seconds / 60,
                        prefix=lab["hub"].exec)  # fmt: skip
         if arm == "auto":
             row["tuned"] = {k: r["config"][k.split(".")[0]][k.split(".")[1]] for k in TUNED}
             # Scored on the defaults' held-out text, its own eval beside it.
             row["own_eval_loss"] = r["eval_loss"]
-            r["eval_loss"] = on_held_out_of(
-                r["model"], str(tmp / f"decoupled-{rate}-{rtt}" / "model.safetensors")
-            )
+            r["eval_loss"] = on_held_out_of(r["model"], defaults_run)
         t = r.get("transfers", {})
         row.update(eval_loss=r["eval_loss"], tokens_per_s=r["merged_tokens_per_s"],
                    wire_bytes_per_token=r["wire_bytes_per_token"], push_s=t.get("push_seconds_mean"),
@@ -175,8 +173,8 @@ def main() -> None:
     )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="diloco_links_") as tmp:
-        args.config_path = Path(tmp) / "run.toml"
-        args.config_path.write_text(cfg.to_toml())
+        config_path = Path(tmp) / "run.toml"
+        config_path.write_text(cfg.to_toml())
         for spec in args.links.split(","):
             rate, rtt = spec.split(":")
             link = Link(parse_bandwidth(rate) * 1e9, parse_duration(rtt))
@@ -184,7 +182,7 @@ def main() -> None:
             with NetLab({"hub": Link(), **{f"w{i}": link for i in range(args.workers)}}) as lab:
                 for arm in args.arms.split(","):
                     print(f"== {spec} {arm}", file=sys.stderr, flush=True)
-                    rows.append(run_arm(arm, spec, lab, args, cfg, Path(tmp)))
+                    rows.append(run_arm(arm, spec, lab, args, cfg, config_path, Path(tmp)))
                     print(json.dumps(rows[-1]), flush=True)
     print_table(rows)
     verdicts = []

@@ -68,11 +68,16 @@ def _from_run(path: Path) -> LoadedModel:
         workdir = path
         cfg, model, versions = global_model(path)
         source = f"{path} at versions {versions}"
+    return LoadedModel(cfg, model.eval(), source, held_out_shards(workdir), versions)
+
+
+def held_out_shards(workdir: Path) -> list[dict[str, Any]]:
+    """A run's held-out split as its ledger records it: {"uri", "checksum"} in chunk order."""
     with read_only(workdir) as db:
         shards = db.execute(
             "SELECT uri, checksum FROM shards WHERE split = 'eval' ORDER BY chunk_id"
         ).fetchall()
-    return LoadedModel(cfg, model.eval(), source, [{"uri": u, "checksum": c} for u, c in shards], versions)
+    return [{"uri": u, "checksum": c} for u, c in shards]
 
 
 def _stored_config(workdir: Path) -> str:

@@ -85,7 +85,6 @@ class ProcessGroup:
         """Start `python -m cli <args>` with its output in <log_dir>/<name>.log; `prefix` is a
         command that execs it (e.g. `ip netns exec NS`, to run it in another network namespace)."""
         child = self._start(name, role, args, self.log_dir / f"{name}.log", extra_env, prefix=prefix)
-        child.prefix = prefix
         self.children.append(child)
         return child
 
@@ -129,7 +128,7 @@ class ProcessGroup:
                     # ...but the child must not inherit the held signals, or SIGTERM would not reach it.
                     preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_SETMASK, blocked),
                 )
-            return Child(name, role, args, proc, log_path)
+            return Child(name, role, args, proc, log_path, prefix=prefix)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
