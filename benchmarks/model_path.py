@@ -25,8 +25,8 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from diloco.compute.batch import Batch  # noqa: E402
 from diloco.compute.inner import inner_step  # noqa: E402
-from diloco.compute.prefetch import Batch  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
 from diloco.model import build_model, lr_at, make_inner_optimizer  # noqa: E402
 
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> None:
                 if name == "direct":
                     loss = direct_step(model, opt, rows, i, cfg)
                 else:
-                    batch = Batch({"input_ids": rows}, 0, 0, bs, False)  # what the learner's prefetcher makes
+                    batch = Batch.of_shard(
+                        {"input_ids": rows}, 0, 0, bs
+                    )  # what the learner's prefetcher makes
                     loss, _ = inner_step(model, opt, batch.columns, step=i, train=cfg.train, device=device)
                 losses[name].append(loss)
             if repeat:

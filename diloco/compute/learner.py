@@ -25,6 +25,7 @@ import torch
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import group as ranks
 from diloco.compute import outer, replicas, schedule
+from diloco.compute.batch import Batch
 from diloco.compute.endgame import EndGame
 from diloco.compute.handshake import check_same_model, join_run, pull_everything
 from diloco.compute.heartbeats import Heartbeats
@@ -33,7 +34,7 @@ from diloco.compute.inner import inner_step, straggle_s
 from diloco.compute.local_state import LocalState, StateWriter
 from diloco.compute.mfu import peak_flops
 from diloco.compute.overrides import LocalOverrides
-from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
+from diloco.compute.prefetch import DONE, ShardPrefetcher
 from diloco.compute.progress import Progress
 from diloco.compute.resume import KeepsLocalState
 from diloco.compute.rows import RowBook, Unpushed
@@ -305,7 +306,8 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
             f.tokens += batch.tokens
             f.loss_sum += loss
         self.rows.trained(batch)
-        self.row_tokens[batch.shard_id] = batch.tokens // max(1, batch.row_end - batch.row_start)
+        for span in batch.spans:
+            self.row_tokens[span.shard_id] = batch.per_row(span)
 
     def _next_batch(self) -> Batch | object | None:
         """The next batch (DONE: no more data; None: none yet), time stalled on data counted."""

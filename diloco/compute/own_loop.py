@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from diloco.compute.batch import Batch
 from diloco.compute.learner import Learner
 from diloco.compute.overrides import LocalOverrides
-from diloco.compute.prefetch import Batch
 from diloco.errors import DilocoError
 
 

@@ -5,16 +5,17 @@ learner computes:
 
     fetch thread:  lease a shard -> read it (through the local shard cache, from the store on a
                    miss) -> verify its checksum, decompress -> hand it over (one shard ahead)
-    batch thread:  keep up to `mix` shards open; cut the next batch of a randomly chosen one of
-                   them -> the bounded queue
+    batch thread:  keep up to `mix` shards open; draw the next batch's rows from all of them
+                   (diloco.compute.batch) -> the bounded queue
 
 so the next shard is downloaded and decoded while batches of the open ones are trained on, even
 when a shard holds many more batches than the queue (a single stage would lease the next shard
 only once the last batch of the current one was queued). Drawing from several shards at once
 matters for the model: a shard is one stretch of the corpus (a few neighbouring files), and H
-steps on one stretch make a delta that knows only that stretch. At most one decoded shard waits
+steps on one stretch make a delta that knows only that stretch; a batch of one stretch's rows is
+a noisier gradient than one of rows from all over. At most one decoded shard waits
 beside the open ones, so a learner holds at most mix + 1 shard leases ahead of its queue. Each
-batch carries the shard row range it came from, so the learner can say exactly which rows a delta
+batch carries the shard row ranges it came from, so the learner can say exactly which rows a delta
 trained on.
 
 With dealt shards (data.deal > 0) the batch order repeats exactly from run to run: the choice
@@ -30,17 +31,13 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-
-import torch
 
 from diloco import store
 from diloco.client import CoordinatorClient
+from diloco.compute.batch import Batch, ShardRows, cut_batch
 from diloco.coordinator.leases import subtract
 from diloco.data.cache import ShardCache, read_shard_via
 from diloco.data.shard import Shard, ShardCorrupt
-from diloco.model.contract import column_tensor
 from diloco.store import StoreError
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -48,27 +45,6 @@ log = logging.getLogger("diloco.prefetch")
 
 # Longest the batch stage waits for a dealt shard on its way while it has others open.
 DEALT_SHARD_WAIT_S = 10.0
-
-
-@dataclass
-class Batch:
-    columns: dict[str, torch.Tensor]  # the model's input: one row per sample, by column name
-    shard_id: int
-    row_start: int
-    row_end: int
-    last_of_shard: bool  # no more rows of this shard follow: it can be released after the push
-    lease: int = 0  # which of this learner's leases on the shard the rows came with
-    # What a row counts for in the ledger: seq_len + 1 tokens, or 1 (a sample).
-    tokens_per_row: int = 0
-
-    @property
-    def tokens(self) -> int:
-        """Shard tokens consumed (rows × (seq_len + 1), or rows of samples): the ledger's unit."""
-        per_row = self.tokens_per_row or int(self.columns["input_ids"].shape[1])
-        return (self.row_end - self.row_start) * per_row
-
-    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {name: t.to(device, non_blocking=True) for name, t in self.columns.items()}
 
 
 DONE = object()  # the coordinator has no more training data for us
@@ -154,15 +130,18 @@ class ShardPrefetcher:
         return not self.queue.empty()
 
     def get(self, timeout_s: float) -> Batch | object | None:
-        """A batch, DONE, or None when nothing arrived in time. Batches of lost leases are skipped."""
+        """A batch, DONE, or None when nothing arrived in time. Rows of lost leases are left out."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 item = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return None
-            if not (isinstance(item, Batch) and not self._is_live(item.shard_id, item.lease)):
+            if not isinstance(item, Batch):
                 return item
+            live = item.only(lambda span: self._is_live(span.shard_id, span.lease))
+            if live is not None:
+                return live
 
     def _is_live(self, shard_id: int, lease: int) -> bool:
         with self._lock:
@@ -237,10 +216,14 @@ class ShardPrefetcher:
     # -- stage 2: rows to batches ---------------------------------------------------------------
 
     def _batch_loop(self) -> None:
-        open_shards: list[Iterator[Batch]] = []
+        open_shards: list[ShardRows] = []
         done = False
         try:
             while not self.stop.is_set():
+                # Shards cut to the end, or whose lease was lost meanwhile: room for the next ones.
+                for shard in [s for s in open_shards if not s.left or not self._is_live(s.shard_id, s.lease)]:
+                    open_shards.remove(shard)
+                    self._slot.release()
                 # Take in decoded shards while there is room; wait for one only when none is open.
                 waited_since = time.monotonic()
                 while not done and len(open_shards) < self.mix:
@@ -264,35 +247,22 @@ class ShardPrefetcher:
                         if lease.deal_slot and lease.deal_slot != self._seeded_slot:
                             self._seeded_slot = lease.deal_slot
                             self._rng.seed(f"{self.seed}/{lease.deal_slot}")
-                        open_shards.append(self._batches(*item))  # type: ignore[misc]
-                if not open_shards:
-                    if done:
+                        open_shards.append(self._rows(*item))  # type: ignore[misc]
+                batch = cut_batch(self._rng, open_shards, self.batch_size, self.pin_memory)
+                if batch is None:
+                    if done and not open_shards:
                         self._put(self.queue, DONE)
                         return
                     continue
-                shard = self._rng.randrange(len(open_shards))
-                batch = next(open_shards[shard], None)
-                if batch is None:  # cut to the end (or its lease was lost): room for the next one
-                    open_shards.pop(shard)
-                    self._slot.release()
-                elif not self._put(self.queue, batch):
+                if not self._put(self.queue, batch):
                     return
         except Exception:
             log.exception("prefetch batch thread failed")
             self._put(self.queue, DONE)
 
-    def _batches(self, lease: pb.LeaseShardReply, number: int, shard: Shard) -> Iterator[Batch]:
+    def _rows(self, lease: pb.LeaseShardReply, number: int, shard: Shard) -> ShardRows:
+        """The leased rows of a shard, less those trained in an earlier life."""
         with self._lock:
             done = list(self._skip.get(lease.shard_id, ()))
         ranges = [r for s in lease.todo for r in subtract((s.row_start, s.row_end), done)]
-        tokens_per_row = shard.header["tokens"] // max(1, shard.header["rows"])
-        for r, (a, b) in enumerate(ranges):
-            for i in range(a, b, self.batch_size):
-                if not self._is_live(lease.shard_id, number):
-                    return  # the lease was lost meanwhile: its rows are someone else's
-                j = min(i + self.batch_size, b)
-                last = r == len(ranges) - 1 and j == b
-                columns = {name: column_tensor(c[i:j]) for name, c in shard.columns.items()}
-                if self.pin_memory:
-                    columns = {name: t.pin_memory() for name, t in columns.items()}
-                yield Batch(columns, lease.shard_id, i, j, last, number, tokens_per_row)
+        return ShardRows(shard, lease.shard_id, number, ranges)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from diloco.compute.prefetch import Batch
+from diloco.compute.batch import Batch
 
 
 @dataclass
@@ -23,15 +23,16 @@ class Unpushed:
     _last: dict[int, int] = field(default_factory=dict)  # shard id -> index of its latest span
 
     def add(self, batch: Batch) -> None:
-        # Batches of several shards interleave: extend the shard's own latest span when the rows follow on.
-        k = self._last.get(batch.shard_id)
-        if k is not None and self.spans[k][2] == batch.row_start:
-            self.spans[k] = (batch.shard_id, self.spans[k][1], batch.row_end)
-        else:
-            self._last[batch.shard_id] = len(self.spans)
-            self.spans.append((batch.shard_id, batch.row_start, batch.row_end))
-        if batch.last_of_shard:
-            self.released.append(batch.shard_id)
+        # Spans of several shards interleave: extend the shard's own latest span when the rows follow on.
+        for span in batch.spans:
+            k = self._last.get(span.shard_id)
+            if k is not None and self.spans[k][2] == span.row_start:
+                self.spans[k] = (span.shard_id, self.spans[k][1], span.row_end)
+            else:
+                self._last[span.shard_id] = len(self.spans)
+                self.spans.append((span.shard_id, span.row_start, span.row_end))
+            if span.last_of_shard:
+                self.released.append(span.shard_id)
 
     def extend(self, other: Unpushed) -> None:
         for span in other.spans:

@@ -40,6 +40,7 @@ from diloco.views import print_summary, progress_line, progress_table
 
 # How long a child may take to stop on SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
+FINAL_STATUS_WAIT_S = 30.0
 
 
 def default_run_config() -> RunConfig:
@@ -267,7 +268,7 @@ class LocalRun:
             detail = self._watch(observer, started)
             train_seconds = time.monotonic() - started
             self._wind_down(observer)
-            detail = self._status(observer) or detail
+            detail = self._final_status(observer, detail)
             observer.close()
         finally:
             self._stop_children()
@@ -312,6 +313,26 @@ class LocalRun:
             return observer.status(once=True)
         except Exception:
             return None
+
+    def _final_status(self, observer: CoordinatorClient, last: dict[str, Any]) -> dict[str, Any]:
+        """The figures the summary reports, read once every learner has left. The watch loop's
+        last reading can be half a second old, between a learner's heartbeat (tokens trained) and
+        its final merge (tokens merged): a summary built on it is wrong, so a failed read is asked
+        again (the coordinator still runs; only _stop_children stops it), and said when it fails."""
+        deadline = time.monotonic() + FINAL_STATUS_WAIT_S
+        while True:
+            try:
+                return observer.status(once=True)
+            except Exception as e:
+                if time.monotonic() >= deadline:
+                    self.console.print(
+                        f"[yellow]warning:[/] the coordinator's final status could not be read ({e}); "
+                        "the summary shows its last reading while the run trained",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                    return last
+                time.sleep(0.5)
 
     def _watch(self, observer: CoordinatorClient, started: float) -> dict[str, Any]:
         """Show progress until every learner has exited; ask the coordinator to finish at the deadline."""

@@ -61,8 +61,11 @@ def test_a_two_rank_learner_trains_what_one_rank_trains(small_corpus: Path, tmp_
         workdir = tmp_path / kind
         two = group_run(small_corpus, workdir, ranks=2, batch=4, extra=[*budget, "--data-parallel", kind])
         assert two["ranks_per_learner"] == {"learner-0": 2}
+        # On a mismatch, say what the end game did (a refused or retried push, rows given back).
+        words = ("refused", "retrying", "returning")
+        trouble = [line for line in learner_lines(workdir) if any(w in line for w in words)][-5:]
         for key in ("tokens_trained", "tokens_merged", "rounds", "fragment_versions"):
-            assert two[key] == one[key], (kind, key, two[key], one[key])
+            assert two[key] == one[key], (kind, key, two[key], one[key], two["pushes_refused"], trouble)
         # The same rows in the same order; only the order of float additions differs (the
         # all-reduce or reduce-scatter of the two halves' gradients against one backward).
         assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=2e-3), kind

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from diloco.compute.batch import Batch
 from diloco.compute.held import HeldFragment
 from diloco.compute.learner import Learner
-from diloco.compute.prefetch import Batch
 from diloco.compute.sync_channel import Merged
 from diloco.config import RunConfig
 
@@ -47,7 +47,7 @@ def train(learner: Learner, by: float, shard: int) -> None:
     for f in learner.frags:
         f.steps += 1
         f.tokens += 12
-    learner.rows.trained(Batch({"input_ids": rows}, shard, 0, 4, False))
+    learner.rows.trained(Batch.of_shard({"input_ids": rows}, shard, 0, 4))
 
 
 def test_the_steps_since_the_push_stay_on_top_of_the_merge() -> None:

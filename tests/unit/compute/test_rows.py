@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from diloco.compute.prefetch import Batch
+from diloco.compute.batch import Batch
 from diloco.compute.rows import RowBook, Unpushed, release_fragment, rows_to_carry, span_tokens
 
 
 def batch(shard: int, start: int, end: int, last: bool = False) -> Batch:
     rows = torch.zeros((end - start, 5), dtype=torch.int64)  # seq_len 4: 5 tokens a row
-    return Batch({"input_ids": rows}, shard, start, end, last)
+    return Batch.of_shard({"input_ids": rows}, shard, start, end, last)
 
 
 def test_interleaved_shards_keep_one_span_each_while_rows_follow_on() -> None:

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from diloco import store
-from diloco.compute.prefetch import DONE, Batch, ShardPrefetcher
+from diloco.compute.batch import Batch, RowSpan
+from diloco.compute.prefetch import DONE, ShardPrefetcher
 from diloco.data.cache import ShardCache, default_cache_dir, open_cache, read_shard_via
 from diloco.data.shard import ShardCorrupt, encode_shard, write_shard
 from diloco.v1 import coordinator_pb2 as pb
@@ -238,6 +240,22 @@ def drain(prefetcher: ShardPrefetcher) -> list[Batch]:
         out.append(item)
 
 
+def parts(batches: list[Batch], shard_id: int) -> list[tuple[RowSpan, torch.Tensor]]:
+    """Each span of one shard, with its rows of input_ids, in the order the batches came."""
+    out = []
+    for b in batches:
+        at = 0
+        for span in b.spans:
+            if span.shard_id == shard_id:
+                out.append((span, b.columns["input_ids"][at : at + span.rows]))
+            at += span.rows
+    return out
+
+
+def shards_in(batches: list[Batch]) -> set[int]:
+    return {span.shard_id for b in batches for span in b.spans}
+
+
 def test_prefetcher_reads_one_shard_ahead_through_the_cache(tmp_path: Path) -> None:
     shards = [remote_shard(seed, n=64) for seed in range(4)]
     coordinator = FakeCoordinator(shards)
@@ -258,10 +276,11 @@ def test_prefetcher_reads_one_shard_ahead_through_the_cache(tmp_path: Path) -> N
         stop.set()
         prefetcher.join(5)
     assert coordinator.leased == [1, 2, 3, 4]
+    assert all(len(b.spans) == 1 for b in batches)  # mix = 1: a batch is one shard's rows
     for shard_id, (_, _, rows) in enumerate(shards, start=1):
-        got = [b for b in batches if b.shard_id == shard_id]
-        assert np.array_equal(np.concatenate([b.columns["input_ids"] for b in got]), rows.astype(np.int64))
-        assert [b.last_of_shard for b in got] == [False] * 7 + [True]
+        got = parts(batches, shard_id)
+        assert np.array_equal(np.concatenate([r for _, r in got]), rows.astype(np.int64))
+        assert [span.last_of_shard for span, _ in got] == [False] * 7 + [True]
     assert cache.stats.misses == 4 and len(cached_files(tmp_path / "cache")) == 4
 
 
@@ -273,7 +292,7 @@ def test_prefetcher_skips_a_lost_lease_but_trains_a_later_lease_of_the_same_shar
     prefetcher.start()
     try:
         first = prefetcher.get(timeout_s=5.0)
-        assert isinstance(first, Batch) and first.shard_id == 1
+        assert isinstance(first, Batch) and shards_in([first]) == {1}
         prefetcher.lose(1)  # the lease ran out: queued rows of shard 1 are someone else's
         with coordinator.lock:  # ... and it comes back to us later, whole
             coordinator.shards.append((1, (uri, checksum, rows)))
@@ -283,8 +302,9 @@ def test_prefetcher_skips_a_lost_lease_but_trains_a_later_lease_of_the_same_shar
         stop.set()
         prefetcher.join(5)
     # Nothing more of the lost lease reached the learner; the new lease's rows all did, once.
-    assert all(b.shard_id == 1 and b.lease != first.lease for b in batches)
-    assert [b.row_start for b in batches] == list(range(0, 64, 8))
+    got = parts(batches, 1)
+    assert shards_in(batches) == {1} and all(span.lease != first.spans[0].lease for span, _ in got)
+    assert [span.row_start for span, _ in got] == list(range(0, 64, 8))
     assert prefetcher.held_shards() == [1]
 
 
@@ -297,17 +317,26 @@ def test_prefetcher_reports_a_corrupt_shard_and_goes_on(tmp_path: Path) -> None:
     coordinator = FakeCoordinator([(bad_uri, bad_checksum, rows_for(12)), good])
     prefetcher, batches = run_to_done(coordinator, max_batches=4)
     assert coordinator.reported == [1]
-    assert {b.shard_id for b in batches} == {2} and prefetcher.held_shards() == [2]
+    assert shards_in(batches) == {2} and prefetcher.held_shards() == [2]
 
 
-def test_prefetcher_mixes_batches_of_several_shards_and_delivers_each_row_once(tmp_path: Path) -> None:
+def test_prefetcher_mixes_rows_of_several_shards_in_a_batch_and_delivers_each_row_once(
+    tmp_path: Path,
+) -> None:
     shards = [remote_shard(20 + seed, n=64) for seed in range(5)]
     coordinator = FakeCoordinator(shards)
     _, batches = run_to_done(coordinator, max_batches=4, mix=3)
-    # The first batches already come from several shards: H steps see more than one stretch of data.
-    assert len({b.shard_id for b in batches[:8]}) >= 2
+    # A batch is rows of several stretches of data, as a shuffled baseline's is (all but the
+    # first, cut before a second shard is open, and the tail, when one is left).
+    mixed = [b for b in batches if len({span.shard_id for span in b.spans}) >= 2]
+    assert len(mixed) >= len(batches) // 2, [len(b.spans) for b in batches]
+    assert sum(len(b.columns["input_ids"]) for b in batches) == 5 * 64
+    # A short batch only where every open shard ran short at once (before, every shard's end).
+    assert sum(len(b.columns["input_ids"]) != 8 for b in batches) <= len(shards)
     for shard_id, (_, _, rows) in enumerate(shards, start=1):
-        got = sorted((b for b in batches if b.shard_id == shard_id), key=lambda b: b.row_start)
-        assert [b.row_start for b in got] == list(range(0, 64, 8))
-        assert np.array_equal(np.concatenate([b.columns["input_ids"] for b in got]), rows.astype(np.int64))
-        assert [b.last_of_shard for b in got] == [False] * 7 + [True]
+        got = parts(batches, shard_id)
+        # Each shard's rows come in order, in contiguous spans, once; the last span says so.
+        assert [span.row_start for span, _ in got] == [0] + [span.row_end for span, _ in got[:-1]]
+        assert got[-1][0].row_end == 64
+        assert np.array_equal(np.concatenate([r for _, r in got]), rows.astype(np.int64))
+        assert [span.last_of_shard for span, _ in got] == [False] * (len(got) - 1) + [True]
