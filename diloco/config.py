@@ -168,6 +168,11 @@ class SyncConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     nesterov: bool = True
+    # Merges of a fragment over which the outer step goes from plain averaging (lr 1, no momentum)
+    # to (outer_lr, outer_momentum), linearly (syncer.outer_hyper). Early pseudo-gradients point
+    # the same way round after round, and a momentum buffer fed with them overshoots: a run of only
+    # a few outer steps then ends behind plain averaging. 0: the outer step is fixed from the first merge.
+    outer_warmup_rounds: int = 0
     # How many versions behind the fragment's current one a push may be based on and still merge.
     max_staleness: int = 16
     # A delta whose norm is more than this many times the median of the fragment's last accepted
@@ -338,9 +343,13 @@ class RunConfig:
             raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
         if s.fragments < 1 or s.quorum < 0:
             raise ConfigError("sync.fragments must be >= 1 and sync.quorum >= 0")
-        if s.overlap_steps < 0 or s.max_staleness < 0 or not 0.0 <= s.mix_alpha < 1.0 or s.grace_factor < 0:
+        if (
+            min(s.overlap_steps, s.max_staleness, s.grace_factor, s.outer_warmup_rounds) < 0
+            or not 0.0 <= s.mix_alpha < 1.0
+        ):
             raise ConfigError(
-                "sync.overlap_steps, sync.max_staleness, sync.grace_factor must be >= 0 and sync.mix_alpha in [0, 1)"
+                "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.outer_warmup_rounds must be "
+                ">= 0 and sync.mix_alpha in [0, 1)"
             )
         if t.inner_steps % s.fragments:
             raise ConfigError(

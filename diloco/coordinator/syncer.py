@@ -310,6 +310,15 @@ class MergeAccumulator:
         return out
 
 
+def outer_hyper(lr: float, mu: float, warmup_rounds: int, version: int) -> tuple[float, float]:
+    """The outer step's (lr, μ) for a fragment's merge into `version` + 1: plain averaging (1, 0)
+    at its first merge, moving linearly to (lr, μ) over `warmup_rounds` merges (sync.outer_warmup_rounds)."""
+    if warmup_rounds <= 0 or version >= warmup_rounds:
+        return lr, mu
+    share = version / warmup_rounds
+    return 1.0 + (lr - 1.0) * share, mu * share
+
+
 def outer_step(
     params: dict[str, torch.Tensor],
     momentum: dict[str, torch.Tensor],

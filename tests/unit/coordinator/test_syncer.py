@@ -1,5 +1,6 @@
 """The syncer's pure decisions: outer Nesterov step, merge weights and modes, when a round closes."""
 
+import itertools
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from diloco.coordinator.syncer import (
     merge_weight,
     merge_weights,
     missed_round_by,
+    outer_hyper,
     outer_step,
     quorum_needed,
     staleness_refusal,
@@ -100,6 +102,16 @@ def test_outer_step_lr_one_no_momentum_is_plain_delta_subtraction():
     new, _ = outer_step(params, momentum, grad, lr=1.0, mu=0.0, nesterov=True)
     assert torch.equal(new["a"], torch.tensor([0.75, 3.0]))
     assert torch.equal(new["b"], torch.tensor(2.5))
+
+
+def test_the_outer_warmup_starts_as_averaging_and_ends_at_the_configured_step():
+    assert outer_hyper(0.7, 0.9, 0, 0) == (0.7, 0.9)  # no warm-up: the step is fixed from the start
+    assert outer_hyper(0.7, 0.9, 4, 0) == (1.0, 0.0)  # the first merge averages the learners
+    lr, mu = outer_hyper(0.7, 0.9, 4, 2)
+    assert lr == pytest.approx(0.85) and mu == pytest.approx(0.45)
+    assert outer_hyper(0.7, 0.9, 4, 4) == outer_hyper(0.7, 0.9, 4, 400) == (0.7, 0.9)
+    steps = [outer_hyper(0.7, 0.9, 10, v) for v in range(12)]
+    assert all(a[1] <= b[1] and a[0] >= b[0] for a, b in itertools.pairwise(steps))  # monotone
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
