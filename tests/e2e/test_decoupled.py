@@ -207,8 +207,10 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
             theta,
             momentum,
             grad,
-            cfg.sync.outer_lr,
-            cfg.sync.outer_momentum,
+            # The merge into version + 1: the outer step's warm-up reads the version it merges onto.
+            *syncer.outer_hyper(
+                cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.outer_warmup_rounds, version - 1
+            ),
             cfg.sync.nesterov,
             work,
         )

@@ -77,6 +77,7 @@ def test_a_merge_that_is_not_finite_is_refused_and_changes_nothing(
     with tiny_coordinator(tiny_corpus, tmp_path, {}) as (running, learner, init):
         before = params_of(running)
         running.service.policy.outer_lr = outer_lr  # a merge of finite deltas that overflows fp32
+        running.service.policy.outer_warmup_rounds = 0  # (a warm-up's first merge would average)
         header = delta_header(learner, "fp32", "overflows")
         assert learner.push(header, {n: torch.full_like(t, 10.0) for n, t in init.items()}).accepted
         wait_until(lambda: running.ledger.push_state("overflows")["state"] != "pending", "the round to close")
