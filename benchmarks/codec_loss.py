@@ -99,8 +99,11 @@ def train_arm(
             steps.append(t.inner_steps)
         weights = syncer.merge_weights(tokens, steps, s.merge)
         outer_grad = syncer.merge(deltas, weights, s.merge, consume=True)
+        lr, mu = syncer.outer_hyper(
+            s.outer_lr, s.outer_momentum, s.outer_warmup_rounds, r
+        )  # the syncer's rule
         global_params, momentum = syncer.outer_step(
-            global_params, momentum, outer_grad, s.outer_lr, s.outer_momentum, s.nesterov, consume=True
+            global_params, momentum, outer_grad, lr, mu, s.nesterov, consume=True
         )
         if codec == "fp32":
             held = {n: v.clone() for n, v in global_params.items()}

@@ -69,8 +69,11 @@ def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
         work = syncer.work_fraction(sum(st for *_, st in f.pushes), M, args.inner_steps)
         fraction = 1.0 if args.late == "amend" else (scale if args.no_coverage else work)
         f.period_start, f.period_members = f.version, set(pushers)
-        f.params, f.momentum = syncer.outer_step(f.params, f.momentum, acc.result(scale), policy.outer_lr,
-                                                 policy.outer_momentum, policy.nesterov, fraction=fraction)  # fmt: skip
+        lr, mu = syncer.outer_hyper(
+            policy.outer_lr, policy.outer_momentum, policy.outer_warmup_rounds, f.version
+        )
+        f.params, f.momentum = syncer.outer_step(f.params, f.momentum, acc.result(scale), lr, mu, policy.nesterov,
+                                                 fraction=fraction)  # fmt: skip
         f.version += 1
         f.history.append({n: t.clone() for n, t in f.params.items()})
         merges += 1
