@@ -136,8 +136,9 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
             return push_bytes
 
         sent, elapsed = drive(push_one, learners, seconds)
-    for c in [*([channel] if channel else []), *own]:
-        c.close()
+    for c in (channel, *own):
+        if c is not None:
+            c.close()
     out.put((sent, elapsed, push_bytes))
 
 

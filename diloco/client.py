@@ -175,8 +175,11 @@ class CoordinatorClient:
                 time.sleep(delay)
                 attempt += 1
 
-    def call(self, method: str, request: Any, timeout_s: float = 30.0) -> Any:
-        """A unary RPC with retries; `worker_id` is filled in when the request has one."""
+    def call(
+        self, method: str, request: Any, timeout_s: float = 30.0, retry_for_s: float | None = None
+    ) -> Any:
+        """A unary RPC with retries (for `retry_for_s`, default the client's deadline); `worker_id`
+        is filled in when the request has one."""
         rpc = getattr(self.stub, method)
 
         def once() -> Any:
@@ -184,7 +187,7 @@ class CoordinatorClient:
                 request.worker_id = self.worker_id
             return rpc(request, timeout=timeout_s)
 
-        return self._retry(once, method)
+        return self._retry(once, method, retry_for_s=retry_for_s)
 
     def call_once(self, method: str, request: Any, timeout_s: float = 5.0) -> Any:
         """A unary RPC tried once, with a short timeout: the last words of a worker that is
@@ -223,10 +226,15 @@ class CoordinatorClient:
     def finish(self, reason: str, timeout_s: float = 30.0) -> pb.FinishReply:
         return self.call("Finish", pb.FinishRequest(reason=reason), timeout_s)
 
-    def status(self, timeout_s: float = 10.0, once: bool = False) -> dict[str, Any]:
+    def status(
+        self, timeout_s: float = 10.0, once: bool = False, retry_for_s: float | None = None
+    ) -> dict[str, Any]:
         """The coordinator's status detail; `once`: no retries (a monitor that asks again anyway)."""
-        ask = self.call_once if once else self.call
-        return json.loads(ask("Status", pb.StatusRequest(), timeout_s).detail_json)
+        if once:
+            reply = self.call_once("Status", pb.StatusRequest(), timeout_s)
+        else:
+            reply = self.call("Status", pb.StatusRequest(), timeout_s, retry_for_s=retry_for_s)
+        return json.loads(reply.detail_json)
 
     # -- tensors --------------------------------------------------------------------------------
 

@@ -64,16 +64,17 @@ class Batch:
     def only(self, keep: Callable[[RowSpan], bool]) -> Batch | None:
         """This batch without the spans `keep` refuses (their lease was lost: the rows are someone
         else's now); None when no span is left."""
-        kept = [s for s in self.spans if keep(s)]
-        if len(kept) == len(self.spans):
+        kept = [keep(s) for s in self.spans]  # asked once: a lease may be lost between two asks
+        if all(kept):
             return self
-        if not kept:
+        if not any(kept):
             return None
         starts = np.cumsum([0, *(s.rows for s in self.spans)])
         index = torch.from_numpy(
-            np.concatenate([np.arange(starts[i], starts[i + 1]) for i, s in enumerate(self.spans) if keep(s)])
+            np.concatenate([np.arange(starts[i], starts[i + 1]) for i, k in enumerate(kept) if k])
         )
-        return Batch({name: t.index_select(0, index) for name, t in self.columns.items()}, tuple(kept))
+        spans = tuple(s for s, k in zip(self.spans, kept, strict=True) if k)
+        return Batch({name: t.index_select(0, index) for name, t in self.columns.items()}, spans)
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
         return {name: t.to(device, non_blocking=True) for name, t in self.columns.items()}

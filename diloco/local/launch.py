@@ -317,22 +317,18 @@ class LocalRun:
     def _final_status(self, observer: CoordinatorClient, last: dict[str, Any]) -> dict[str, Any]:
         """The figures the summary reports, read once every learner has left. The watch loop's
         last reading can be half a second old, between a learner's heartbeat (tokens trained) and
-        its final merge (tokens merged): a summary built on it is wrong, so a failed read is asked
-        again (the coordinator still runs; only _stop_children stops it), and said when it fails."""
-        deadline = time.monotonic() + FINAL_STATUS_WAIT_S
-        while True:
-            try:
-                return observer.status(once=True)
-            except Exception as e:
-                if time.monotonic() >= deadline:
-                    self.console.print(
-                        f"[yellow]warning:[/] the coordinator's final status could not be read ({e}); "
-                        "the summary shows its last reading while the run trained",
-                        highlight=False,
-                        soft_wrap=True,
-                    )
-                    return last
-                time.sleep(0.5)
+        its final merge (tokens merged): a summary built on it is wrong, so the read is retried
+        (the coordinator still runs; only _stop_children stops it), and said when it fails."""
+        try:
+            return observer.status(retry_for_s=FINAL_STATUS_WAIT_S)
+        except Exception as e:
+            self.console.print(
+                f"[yellow]warning:[/] the coordinator's final status could not be read ({e}); "
+                "the summary shows its last reading while the run trained",
+                highlight=False,
+                soft_wrap=True,
+            )
+            return last
 
     def _watch(self, observer: CoordinatorClient, started: float) -> dict[str, Any]:
         """Show progress until every learner has exited; ask the coordinator to finish at the deadline."""

@@ -70,3 +70,20 @@ def test_a_lost_leases_rows_leave_the_batch_and_the_rest_stay_in_order() -> None
     assert kept is not None and [s.shard_id for s in kept.spans] == [1, 3]
     assert kept.columns["input_ids"][:, 0].tolist() == [0, 1, 2, 7, 8, 9]
     assert kept.columns["label"].tolist() == [0, 2, 4, 14, 16, 18]
+
+
+def test_each_span_is_asked_about_once_so_a_lease_lost_meanwhile_cannot_split_the_answer() -> None:
+    batch = Batch(
+        {"input_ids": torch.arange(6)[:, None]}, (RowSpan(1, 0, 2), RowSpan(2, 0, 2), RowSpan(3, 0, 2))
+    )
+    asked: list[int] = []
+
+    def keep(span: RowSpan) -> bool:  # shard 1's lease is lost; shard 2's is lost after its first ask
+        asked.append(span.shard_id)
+        return span.shard_id == 3 or (span.shard_id == 2 and asked.count(2) == 1)
+
+    kept = batch.only(keep)
+    assert asked == [1, 2, 3]
+    # The rows match the spans: those of the answer given, shards 2 and 3.
+    assert kept is not None and [s.shard_id for s in kept.spans] == [2, 3]
+    assert kept.columns["input_ids"][:, 0].tolist() == [2, 3, 4, 5]
