@@ -87,6 +87,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         self.schedule_shift = 0
         self.state_writer: StateWriter | None = None  # local state kept on disk (local_state)
         self.resumed: LocalState | None = None
+        self.resume_reason = ""  # why the local state was resumed or not ("" when none is kept)
         self.shifted_after = 0  # pushes up to this number were made before the last move
         # A user's own model and optimizer (own_loop.connect); None: built from model.factory.
         self.own: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None

@@ -66,6 +66,11 @@ class Run:
         return resumed.inner_steps if resumed is not None else None
 
     @property
+    def resume_reason(self) -> str:
+        """Why the local state kept by the last life was resumed, or why not ("" when there was none)."""
+        return self._learner.resume_reason
+
+    @property
     def ended_because(self) -> str:
         return getattr(self._learner, "ended_because", "")
 

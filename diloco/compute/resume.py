@@ -40,6 +40,7 @@ class KeepsLocalState:
     progress: Progress
     schedule_shift: int
     run_id: str
+    resume_reason: str
     prefetcher: ShardPrefetcher
     channel: SyncChannel
     state_writer: StateWriter | None
@@ -63,6 +64,7 @@ class KeepsLocalState:
         )
         if state is not None:
             log.info("local state: %s", decision.reason)
+            self.resume_reason = decision.reason
         if not decision.resume or state is None:
             self.state_writer.start_fresh()
             return None

@@ -40,6 +40,8 @@ with diloco.connect(
 ) as run:
     if run.resumed_at_step is not None:  # a restart with the same --worker-id and --state-dir
         print(f"{run.worker_id} resumed at step {run.resumed_at_step}", flush=True)
+    elif run.resume_reason:  # a state was kept, but the run no longer accepts it
+        print(f"{run.worker_id} started from the global model: {run.resume_reason}", flush=True)
     for batch in run.batches():
         for group in optimizer.param_groups:  # linear warm-up over 20 steps, then constant
             group["lr"] = args.lr * min(1.0, (run.inner_steps + 1) / 20)

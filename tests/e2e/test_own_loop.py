@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from diloco.compute import local_state
-from diloco.compute.local_state import state_path
+from diloco.compute.local_state import pushed_count, state_path
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.report import stored_run
 from diloco.data.shard import read_shard
@@ -58,23 +58,37 @@ def test_the_own_loop_example_resumes_after_kill_9_and_trains_every_token_exactl
         scripts += [start(i, log) for i, log in enumerate(logs)]
 
         # kill -9 of one user's script mid-run; started again with the same id, it resumes the
-        # state diloco kept on local disk for it.
+        # state diloco kept on local disk for it. A kill between a push and the next copy of the
+        # state cannot resume (that push's work would be merged twice): the restart says so and
+        # starts from the global model, and the test kills that life again.
         path = state_path(state_dir, "own-1")
 
-        def saved_steps() -> int:
-            state = local_state.load(path, [[]] * 8) if path.exists() else None
-            return state.inner_steps if state else 0
+        def kept() -> local_state.LocalState | None:
+            return local_state.load(path, [[]] * 8) if path.exists() else None
 
-        wait_for(lambda: saved_steps() >= 10, 150, "own-1 to keep its state past step 10")
-        scripts[1].kill()
-        scripts[1].wait(10)
-        saved = saved_steps()
-        logs.append(tmp_path / "own-1-again.log")
-        scripts.append(start(1, logs[-1]))
+        def resumable() -> bool:
+            state = kept()
+            return state is not None and state.inner_steps >= 10 and state.push_count == pushed_count(path)
+
+        for life in range(2, 6):
+            wait_for(resumable, 150, "own-1 to keep its state past step 10, with its last push")
+            scripts[-1].kill()
+            scripts[-1].wait(10)
+            state, will_resume = kept(), resumable()  # the kill may have fallen after a push
+            logs.append(tmp_path / f"own-1-life-{life}.log")
+            scripts.append(start(1, logs[-1]))
+            if will_resume:
+                break
+            wait_for(lambda: "started from the global model" in logs[-1].read_text(), 60, "the reason")
+        else:
+            pytest.fail("four kills of own-1 in a row fell between a push and its state copy")
+        assert state is not None
+        saved = state.inner_steps
+        killed = {log.name for log in logs[1:-1]}
         for proc, log in zip(scripts, logs, strict=True):
-            if log.name != "own-1.log":
+            if log.name not in killed:
                 assert proc.wait(timeout=220) == 0, log.read_text()[-3000:]
-        outputs = [log.read_text() for log in (logs[0], logs[2])]
+        outputs = [log.read_text() for log in (logs[0], logs[-1])]
         assert all("done after" in out and "Traceback" not in out for out in outputs), outputs
         resumed = [line for line in outputs[1].splitlines() if "own-1 resumed at step" in line]
         assert resumed and int(resumed[0].split("step ")[1]) >= saved, outputs[1][-3000:]
