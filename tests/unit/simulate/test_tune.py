@@ -33,10 +33,17 @@ def test_a_slower_link_trades_the_codec_first_then_h() -> None:
     assert not hopeless.fits and any(c.name == "warning" for c in hopeless.choices)
 
 
-def test_chunks_sized_to_a_minute_of_one_learner(run_dir: Path) -> None:
+def test_chunks_keep_their_size_unless_leases_come_every_few_seconds(run_dir: Path) -> None:
+    def chunk(tokens_per_s: float, chunk_bytes: int = 262_144) -> int | None:
+        return recommend(step_s=0.2, link=LinkConfig(params=1e6), tokens_per_s=tokens_per_s,
+                         tokens_per_chunk=250_000.0, chunk_bytes=chunk_bytes).chunk_bytes  # fmt: skip
+
+    assert chunk(5000.0) == 262_144  # 50 s a chunk: kept (larger ones only make batches less mixed)
+    assert chunk(25_000.0) == 262_144  # exactly 10 s
+    assert chunk(125_000.0) == 2 << 20  # 2 s a chunk: 1 MiB lasts 8 s, 2 MiB 16 s
+    assert chunk(50_000.0, 300_000) == 1 << 20  # 5 s: the next powers of two, 512 KiB at 8.7 s, then 1 MiB
     t = recommend(step_s=0.2, link=LinkConfig(params=1e6), tokens_per_s=5000.0, tokens_per_chunk=250_000.0,
                   chunk_bytes=262_144)  # fmt: skip
-    assert t.chunk_bytes == 262_144  # 50 s a chunk now: the nearest power of two to 60 s is the same
     assert "data.chunk_bytes=262144" in t.overrides()
     result = CliRunner().invoke(app, ["tune", "--calibrate", str(run_dir), "--bandwidth", "10Mbit", "--json"])
     assert result.exit_code == 0, result.output
