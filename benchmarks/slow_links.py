@@ -39,6 +39,7 @@ Writes benchmarks/results/slow_links.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -160,6 +161,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="DDP ranks = diloco learners, each its own machine")
     p.add_argument("--arms", default="ddp,sync-diloco,decoupled,auto")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--workdir", type=Path, help="keep every arm's run directory (logs, ledger) here")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "slow_links.json")
     args = p.parse_args()
     if os.geteuid() != 0:
@@ -172,7 +174,13 @@ def main() -> None:
         .validate()
     )
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="diloco_links_") as tmp:
+    with contextlib.ExitStack() as scope:
+        tmp = (
+            str(args.workdir)
+            if args.workdir
+            else scope.enter_context(tempfile.TemporaryDirectory(prefix="diloco_links_"))
+        )
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         config_path = Path(tmp) / "run.toml"
         config_path.write_text(cfg.to_toml())
         for spec in args.links.split(","):
