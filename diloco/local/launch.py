@@ -31,7 +31,7 @@ from diloco.coordinator.workdir import check_same_dataset, dataset_files, record
 from diloco.errors import DilocoError
 from diloco.local.chaos import ChaosPlan
 from diloco.local.procs import Child, ProcessGroup
-from diloco.local.summary import cold_start_warning, job_report, summarize
+from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
 from diloco.local.tls import SUPERVISOR, run_certificates, tls_args
 from diloco.security.certs import TlsFiles
 from diloco.security.transport import Security
@@ -258,8 +258,12 @@ class LocalRun:
             f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
             f"{self.options.data_workers} data workers, workdir {self.workdir}"
         )
-        if warning := cold_start_warning(self.config):
-            self.console.print(f"[yellow]warning:[/] {warning}")
+        for warning in (
+            cold_start_warning(self.config),
+            few_outer_steps_warning(self.config, self.options.learners),
+        ):
+            if warning:
+                self.console.print(f"[yellow]warning:[/] {warning}")
         try:
             address = self._start_coordinator()
             self._warn_if_no_eval_split()

@@ -19,6 +19,7 @@ from diloco.local.summary import (
     cold_start_warning,
     data_plane_metrics,
     ddp_wire_bytes_per_token,
+    few_outer_steps_warning,
     goodput,
     job_startup_seconds,
 )
@@ -124,6 +125,18 @@ def test_a_large_h_from_a_random_init_is_warned_about() -> None:
     assert "model.init_from" in (cold_start_warning(cold) or "")
     assert cold_start_warning(cold.with_overrides({"model.init_from": "warm/model.safetensors"})) is None
     assert cold_start_warning(RunConfig()) is None  # the default H = 50
+
+
+def test_a_budget_of_few_outer_steps_is_warned_about() -> None:
+    # 2 learners x batch 16 x 129 tokens a step: 1,000,000 tokens are 242 steps each.
+    short = RunConfig().with_overrides({"train.max_tokens": 1_000_000})
+    warning = few_outer_steps_warning(short, learners=2) or ""
+    assert "242 inner steps" in warning and "4 outer step(s) at H = 50" in warning
+    assert "train.inner_steps=20" in warning  # 242 // 12
+    assert few_outer_steps_warning(short.with_overrides({"train.inner_steps": 20}), learners=2) is None
+    one = short.with_overrides({"train.inner_steps": 40})  # one learner: 484 steps, 12 outer steps
+    assert few_outer_steps_warning(one, learners=1) is None and few_outer_steps_warning(one, learners=2)
+    assert few_outer_steps_warning(RunConfig(), learners=2) is None  # no budget: until the data ends
 
 
 def test_goodput_is_merged_work_over_learner_time() -> None:
