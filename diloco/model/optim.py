@@ -18,8 +18,10 @@ def make_inner_optimizer(model: nn.Module, train: TrainConfig) -> torch.optim.Ad
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # Fused on CUDA: one kernel for the whole update instead of several per tensor.
-    fused = bool(params) and all(p.is_cuda for p in params)
+    # Fused: one kernel for the whole update instead of several per tensor, on CUDA and on the CPU
+    # too (measured on the 2-layer GPT's 0.94 M parameters, one thread: 1.2 ms a step against 4.5-5.6
+    # ms for torch's CPU default, the per-tensor loop). Same arithmetic, another order of rounding.
+    fused = bool(params) and all(p.device.type in ("cuda", "cpu") for p in params)
     return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), fused=fused or None)
 
 
