@@ -66,15 +66,17 @@ def test_the_own_loop_example_resumes_after_kill_9_and_trains_every_token_exactl
         def kept() -> local_state.LocalState | None:
             return local_state.load(path, [[]] * 8) if path.exists() else None
 
-        def resumable() -> bool:
-            state = kept()
+        def resumable(state: local_state.LocalState | None) -> bool:
             return state is not None and state.inner_steps >= 10 and state.push_count == pushed_count(path)
 
         for life in range(2, 6):
-            wait_for(resumable, 150, "own-1 to keep its state past step 10, with its last push")
+            wait_for(
+                lambda: resumable(kept()), 150, "own-1 to keep its state past step 10, with its last push"
+            )
             scripts[-1].kill()
             scripts[-1].wait(10)
-            state, will_resume = kept(), resumable()  # the kill may have fallen after a push
+            state = kept()
+            will_resume = resumable(state)  # the kill may have fallen after a push
             logs.append(tmp_path / f"own-1-life-{life}.log")
             scripts.append(start(1, logs[-1]))
             if will_resume:

@@ -38,11 +38,11 @@ def test_a_step_learns_in_either_precision_and_keeps_fp32_parameters(precision: 
     assert optimizer.defaults.get("fused")
     torch.manual_seed(0)
     twin = build_model(cfg.model, seed=0)
-    loop = torch.optim.AdamW(
-        [{"params": [p for p in twin.parameters() if p.dim() >= 2], "weight_decay": cfg.train.weight_decay},
-         {"params": [p for p in twin.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), foreach=False,
-    )  # fmt: skip
+    # The same groups as make_inner_optimizer's, stepped by torch's per-tensor loop.
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]}
+              for g in make_inner_optimizer(twin, cfg.train).param_groups]  # fmt: skip
+    loop = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), foreach=False)
+    assert not loop.defaults["fused"]
     twin_losses = [inner_step(twin, loop, batch, step=i, train=cfg.train, device=CPU)[0] for i in range(5)]
     assert twin_losses == pytest.approx(losses, rel=1e-5)
 
