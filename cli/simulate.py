@@ -66,7 +66,7 @@ def simulate(
     quorum: Annotated[int, typer.Option(help="K: pushes a round needs")] = 1,
     fragments: Annotated[int, typer.Option(help="P: parameter fragments")] = 2,
     inner_steps: Annotated[int, typer.Option(help="H: inner steps between syncs of a fragment")] = 50,
-    overlap: Annotated[int, typer.Option(help="tau: steps between a push and applying its merge")] = 10,
+    overlap: Annotated[int, typer.Option(help="tau: steps between a push and applying its merge")] = 2,
     halt_bound_s: Annotated[
         float, typer.Option(help="learners step on this long while merging halts")
     ] = 300.0,

@@ -59,14 +59,15 @@ def quorum_needed(policy: SyncConfig, live_learners: int) -> int:
 def grace_window(
     policy: SyncConfig, step_time_s: float, time_to_quorum_s: float, sync_time_s: float
 ) -> float:
-    """How long to wait past quorum for more pushes: γ·(τ·step_time − time_to_quorum − sync_time).
+    """How long to wait past quorum for more pushes: γ·(G·step_time − time_to_quorum − sync_time).
 
-    The first pusher needs the merge τ inner steps after its push. Of that time, reaching quorum
-    has used time_to_quorum (from the first push) and merging will use sync_time; the rest is
-    slack the syncer may spend waiting for stragglers without anyone waiting for it. The window is
-    that slack scaled by γ, never negative.
+    The first pusher can use the merge G inner steps after its push (policy.gather_steps: τ, or
+    more, since a learner applies a later merge when it comes and keeps its steps since the push).
+    Of that time, reaching quorum has used time_to_quorum (from the first push) and merging will
+    use sync_time; the rest is slack the syncer may spend waiting for stragglers without anyone
+    waiting for it. The window is that slack scaled by γ, never negative.
     """
-    slack = policy.overlap_steps * step_time_s - time_to_quorum_s - sync_time_s
+    slack = policy.gather_steps * step_time_s - time_to_quorum_s - sync_time_s
     return max(0.0, policy.grace_factor * slack)
 
 
@@ -137,30 +138,30 @@ def missed_round_by(
 
 
 def late_in_round_by(
-    now: float, first: Arrival | None, step_time_s: float, overlap_steps: int, same_pace: float = 0.25
+    now: float, first: Arrival | None, step_time_s: float, gather_steps: int, same_pace: float = 0.25
 ) -> float:
     """How late a push came into a round another learner opened, when that is worth a move, or 0.
 
     Learners that still meet in every round can stay apart for good: after a restart the
     returning learner pushes seconds after the other, every round (measured in four chaos runs:
     1.6 to 3.7 s apart on average against 0.1 to 0.6 s in their fault-free twins, and the eval
-    ratio followed the lag: -0.4% at 1.6 s, +3.1% at 3.7 s, with every round holding both). The first pusher's merge then comes later than the τ steps it has to spare,
-    and it trains that much longer on an old base. The late one is told half its lag, and pushes
+    ratio followed the lag: -0.4% at 1.6 s, +3.1% at 3.7 s, with every round holding both). The first pusher's merge then comes later
+    than the steps it has to spare, and it trains that much longer on an old base. The late one is told half its lag, and pushes
     that much earlier from then on (as for missed_round_by): told the whole lag, the two
     leapfrogged (measured: 10-12 steps each way, turn by turn, 1.6 s apart on average with a
     single kill), since each fragment's round says so and either may be the late one next.
     Halving makes the gap shrink each time whoever moves. Jitter is not chased: only a lag of
-    more than half the overlap (τ · step time / 2) counts, and nothing when there is no overlap
-    (synchronous rounds line learners up by themselves). Learners of different speeds push at
+    more than half the gathering slack (G · step time / 2, SyncConfig.gather_steps) counts, and
+    nothing when there is no overlap (synchronous rounds line learners up by themselves). Learners of different speeds push at
     different periods and cannot be lined up: only step times within `same_pace` of the first
     pusher's count.
     """
-    if first is None or overlap_steps <= 0 or step_time_s <= 0 or first.step_time_s <= 0:
+    if first is None or gather_steps <= 0 or step_time_s <= 0 or first.step_time_s <= 0:
         return 0.0
     if abs(step_time_s - first.step_time_s) > same_pace * first.step_time_s:
         return 0.0
     late = now - first.arrived_at
-    return late / 2 if late > overlap_steps * step_time_s / 2 else 0.0
+    return late / 2 if late > gather_steps * step_time_s / 2 else 0.0
 
 
 def staleness_refusal(max_staleness: int, base_version: int, current_version: int) -> str | None:

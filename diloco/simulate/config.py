@@ -104,7 +104,7 @@ class OuterConfig:
     """H: inner steps between two syncs of a fragment."""
     fragments: int = 2
     """P: parameter fragments, one pushed every H / P steps."""
-    overlap_steps: int = 10
+    overlap_steps: int = 2
     """tau: steps between a push and the application of its merge (Decoupled keeps training)."""
     quorum: int = 1
     """K: pushes a round needs; fewer live learners than K halt merging."""

@@ -9,8 +9,9 @@ The choice, in order of what costs model quality most (this project's measuremen
 - the codec: at that H, the most precise one that fits (int4 against fp32 at equal tokens moved
   the eval loss by +0.34% on average, benchmarks/codec_loss.py; staying precise is still free).
 - tau: the steps a fragment's round trip (push, merge, pull) takes, plus one, and never fewer
-  than the default 10: the sync hides behind compute, and the grace window (a share of tau steps)
-  keeps rounds whole (fewer single-push rounds: the README's outer_sim figures).
+  than the default: the sync hides behind compute, and past sync.grace_steps a longer tau widens
+  the grace window (max(tau, grace_steps) steps), which keeps rounds whole (fewer single-push
+  rounds: the README's outer_sim figures).
 - P: the fewest fragments (at least 2, the default) whose merge is back, tau steps after its
   push, before the next fragment's push is due (tau <= H / P).
 - chunk size: the run's own, unless one learner trains through a chunk in less than CHUNK_MIN_S

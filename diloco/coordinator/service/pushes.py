@@ -281,7 +281,7 @@ class PushRPCs(ServiceBase):
         others = [a for a in frag.round.arrivals if a.tokens and a.worker_id != header.worker_id]
         if others:  # joining a round another learner opened: late for it?
             first = min(others, key=lambda a: a.arrived_at)
-            missed = syncer.late_in_round_by(now, first, header.step_time_s, self.config.sync.overlap_steps)
+            missed = syncer.late_in_round_by(now, first, header.step_time_s, self.config.sync.gather_steps)
         elif frag.previous_round is not None and not any(a.tokens for a in frag.round.arrivals):
             missed = syncer.missed_round_by(
                 now,

@@ -726,3 +726,16 @@ def test_rounds_of_few_steps_no_longer_each_take_a_whole_momentum_step():
         short, m_short = outer_step(short, m_short, g, 0.7, 0.9, True, fraction=work_fraction(6, 2, 100))
     assert float(before - whole["w"]) > 10.0  # ten whole momentum kicks of a 4.1 buffer
     assert 0 < float(before - short["w"]) < 2.5  # ≈ 0.3 of a round of momentum, plus the steps
+
+
+def test_a_short_overlap_keeps_the_grace_windows_gathering_slack():
+    """τ = 2 applies merges sooner, but the window still spends grace_steps of the first pusher's
+    steps gathering a round; a larger τ widens it, and τ = 0 (synchronous) has none."""
+    assert SyncConfig(overlap_steps=2, grace_steps=10).gather_steps == 10
+    assert SyncConfig(overlap_steps=20, grace_steps=10).gather_steps == 20
+    assert SyncConfig(overlap_steps=0, grace_steps=10).gather_steps == 0
+    short = sync_config(grace_factor=1.0, overlap_steps=2, grace_steps=10)
+    assert grace_window(short, 0.5, 1.0, 0.5) == pytest.approx(3.5)  # 10 steps of 0.5 s, less 1.5 s
+    first = Arrival(worker_id="a", tokens=10, steps=10, arrived_at=0.0, base_version=0, step_time_s=1.0)
+    assert late_in_round_by(2.0, first, 1.0, short.gather_steps) == 0.0  # 2 s of 10 s slack: jitter
+    assert late_in_round_by(6.0, first, 1.0, short.gather_steps) == pytest.approx(3.0)
