@@ -159,8 +159,9 @@ class SyncConfig:
     # from a point the merge has moved, so a small τ costs least: measured with 2 learners, eval
     # loss at τ = 10 / 5 / 2 (means of 3 seeds) was 2.0258 / 2.0051 / 1.9675 for a tiny Llama at
     # H = 20 (synchronous DiLoCo 1.9613) and 2.0954 / 2.0816 / 2.0713 for the 2-layer GPT at
-    # H = 50 (sync 2.0872). A slow link's merge comes late whatever τ is; `diloco tune` sizes τ
-    # to the round trip there.
+    # H = 50 (sync 2.0872); with 4 and 8 learners and at H = 100 τ = 2 and 10 were within noise
+    # (README, results/quality_tau2.json). A slow link's merge comes late whatever τ is; `diloco
+    # tune` sizes τ to the round trip there.
     overlap_steps: int = 2
     # α: on application θ ← α·θ_local + (1 − α)·Θ_merged (0: overwrite).
     mix_alpha: float = 0.0

@@ -14,7 +14,7 @@ lists them beside the table):
   `reconfigure_s` (10 s) are assumptions in that spirit; `restart_s=600` is the no-spare case.
 - Model and link: 12 B parameters over 5 Gbit/s (the paper's cross-region run: a 12 B model over
   2-5 Gbit/s of wide-area network, as reported in its announcement), int4 deltas, 50 ms RTT.
-- The outer loop: this project's defaults (H = 50, P = 2, tau = 10, K = 1; diloco.config).
+- The outer loop: this project's defaults (H = 50, P = 2, tau = 2, K = 1; diloco.config).
 """
 
 from __future__ import annotations
