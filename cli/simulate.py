@@ -63,13 +63,20 @@ def simulate(
         str, typer.Option(help="each learner's link to the syncer, e.g. 5Gbit, 100Mbit")
     ] = "5Gbit",
     rtt: Annotated[str, typer.Option(help="that link's round trip, e.g. 50ms")] = "50ms",
-    quorum: Annotated[int, typer.Option(help="K: pushes a round needs")] = 1,
-    fragments: Annotated[int, typer.Option(help="P: parameter fragments")] = 2,
-    inner_steps: Annotated[int, typer.Option(help="H: inner steps between syncs of a fragment")] = 50,
-    overlap: Annotated[int, typer.Option(help="tau: steps between a push and applying its merge")] = 2,
+    quorum: Annotated[int | None, typer.Option(help="K: pushes a round needs (default: a run's)")] = None,
+    fragments: Annotated[int | None, typer.Option(help="P: parameter fragments (default: a run's)")] = None,
+    inner_steps: Annotated[
+        int | None, typer.Option(help="H: inner steps between syncs of a fragment (default: a run's)")
+    ] = None,
+    overlap: Annotated[
+        int | None, typer.Option(help="tau: steps between a push and applying its merge (default: a run's)")
+    ] = None,
     halt_bound_s: Annotated[
-        float, typer.Option(help="learners step on this long while merging halts")
-    ] = 300.0,
+        float | None,
+        typer.Option(
+            help="learners step on this long while merging halts (default: a run's sync.max_unreachable_s)"
+        ),
+    ] = None,
     coordinator_mtbi_s: Annotated[
         float | None, typer.Option(help="coordinator failures: mean seconds apart")
     ] = None,
@@ -114,8 +121,9 @@ def simulate(
                                       coordinator_restart_s=coordinator_restart_s),
             link=c.LinkConfig(params=params, codec=codec, bandwidth_gbps=parse_bandwidth(bandwidth),
                               rtt_s=parse_duration(rtt)),
-            outer=c.OuterConfig(inner_steps=inner_steps, fragments=fragments, overlap_steps=overlap,
-                                quorum=quorum, halt_bound_s=halt_bound_s),
+            outer=c.OuterConfig(**{k: v for k, v in {
+                "inner_steps": inner_steps, "fragments": fragments, "overlap_steps": overlap, "quorum": quorum,
+                "halt_bound_s": halt_bound_s}.items() if v is not None}),
             straggler=c.StragglerConfig(jitter_sigma=jitter_sigma, slow_share=slow_share, slow_factor=slow_factor),
         )  # fmt: skip
         chip_counts, ms = _ints(chips, "--chips"), _ints(learners, "--learners")

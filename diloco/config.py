@@ -222,7 +222,7 @@ class SyncConfig:
     def gather_steps(self) -> int:
         """G: a first pusher's inner steps of slack a round may spend waiting for more pushes
         (0 when synchronous: every live learner is in the round, and each waits for it)."""
-        return max(self.overlap_steps, self.grace_steps) if self.overlap_steps else 0
+        return 0 if self.synchronous else max(self.overlap_steps, self.grace_steps)
 
 
 @dataclass
@@ -368,9 +368,8 @@ class RunConfig:
             or not 0.0 <= s.mix_alpha < 1.0
         ):
             raise ConfigError(
-                "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.grace_steps, sync.outer_warmup_rounds "
-                "must be "
-                ">= 0 and sync.mix_alpha in [0, 1)"
+                "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.grace_steps and "
+                "sync.outer_warmup_rounds must be >= 0, and sync.mix_alpha in [0, 1)"
             )
         if t.inner_steps % s.fragments:
             raise ConfigError(

@@ -145,16 +145,17 @@ def late_in_round_by(
     Learners that still meet in every round can stay apart for good: after a restart the
     returning learner pushes seconds after the other, every round (measured in four chaos runs:
     1.6 to 3.7 s apart on average against 0.1 to 0.6 s in their fault-free twins, and the eval
-    ratio followed the lag: -0.4% at 1.6 s, +3.1% at 3.7 s, with every round holding both). The first pusher's merge then comes later
-    than the steps it has to spare, and it trains that much longer on an old base. The late one is told half its lag, and pushes
-    that much earlier from then on (as for missed_round_by): told the whole lag, the two
-    leapfrogged (measured: 10-12 steps each way, turn by turn, 1.6 s apart on average with a
-    single kill), since each fragment's round says so and either may be the late one next.
-    Halving makes the gap shrink each time whoever moves. Jitter is not chased: only a lag of
-    more than half the gathering slack (G · step time / 2, SyncConfig.gather_steps) counts, and
-    nothing when there is no overlap (synchronous rounds line learners up by themselves). Learners of different speeds push at
-    different periods and cannot be lined up: only step times within `same_pace` of the first
-    pusher's count.
+    ratio followed the lag: -0.4% at 1.6 s, +3.1% at 3.7 s, with every round holding both). The
+    first pusher's merge then comes later than the steps it has to spare, and it trains that much
+    longer on an old base. The late one is told half its lag, and pushes that much earlier from
+    then on (as for missed_round_by): told the whole lag, the two leapfrogged (measured: 10-12
+    steps each way, turn by turn, 1.6 s apart on average with a single kill), since each
+    fragment's round says so and either may be the late one next. Halving makes the gap shrink
+    each time whoever moves. Jitter is not chased: only a lag of more than half the gathering
+    slack (G · step time / 2, SyncConfig.gather_steps) counts, and nothing when there is no
+    overlap (synchronous rounds line learners up by themselves). Learners of different speeds
+    push at different periods and cannot be lined up: only step times within `same_pace` of the
+    first pusher's count.
     """
     if first is None or gather_steps <= 0 or step_time_s <= 0 or first.step_time_s <= 0:
         return 0.0

@@ -14,12 +14,14 @@ lists them beside the table):
   `reconfigure_s` (10 s) are assumptions in that spirit; `restart_s=600` is the no-spare case.
 - Model and link: 12 B parameters over 5 Gbit/s (the paper's cross-region run: a 12 B model over
   2-5 Gbit/s of wide-area network, as reported in its announcement), int4 deltas, 50 ms RTT.
-- The outer loop: this project's defaults (H = 50, P = 2, tau = 2, K = 1; diloco.config).
+- The outer loop: this project's defaults (H = 50, P = 2, tau = 2, K = 1), taken from diloco.config.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+from diloco.config import SyncConfig, TrainConfig
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
 
@@ -98,17 +100,17 @@ class LinkConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OuterConfig:
-    """The outer loop of DiLoCo (this project's defaults)."""
+    """The outer loop of DiLoCo (this project's defaults: a run's own, from diloco.config)."""
 
-    inner_steps: int = 50
+    inner_steps: int = TrainConfig.inner_steps
     """H: inner steps between two syncs of a fragment."""
-    fragments: int = 2
+    fragments: int = SyncConfig.fragments
     """P: parameter fragments, one pushed every H / P steps."""
-    overlap_steps: int = 2
+    overlap_steps: int = SyncConfig.overlap_steps
     """tau: steps between a push and the application of its merge (Decoupled keeps training)."""
-    quorum: int = 1
+    quorum: int = SyncConfig.quorum
     """K: pushes a round needs; fewer live learners than K halt merging."""
-    halt_bound_s: float = 300.0
+    halt_bound_s: float = SyncConfig.max_unreachable_s
     """How long learners keep stepping while merging is halted (coordinator down, or fewer than K
     learners alive) before they stop: sync.max_unreachable_s."""
 

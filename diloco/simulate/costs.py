@@ -40,7 +40,6 @@ class SyncTimes:
     round_trip_s: float  # push + merge + pull
     full_pull_s: float  # every fragment: what a rejoining learner pulls
     sync_blocking_s: float  # synchronous DiLoCo's outer step: whole model pushed, merged, pulled
-    overlap_window_s: float  # tau steps: how long Decoupled may wait for a merge without staleness
     push_interval_s: float  # H / P steps: a fragment's next push is due after this long
     effective_h: float  # H, or more when a fragment's round trip outlasts its push interval
 
@@ -63,7 +62,6 @@ def sync_times(link: LinkConfig, outer: OuterConfig, step_s: float) -> SyncTimes
         round_trip_s=trip,
         full_pull_s=transfer_seconds(link.params, link),
         sync_blocking_s=2 * transfer_seconds(link.params, link) + link.merge_s * outer.fragments,
-        overlap_window_s=outer.overlap_steps * step_s,
         push_interval_s=interval,
         effective_h=outer.inner_steps * stretch,
     )

@@ -9,18 +9,20 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.simulate.config import LinkConfig
-from diloco.simulate.tune import DEFAULTS, link_load, recommend, recommend_for_run
+from diloco.simulate.tune import link_load, recommend, recommend_for_run
 
 
 def test_a_fast_link_keeps_the_defaults() -> None:
     t = recommend(step_s=0.2, link=LinkConfig(params=1e6, bandwidth_gbps=1.0, rtt_s=0.05))
+    run = RunConfig()  # a run's own defaults, which the simulator's outer loop takes
     assert (t.inner_steps, t.fragments, t.overlap_steps, t.codec, t.fits) == (
-        50,
-        2,
-        DEFAULTS.overlap_steps,
-        "fp32",
+        run.train.inner_steps,
+        run.sync.fragments,
+        run.sync.overlap_steps,
+        run.sync.codec,
         True,
     )
 
@@ -34,7 +36,7 @@ def test_a_slower_link_trades_the_codec_first_then_h() -> None:
     for t in (at_5, at_1):
         assert link_load(LinkConfig(params=12e9, bandwidth_gbps=5.0 if t is at_5 else 1.0, codec=t.codec),
                          t.inner_steps, 2.0) <= 0.4  # fmt: skip
-        assert DEFAULTS.overlap_steps <= t.overlap_steps <= t.inner_steps // t.fragments
+        assert RunConfig().sync.overlap_steps <= t.overlap_steps <= t.inner_steps // t.fragments
     hopeless = recommend(step_s=0.5, link=LinkConfig(params=70e9, bandwidth_gbps=0.1))
     assert not hopeless.fits and any(c.name == "warning" for c in hopeless.choices)
 
