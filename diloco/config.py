@@ -184,6 +184,11 @@ class SyncConfig:
     outer_warmup_rounds: int = 10
     # How many versions behind the fragment's current one a push may be based on and still merge.
     max_staleness: int = 16
+    # σ: a push based `lag` versions behind its round's enters the merge scaled by σ ** lag (its
+    # weight in the normaliser unchanged; syncer.age_factor). 1: stale pushes count in full.
+    # Measured on the 8 chaos pairs (2 learners, kills every 5-30 s; 0-6 of 25-37 merged pushes
+    # stale): σ = 0.5 gave +0.90% mean, +2.59% worst against +0.39%, +2.89% at 1, within noise.
+    stale_decay: float = 1.0
     # A delta whose norm is more than this many times the median of the fragment's last accepted
     # ones (scaled by its steps over H) is refused as an outlier: one broken or hostile learner
     # cannot throw the model away. 0: no check. Needs a few accepted deltas first.
@@ -371,6 +376,8 @@ class RunConfig:
                 "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.grace_steps and "
                 "sync.outer_warmup_rounds must be >= 0, and sync.mix_alpha in [0, 1)"
             )
+        if not 0.0 < s.stale_decay <= 1.0:
+            raise ConfigError(f"sync.stale_decay must be in (0, 1], got {s.stale_decay}")
         if t.inner_steps % s.fragments:
             raise ConfigError(
                 f"train.inner_steps (H = {t.inner_steps}) must be a multiple of sync.fragments (P = {s.fragments}): "

@@ -69,6 +69,8 @@ class EndGame:
     def _hand_in(self) -> bool:
         """Push every fragment with unpushed steps (the unpushed rows ride along). False: none had any."""
         plan = schedule.hand_in(self.frags)
+        if plan.push:
+            log.info("handing in: %s", plan.reason)
         for p in plan.push:
             self._push(p)
         if plan.give_back:

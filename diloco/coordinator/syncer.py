@@ -185,6 +185,17 @@ def merge_weight(tokens: int, steps: int, mode: str) -> float:
     raise ValueError(f"unknown merge mode {mode!r}")
 
 
+def age_factor(stale_decay: float, lag: int) -> float:
+    """How much of a push based `lag` versions behind the round's enters the outer gradient:
+    stale_decay ** lag (1 for a push on the current version; sync.stale_decay).
+
+    A stale push's delta was trained from a point the merges since have moved, so it is an old
+    gradient; scaled before it is summed (the round's normaliser keeps its full weight), a round
+    holding only stale pushes also steps less, as an age-aware outer optimizer does (CGAD,
+    arXiv 2605.09126, scales each pseudo-gradient by exp(-a * age))."""
+    return stale_decay ** max(0, lag)
+
+
 def merge_weights(tokens: Sequence[int], steps: Sequence[int], mode: str) -> list[float]:
     """Normalised weights per delta (merge_weight of each, summing to 1)."""
     raw = [merge_weight(t, s, mode) for t, s in zip(tokens, steps, strict=True)]
@@ -265,11 +276,16 @@ class MergeAccumulator:
         self.reference = 0.0  # the first delta's weight; the others are folded in relative to it
         self.count = 0
 
-    def add(self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False) -> None:
-        """Fold one delta in with its (unnormalised) weight. With `consume`, the delta's fp32
-        tensors may become the sums (the caller drops the delta)."""
+    def add(
+        self, delta: dict[str, torch.Tensor], weight: float, consume: bool = False, age: float = 1.0
+    ) -> None:
+        """Fold one delta in with its (unnormalised) weight, scaled by `age` (age_factor) in the
+        sum but not in the normaliser. With `consume`, the delta's fp32 tensors may become the
+        sums (the caller drops the delta)."""
         if not 0 < weight < math.inf:
             raise ValueError(f"a delta's merge weight must be positive and finite, got {weight}")
+        if not 0 < age <= 1:
+            raise ValueError(f"a delta's age factor must be in (0, 1], got {age}")
         # Weights are taken relative to the round's first (in float64): the fp32 sums then hold
         # deltas times ratios near 1, whatever the tokens² / steps of a large run (or a lie).
         self.reference = self.reference or weight
@@ -282,11 +298,11 @@ class MergeAccumulator:
         for name, value in delta.items():
             part = value.to(torch.float32)
             owned = consume and part.data_ptr() == value.data_ptr()
-            alpha = weight
+            alpha = weight * age
             if self.mode == "rda":
                 norm = float(part.norm())
-                self.norms[name] = self.norms.get(name, 0.0) + weight * norm
-                alpha = weight / norm if norm > 0 else weight  # a zero delta adds nothing either way
+                self.norms[name] = self.norms.get(name, 0.0) + alpha * norm
+                alpha = alpha / norm if norm > 0 else alpha  # a zero delta adds nothing either way
             if name not in self.sums:
                 self.sums[name] = part.mul_(alpha) if owned else part * alpha
             else:

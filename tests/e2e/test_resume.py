@@ -20,7 +20,9 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
     tiny_corpus: Path, tmp_path: Path
 ) -> None:
     """kill -9 mid-run, the same id restarts: it resumes at its step without a pull, the run ends
-    with every row merged once (the audit), and a clean end leaves no state behind."""
+    with every row merged once (the audit), and a clean end leaves no state behind. Under a token
+    budget (allowances), the resumed steps are not handed in before the first allowance comes:
+    they go on to their scheduled pushes (handed in, each closed a round of its own)."""
     workdir = tmp_path / "coord"
     state_dir = tmp_path / "state"
     path = state_path(state_dir, "learner-0")
@@ -29,6 +31,7 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
         address = start_coordinator(group, workdir, [
             "--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.inner_steps=20",
             "--set", "train.local_state_every_s=0.2", "--set", "data.chunk_bytes=65536",
+            "--set", "train.max_tokens=1000000000",
         ])  # fmt: skip
         group.spawn("data-0", "data", ["data", "--coordinator", address])
         args = ["compute", "--coordinator", address, "--threads", "1", "--worker-id", "learner-0",
@@ -49,6 +52,10 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
         resumed = [line for line in log.splitlines() if "local state: resuming at step" in line]
         assert resumed, log[-3000:]
         assert int(resumed[-1].split("resuming at step ")[1].split()[0]) >= saved
+        this_life = log[log.index(resumed[-1]) :]
+        assert "start-up:" in this_life, this_life[-3000:]
+        before_first_step = this_life[: this_life.index("start-up:")]
+        assert "handing in" not in before_first_step, before_first_step
         assert not path.exists(), "a clean end leaves nothing to resume"
         group.stop(group.by_role("data"), grace_s=30)
         group.stop(group.by_role("coordinator"), grace_s=30)

@@ -14,6 +14,8 @@ from diloco.config_parse import ConfigError
         ("sync", "outer_warmup_rounds", -1),
         ("sync", "max_staleness", -1),
         ("sync", "mix_alpha", 1.0),
+        ("sync", "stale_decay", 0.0),
+        ("sync", "stale_decay", 1.5),
         ("sync", "fragments", 0),
     ],
 )

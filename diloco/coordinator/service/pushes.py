@@ -156,13 +156,18 @@ class PushRPCs(ServiceBase):
         return reply
 
     def _fold(
-        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], into: RoundSum, weight: float
+        self,
+        header: pb.TensorHeader,
+        tensors: dict[str, torch.Tensor],
+        into: RoundSum,
+        weight: float,
+        age: float,
     ) -> None:
         """Add an accepted push into its round's sum, outside the service lock (pushes fold in
         parallel with each other and with receiving); the merger waits for every fold of a round."""
         try:
             with into.lock:
-                into.acc.add(tensors, weight, consume=True)
+                into.acc.add(tensors, weight, consume=True, age=age)
         except Exception:  # recorded as pending, not in the sum: the merge must drop it, not count it
             log.exception("folding push %s failed; it will be dropped", header.push_id)
             into.lost.append(header.push_id)
@@ -232,9 +237,9 @@ class PushRPCs(ServiceBase):
 
     def _accept_push(
         self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool, refuse: str = ""
-    ) -> tuple[pb.PushReply, tuple[RoundSum, float] | None]:
+    ) -> tuple[pb.PushReply, tuple[RoundSum, float, float] | None]:
         """Record a push in its round (lock held); returns the reply, and for a delta to merge,
-        the round's sum to fold it into with its weight."""
+        the round's sum to fold it into with its weight and its age factor."""
         frag = self.fragments[header.fragment]
         while frag.sealing:  # the merger is closing this round: join the next one
             self.cond.wait(0.05)
@@ -300,7 +305,8 @@ class PushRPCs(ServiceBase):
         if header.first_loss and self.ledger.get_meta("first_loss") is None:
             self.ledger.set_meta(first_loss=repr(header.first_loss))
         weight = syncer.merge_weight(header.tokens, header.inner_steps, self.policy.merge)
+        age = syncer.age_factor(self.policy.stale_decay, frag.version - header.version)
         reply = pb.PushReply(
             accepted=True, reason="queued for merge", version=frag.version, missed_round_by_s=missed
         )
-        return reply, (frag.sum, weight)
+        return reply, (frag.sum, weight, age)

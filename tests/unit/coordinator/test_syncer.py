@@ -13,6 +13,7 @@ from diloco.coordinator.syncer import (
     Arrival,
     MergeAccumulator,
     RoundState,
+    age_factor,
     coverage_scale,
     decide_close,
     grace_window,
@@ -739,3 +740,19 @@ def test_a_short_overlap_keeps_the_grace_windows_gathering_slack():
     first = Arrival(worker_id="a", tokens=10, steps=10, arrived_at=0.0, base_version=0, step_time_s=1.0)
     assert late_in_round_by(2.0, first, 1.0, short.gather_steps) == 0.0  # 2 s of 10 s slack: jitter
     assert late_in_round_by(6.0, first, 1.0, short.gather_steps) == pytest.approx(3.0)
+
+
+def test_a_stale_delta_enters_the_sum_scaled_but_keeps_its_weight_in_the_normaliser():
+    fresh, stale = {"w": torch.full((4,), 2.0)}, {"w": torch.full((4,), 4.0)}
+    assert age_factor(0.5, 0) == 1.0 and age_factor(0.5, 2) == 0.25
+    acc = MergeAccumulator("token")
+    acc.add(fresh, 1.0)
+    acc.add(stale, 1.0, age=age_factor(0.5, 1))
+    # (2 + 0.5·4) / 2: the stale one counts half, and the step shrinks rather than renormalising.
+    assert torch.allclose(acc.result()["w"], torch.full((4,), 2.0))
+    for mode in ("token", "rda"):  # a round of one stale push steps by σ of its delta
+        lone = MergeAccumulator(mode)
+        lone.add({"w": torch.tensor([3.0, 4.0])}, 7.0, age=0.5)
+        assert torch.allclose(lone.result()["w"], torch.tensor([1.5, 2.0]))
+    with pytest.raises(ValueError, match="age factor"):
+        MergeAccumulator("token").add(fresh, 1.0, age=0.0)
