@@ -23,7 +23,7 @@ import grpc
 
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
-from diloco.security.transport import Security, client_channel
+from diloco.security.transport import Security, client_channel, give_up_on_handshake, handshake_problem
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -126,12 +126,39 @@ class CoordinatorClient:
     # -- connection -----------------------------------------------------------------------------
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Until the channel is up. A coordinator whose handshake keeps failing (its security and
+        ours do not match) is named at once, with what to change, not after the whole timeout."""
+        ready = grpc.channel_ready_future(self.channel)
+        deadline = time.monotonic() + timeout_s
+        failing_since: float | None = None
         try:
-            grpc.channel_ready_future(self.channel).result(timeout=timeout_s)
-        except grpc.FutureTimeoutError as e:
-            raise DilocoError(
-                f"cannot reach the coordinator at {self.address} (waited {timeout_s:.0f}s)"
-            ) from e
+            while True:
+                try:
+                    ready.result(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
+                    return
+                except grpc.FutureTimeoutError:
+                    pass
+                last_error = self._last_connect_error()
+                problem = handshake_problem(last_error, self.security)
+                failing_since, give_up = give_up_on_handshake(problem, failing_since, time.monotonic())
+                if give_up:
+                    raise DilocoError(f"cannot connect to the coordinator at {self.address}: {problem}")
+                if time.monotonic() >= deadline:
+                    said = last_error.rsplit(": ", 1)[-1][:200]
+                    raise DilocoError(
+                        f"cannot reach the coordinator at {self.address} (waited {timeout_s:.0f}s"
+                        + (f"; last error: {said})" if said else ")")
+                    )
+        finally:
+            ready.cancel()
+
+    def _last_connect_error(self) -> str:
+        """gRPC's last connection error: a call that does not wait for the channel ends with it."""
+        try:
+            self.stub.Status(pb.StatusRequest(), timeout=1.0, wait_for_ready=False)
+        except grpc.RpcError as e:
+            return e.details() or ""
+        return ""
 
     def join(self, timeout_s: float = 30.0) -> pb.JoinReply:
         with self._join_lock:  # background threads may all find out at once that we must re-join

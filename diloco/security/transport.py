@@ -122,6 +122,44 @@ def check_listen(host: str, security: Security) -> str:
 
 # -- the client's side -------------------------------------------------------------------------
 
+# How long a connection must keep failing its handshake before a client stops waiting: a
+# coordinator killed mid-handshake fails one attempt, never every attempt for seconds (gRPC
+# retries after 1 s, then 1.6 s, ...), while a client whose security does not match the
+# coordinator's would wait out its whole connect timeout and learn only "cannot reach".
+HANDSHAKE_PATIENCE_S = 2.5
+
+
+def handshake_problem(last_error: str, security: Security) -> str:
+    """What gRPC's last connection error says about the two ends' security ("" when it is not a
+    handshake's failure: a coordinator that is down refuses the TCP connection instead)."""
+    if "Tls handshake failed" in last_error or "Ssl handshake failed" in last_error:
+        if "WRONG_VERSION_NUMBER" in last_error:
+            return "the coordinator does not speak TLS: drop --tls-cert/--tls-key/--tls-ca, or start it with them"
+        return (
+            "the TLS handshake failed (is the coordinator's certificate signed by your --tls-ca?): "
+            + last_error.rsplit("handshake failed", 1)[-1].removesuffix(": OK").strip(" :")[:200]
+        )
+    if "Socket closed" in last_error or "Connection reset by peer" in last_error:
+        if security.tls:
+            return (
+                "the coordinator closed the connection during the TLS handshake: it does not trust "
+                "your certificate (issued by another CA?)"
+            )
+        return (
+            "the coordinator closed the connection before it began: it runs TLS, so give "
+            "--tls-cert/--tls-key/--tls-ca (a certificate from its CA: diloco certs issue)"
+        )
+    return ""
+
+
+def give_up_on_handshake(problem: str, failing_since: float | None, now: float) -> tuple[float | None, bool]:
+    """(when the handshake began failing, whether to stop waiting): a problem that has lasted
+    HANDSHAKE_PATIENCE_S; any other state (refused, connecting) starts the count again."""
+    if not problem:
+        return None, False
+    since = now if failing_since is None else failing_since
+    return since, now - since >= HANDSHAKE_PATIENCE_S
+
 
 class _CallDetails(
     collections.namedtuple(

@@ -13,8 +13,15 @@ from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
 from diloco.errors import DilocoError
-from diloco.security.certs import init_ca, issue, subject_of
-from diloco.security.transport import Security, caller_problem, check_listen
+from diloco.security.certs import TlsFiles, init_ca, issue, subject_of
+from diloco.security.transport import (
+    HANDSHAKE_PATIENCE_S,
+    Security,
+    caller_problem,
+    check_listen,
+    give_up_on_handshake,
+    handshake_problem,
+)
 from diloco.v1 import coordinator_pb2 as pb
 
 
@@ -30,7 +37,15 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Security]:
     ca = tmp_path_factory.mktemp("ca")
     init_ca(ca)
     roles = {"coordinator": "coordinator", "learner-0": "learner", "data-0": "data", "ops": "operator"}
-    return {name: Security(tls=issue(ca, role, name)) for name, role in roles.items()}
+    made = {name: Security(tls=issue(ca, role, name)) for name, role in roles.items()}
+    other = tmp_path_factory.mktemp("other-ca")
+    init_ca(other, "someone else's CA")
+    stranger = issue(other, "learner", "learner-0")
+    return {
+        **made,
+        "stranger": Security(tls=stranger),  # trusts neither the run's coordinator nor is trusted
+        "impostor": Security(tls=TlsFiles(stranger.cert, stranger.key, str(ca / "ca.crt"))),
+    }
 
 
 def coordinator(corpus: Path, workdir: Path, security: Security):
@@ -72,8 +87,15 @@ def test_mutual_tls_takes_each_callers_role_and_name_from_its_certificate(
 
     try:
         plain = client(pb.ROLE_COMPUTE, Security())
-        with pytest.raises(DilocoError, match="cannot reach"):
-            plain.wait_ready(3)  # a plaintext client never gets through the TLS handshake
+        # A plaintext client never gets through the TLS handshake, and is told why (not after
+        # the whole wait: it would then say only "cannot reach"); so is a certificate from
+        # another CA.
+        with pytest.raises(DilocoError, match="it runs TLS, so give --tls-cert"):
+            plain.wait_ready(60)
+        with pytest.raises(DilocoError, match="does not trust your certificate"):
+            client(pb.ROLE_COMPUTE, certs["impostor"]).wait_ready(60)
+        with pytest.raises(DilocoError, match="signed by your --tls-ca.*CERTIFICATE_VERIFY_FAILED"):
+            client(pb.ROLE_COMPUTE, certs["stranger"]).wait_ready(60)
         learner = client(pb.ROLE_COMPUTE, certs["learner-0"])
         assert learner.worker_id == "learner-0" and learner.join().worker_id == "learner-0"
         assert "may not call LeaseChunk" in denied(learner.lease_chunk)
@@ -97,19 +119,24 @@ def test_mutual_tls_takes_each_callers_role_and_name_from_its_certificate(
 
 
 @pytest.mark.timeout(120)
-def test_the_token_mode_refuses_calls_without_the_token(tiny_corpus: Path, tmp_path: Path) -> None:
+def test_the_token_mode_refuses_calls_without_the_token(
+    tiny_corpus: Path, tmp_path: Path, certs: dict[str, Security]
+) -> None:
     token = "s3cret-token-of-the-run"
     running = coordinator(tiny_corpus, tmp_path / "run", Security(token=token))
     address = f"127.0.0.1:{running.port}"
     wrong = CoordinatorClient(address, pb.ROLE_COMPUTE, retry_deadline_s=2, security=Security(token="x" * 20))
     right = CoordinatorClient(address, pb.ROLE_COMPUTE, retry_deadline_s=2, security=Security(token=token))
+    with_tls = CoordinatorClient(address, pb.ROLE_COMPUTE, security=certs["learner-0"])
     try:
+        with pytest.raises(DilocoError, match="the coordinator does not speak TLS"):
+            with_tls.wait_ready(60)
         assert "needs its token" in denied(lambda: wrong.join(10), grpc.StatusCode.UNAUTHENTICATED)
         assert right.join().worker_id
         assert right.status()["security"] == "token"
     finally:
-        wrong.close()
-        right.close()
+        for c in (with_tls, wrong, right):
+            c.close()
         running.stop()
 
 
@@ -120,3 +147,25 @@ def test_plaintext_beyond_loopback_is_refused_unless_insecure_is_said() -> None:
         check_listen("0.0.0.0", Security())
     assert "--insecure" in check_listen("0.0.0.0", Security(insecure=True))
     assert check_listen("0.0.0.0", Security(token="t" * 16)) == ""
+
+
+def test_a_handshake_that_keeps_failing_is_named_and_anything_else_is_waited_out() -> None:
+    plain, tls = Security(), Security(tls=TlsFiles("c", "k", "ca"))
+    closed = "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:7: Socket closed"
+    assert "it runs TLS" in handshake_problem(closed, plain)
+    assert "does not trust your certificate" in handshake_problem(closed, tls)
+    wrong_version = "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: WRONG_VERSION_NUMBER"
+    assert "does not speak TLS" in handshake_problem(wrong_version, tls)
+    bad_signature = "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: BAD_SIGNATURE"
+    assert handshake_problem(bad_signature, tls).endswith("SSL_ERROR_SSL: BAD_SIGNATURE")
+    down = "last error: UNKNOWN: ipv4:127.0.0.1:7: Failed to connect to remote host: Connection refused"
+    assert handshake_problem(down, plain) == ""  # a coordinator that is down (or restarting)
+
+    # The clock: a problem must last HANDSHAKE_PATIENCE_S; a refused connection in between (a
+    # coordinator killed mid-handshake, then restarting) starts the count again.
+    since, stop = give_up_on_handshake("tls", None, 100.0)
+    assert (since, stop) == (100.0, False)
+    assert give_up_on_handshake("tls", since, 100.0 + HANDSHAKE_PATIENCE_S / 2) == (100.0, False)
+    assert give_up_on_handshake("", since, 101.5) == (None, False)
+    since, _ = give_up_on_handshake("tls", None, 102.0)
+    assert give_up_on_handshake("tls", since, 102.0 + HANDSHAKE_PATIENCE_S) == (102.0, True)
