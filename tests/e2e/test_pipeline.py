@@ -51,8 +51,12 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
             "run",
             "--dataset",
             str(small_corpus),
+            # A token budget, not a wall time: the same work however busy the suite keeps the
+            # cores (300k tokens: eval ~2.56 against the unigram's 3.11, 25 s on a quiet machine).
+            "--tokens",
+            "300000",
             "--minutes",
-            "0.75",
+            "3",
             "--learners",
             "2",
             "--data-workers",
