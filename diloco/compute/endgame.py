@@ -29,6 +29,13 @@ log = logging.getLogger("diloco.learner")
 FINAL_MERGE_WAIT_S = 60.0
 FINAL_GIVE_BACK_WAIT_S = 10.0
 EMPTY_PUSH_PERIOD_S = 2.0
+# How long a learner must find no data before it pushes its steps off their schedule. A lease that
+# says "none ready" for a moment (a data worker finishing the next shard, a restarted learner's
+# first lease) is no reason: each such push closes a round of its own at coverage 1/M and leaves
+# the others' next pushes a version stale (seen in a resumed learner's log: a hand-in 0.5 s into
+# its life, its first batch 0.05 s later). Sustained starvation (the others hold the last shards)
+# still hands in, so no learner sits on rows nobody else can merge.
+STARVED_PATIENCE_S = 5.0
 FINAL_CALL_TIMEOUT_S = 5.0
 
 
@@ -94,15 +101,19 @@ class EndGame:
         log.info("returning %d unmerged row span(s) to the pool", len(rows.spans))
         self.channel.submit(header, {})
 
-    def _on_starved(self, last_empty_push: float) -> float:
-        """No data anywhere for now: hand in finished work, and let quorum rounds go on without us.
+    def _on_starved(self, last_empty_push: float, hand_in: bool = True) -> float:
+        """No data anywhere for now: hand in finished work (when `hand_in`: see STARVED_PATIENCE_S),
+        and let quorum rounds go on without us.
 
         Unpushed work holds shard leases (its rows are in no push yet): handing it in is what lets
         those rows be merged and the shards finish, so a starved learner never sits on them.
         Returns when the last empty push was sent.
         """
         self._take_arrived()  # no steps are taken while starved, so τ never runs out
-        if self._hand_in():
+        if schedule.hand_in(self.frags).push:
+            if not hand_in:
+                return last_empty_push  # its steps wait for data, or for the patience to run out
+            self._hand_in()
             if self.cfg.sync.synchronous:
                 self._wait_for_merges()
             return last_empty_push

@@ -26,7 +26,7 @@ from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute import group as ranks
 from diloco.compute import outer, replicas, schedule
 from diloco.compute.batch import Batch
-from diloco.compute.endgame import EndGame
+from diloco.compute.endgame import STARVED_PATIENCE_S, EndGame
 from diloco.compute.handshake import check_same_model, join_run, pull_everything
 from diloco.compute.heartbeats import Heartbeats
 from diloco.compute.held import HeldFragment
@@ -326,6 +326,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         batches applies the merges due, pushes the fragment due, keeps the local state. The step
         itself is the caller's (`_train`, or the user's own loop). Sets `ended_because`."""
         cfg, last_empty_push = self.cfg, 0.0
+        starved_since: float | None = None
         item: Batch | object | None = None
         while True:
             reason = schedule.loop_end(
@@ -342,10 +343,14 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
                 continue
             item = self._next_batch()
             if item is None:  # none ready yet
-                if self.prefetcher.starved.is_set():
-                    last_empty_push = self._on_starved(last_empty_push)
+                starved_since, starved_s = schedule.starvation(
+                    self.prefetcher.starved.is_set(), starved_since, time.monotonic()
+                )
+                if starved_since is not None:
+                    last_empty_push = self._on_starved(last_empty_push, starved_s >= STARVED_PATIENCE_S)
                 self._apply_due()
                 continue
+            starved_since = None
             if not isinstance(item, Batch):
                 continue  # DONE: the loop ends above
             first = not self.progress.tokens_trained  # this life's first step (a resume goes on counting)
