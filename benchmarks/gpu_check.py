@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,9 +47,11 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.compare import run_diloco  # noqa: E402
 from diloco.compute.inner import inner_step  # noqa: E402
 from diloco.compute.mfu import mfu, peak_flops  # noqa: E402
 from diloco.config import ModelConfig, TrainConfig  # noqa: E402
+from diloco.local.launch import default_run_config  # noqa: E402
 from diloco.model.factory import build_model  # noqa: E402
 from diloco.model.optim import make_inner_optimizer  # noqa: E402
 
@@ -111,17 +111,14 @@ def time_steps(
     return result
 
 
-def whole_run(device: torch.device, tokens: int, workdir: Path) -> dict[str, Any]:
+def whole_run(device: torch.device, tokens: int, folder: Path) -> dict[str, Any]:
     """`diloco run` with two learners on the device: its summary's per-learner speed and MFU."""
-    cmd = [
-        sys.executable, "-m", "cli", "run", "--tokens", str(tokens), "--learners", "2", "--data-workers", "2",
-        "--workdir", str(workdir), "--no-progress", "--minutes", "8", "--set", f"train.device={device}",
-    ]  # fmt: skip
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        return {"error": proc.stderr[-3000:]}
-    summary = json.loads((workdir / "summary.json").read_text())
+    config = folder / "run.toml"
+    config.write_text(default_run_config().with_overrides({"train.device": str(device)}).to_toml())
+    try:
+        summary = run_diloco("gpu", [], config, tokens, 2, folder, max_minutes=8)
+    except RuntimeError as e:  # the step figures above are still worth having
+        return {"error": str(e)[-3000:]}
     keys = ("eval_loss", "tokens_trained", "learner_tokens_per_s", "utilization", "wall_seconds")
     return {**{k: summary.get(k) for k in keys}, "learners_detail": summary.get("learners_detail")}
 
@@ -153,7 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps(row), flush=True)
     if args.run_tokens > 0:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-            report["run"] = whole_run(device, args.run_tokens, Path(tmp) / "run")
+            report["run"] = whole_run(device, args.run_tokens, Path(tmp))
         print(json.dumps(report["run"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -110,10 +110,9 @@ class EndGame:
         Returns when the last empty push was sent.
         """
         self._take_arrived()  # no steps are taken while starved, so τ never runs out
-        if schedule.hand_in(self.frags).push:
-            if not hand_in:
-                return last_empty_push  # its steps wait for data, or for the patience to run out
-            self._hand_in()
+        if not hand_in and schedule.hand_in(self.frags).push:
+            return last_empty_push  # its steps wait for data, or for the patience to run out
+        if self._hand_in():
             if self.cfg.sync.synchronous:
                 self._wait_for_merges()
             return last_empty_push

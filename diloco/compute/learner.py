@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
+from diloco.clock import lasting
 from diloco.compute import group as ranks
 from diloco.compute import outer, replicas, schedule
 from diloco.compute.batch import Batch
@@ -343,7 +344,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
                 continue
             item = self._next_batch()
             if item is None:  # none ready yet
-                starved_since, starved_s = schedule.starvation(
+                starved_since, starved_s = lasting(
                     self.prefetcher.starved.is_set(), starved_since, time.monotonic()
                 )
                 if starved_since is not None:

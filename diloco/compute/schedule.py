@@ -104,14 +104,6 @@ def hand_in(frags: Sequence[HeldFragment]) -> HandIn:
     return HandIn([], True, "every step is pushed and merged")
 
 
-def starvation(starved: bool, since: float | None, now: float) -> tuple[float | None, float]:
-    """(since when the learner has found no data, for how long): None and 0 once data comes."""
-    if not starved:
-        return None, 0.0
-    since = now if since is None else since
-    return since, now - since
-
-
 def empty_push_due(now: float, last_empty_push: float, period_s: float) -> bool:
     """A starved learner with nothing to push says so every period_s (an empty push): quorum rounds
     then go on without it instead of waiting for its grace window."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from diloco.clock import lasting
 from diloco.errors import DilocoError
 from diloco.security.certs import TlsFiles, subject_of
 from diloco.v1 import coordinator_pb2 as pb
@@ -155,10 +156,8 @@ def handshake_problem(last_error: str, security: Security) -> str:
 def give_up_on_handshake(problem: str, failing_since: float | None, now: float) -> tuple[float | None, bool]:
     """(when the handshake began failing, whether to stop waiting): a problem that has lasted
     HANDSHAKE_PATIENCE_S; any other state (refused, connecting) starts the count again."""
-    if not problem:
-        return None, False
-    since = now if failing_since is None else failing_since
-    return since, now - since >= HANDSHAKE_PATIENCE_S
+    since, lasted = lasting(bool(problem), failing_since, now)
+    return since, since is not None and lasted >= HANDSHAKE_PATIENCE_S
 
 
 class _CallDetails(

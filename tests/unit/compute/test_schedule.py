@@ -210,16 +210,6 @@ def test_a_starved_learner_says_so_once_a_period():
     assert schedule.empty_push_due(now=12.0, last_empty_push=10.0, period_s=2.0)
 
 
-def test_starvation_is_timed_from_the_first_moment_without_data_and_ends_when_data_comes():
-    assert schedule.starvation(False, None, 5.0) == (None, 0.0)
-    since, lasted = schedule.starvation(True, None, 10.0)
-    assert (since, lasted) == (10.0, 0.0)
-    assert schedule.starvation(True, since, 14.5) == (10.0, 4.5)  # patience (5 s) not yet run out
-    assert schedule.starvation(True, since, 15.0) == (10.0, 5.0)
-    assert schedule.starvation(False, since, 15.1) == (None, 0.0)  # a shard came: the count restarts
-    assert schedule.starvation(True, None, 16.0) == (16.0, 0.0)
-
-
 def test_the_loop_ends_for_the_first_reason_that_holds():
     quiet = {"stopped": False, "finishing": False, "no_more_data": False, "share_done": False}
     assert schedule.loop_end(**quiet) is None
