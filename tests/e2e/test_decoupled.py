@@ -27,6 +27,9 @@ DECOUPLED = [
     "--set", "data.chunk_bytes=65536", "--set", "train.inner_steps=20", "--set", "sync.overlap_steps=4",
     "--set", "sync.quorum=1", "--set", "sync.fragments=2", "--set", "train.threads=1",
     "--set", "coordinator.lease_ttl_s=4", "--set", "coordinator.heartbeat_s=1",
+    # A one-layer model resting between steps: three learners that do not take every core the
+    # suite has, at about the pace (and so the data use) of the default model on shared cores.
+    "--set", "model.kwargs.n_layer=1", "--set", "train.step_delay_s=0.15",
 ]  # fmt: skip
 
 

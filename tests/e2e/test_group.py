@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,11 +56,20 @@ def test_a_two_rank_learner_trains_what_one_rank_trains(small_corpus: Path, tmp_
     """DDP (whole replicas) and FSDP2 (each rank holds half of every parameter and of AdamW's
     state): both train what one rank trains."""
     budget = ["--sync", "--tokens", "30000", "--minutes", "2"]
-    one = group_run(small_corpus, tmp_path / "one", ranks=1, batch=4, extra=budget)
+    # The three runs at once: each is mostly start-up (torchrun, gloo, imports), and a fault-free
+    # synchronous run of one seed trains the same rows whatever the timing (test_repeatable).
+    arms = {"one": (1, budget), "ddp": (2, [*budget, "--data-parallel", "ddp"]),
+            "fsdp": (2, [*budget, "--data-parallel", "fsdp"])}  # fmt: skip
+    with ThreadPoolExecutor(len(arms)) as pool:
+        runs = {
+            name: pool.submit(group_run, small_corpus, tmp_path / name, ranks=ranks, batch=4, extra=extra)
+            for name, (ranks, extra) in arms.items()
+        }
+        summaries = {name: run.result() for name, run in runs.items()}
+    one = summaries.pop("one")
     assert one["ranks_per_learner"] == {"learner-0": 1}
-    for kind in ("ddp", "fsdp"):
+    for kind, two in summaries.items():
         workdir = tmp_path / kind
-        two = group_run(small_corpus, workdir, ranks=2, batch=4, extra=[*budget, "--data-parallel", kind])
         assert two["ranks_per_learner"] == {"learner-0": 2}
         # On a mismatch, say what the end game did (a refused or retried push, rows given back).
         words = ("refused", "retrying", "returning")

@@ -77,8 +77,11 @@ def test_a_partitioned_learner_keeps_training_and_its_work_merges_after(
             "--set", "train.inner_steps=20", "--set", "train.local_state_every_s=1",
             "--set", "coordinator.heartbeat_s=1", "--set", "coordinator.lease_ttl_s=10",
             # Shards of ~1,000 rows (the cut learner holds a few: data for the minute it is cut
-            # off), and slower steps, so the corpus outlasts the partition.
-            "--set", "data.chunk_bytes=131072", "--set", "train.step_delay_s=0.2",
+            # off), and slower steps, so the corpus outlasts the partition. A one-layer model
+            # resting between steps: what is tested is the link, not the arithmetic, and the
+            # suite's other tests share these cores for the minute and a half this one lasts.
+            "--set", "data.chunk_bytes=131072", "--set", "model.kwargs.n_layer=1",
+            "--set", "train.step_delay_s=0.35",
         ])  # fmt: skip
         group.spawn("data-0", "data", ["data", "--coordinator", address])
         common = ["compute", "--coordinator", address, "--threads", "1", "--state-dir", str(state_dir)]
