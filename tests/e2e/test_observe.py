@@ -76,23 +76,26 @@ def pinned(cert: Path) -> str:
     return base64.b64encode(hashlib.sha256(der).digest()).decode()
 
 
-def browse(url: str, profile: Path, *extra: str) -> str:
-    """What headless Chromium makes of the page once its scripts ran (the DOM as HTML).
+def browse(url: str, profile: Path, *extra: str, screenshot: Path | None = None) -> str:
+    """What headless Chromium makes of the page once its scripts ran: the DOM as HTML, or with
+    `screenshot`, a PNG of it there.
 
-    On cores the suite keeps saturated, Chromium now and then exits 0 having printed nothing
-    (its navigation never committed): that launch is tried again, in a profile of its own (one
-    still shutting down would take the next launch's work over, Chromium's single instance per
-    profile, and it would do nothing)."""
+    On cores the suite keeps saturated, Chromium now and then exits 0 having done nothing (its
+    navigation never committed): no DOM printed, no screenshot written. That launch is tried
+    again, in a profile of its own (one still shutting down would take the next launch's work
+    over, Chromium's single instance per profile, and it would do nothing)."""
+    what = [f"--screenshot={screenshot}", "--window-size=1280,1800"] if screenshot else ["--dump-dom"]
     for attempt in range(3):
         result = subprocess.run(
             [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--virtual-time-budget=2500", f"--user-data-dir={profile}-{attempt}", *extra, url],
+             "--no-first-run", "--virtual-time-budget=2500", f"--user-data-dir={profile}-{attempt}",
+             *what, *extra, url],
             capture_output=True, text=True, timeout=90, check=False,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-2000:]
-        if result.stdout.strip() or "--dump-dom" not in extra:
+        if screenshot.exists() if screenshot else result.stdout.strip():
             return result.stdout
-    raise AssertionError(f"Chromium printed no DOM in 3 launches: {result.stderr[-2000:]}")
+    raise AssertionError(f"Chromium did nothing in 3 launches: {result.stderr[-2000:]}")
 
 
 @pytest.mark.timeout(300)
@@ -198,15 +201,15 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         pin = f"--ignore-certificate-errors-spki-list={pinned(tls_dir / 'coordinator.crt')}"
         profiles = tmp_path / "chromium"
 
-        dom = browse(page, profiles / "refused", "--dump-dom", pin)
+        dom = browse(page, profiles / "refused", pin)
         assert "no credentials" in dom and "data-loaded" not in dom, dom[:2000]
-        dom = browse(login, profiles / "page", "--dump-dom", pin)
+        dom = browse(login, profiles / "page", pin)
         assert 'data-loaded="true"' in dom, dom[:2000]
         assert len(re.findall(r'<tr class="learner[^"]*" data-worker="learner-\d"', dom)) == 2, dom
         points = [int(n) for n in re.findall(r'class="curve" data-name="[^"]*" data-points="(\d+)"', dom)]
         assert points and max(points) >= 2, dom
         shot = tmp_path / "page.png"
-        browse(login, profiles / "screenshot", f"--screenshot={shot}", "--window-size=1280,1800", pin)
+        browse(login, profiles / "screenshot", pin, screenshot=shot)
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
         # Seen enough: the run is asked to finish (as an operator would), and ends as ever.
