@@ -76,26 +76,15 @@ def pinned(cert: Path) -> str:
     return base64.b64encode(hashlib.sha256(der).digest()).decode()
 
 
-def browse(url: str, profile: Path, *extra: str, screenshot: Path | None = None) -> str:
-    """What headless Chromium makes of the page once its scripts ran: the DOM as HTML, or with
-    `screenshot`, a PNG of it there.
-
-    On cores the suite keeps saturated, Chromium now and then exits 0 having done nothing (its
-    navigation never committed): no DOM printed, no screenshot written. That launch is tried
-    again, in a profile of its own (one still shutting down would take the next launch's work
-    over, Chromium's single instance per profile, and it would do nothing)."""
-    what = [f"--screenshot={screenshot}", "--window-size=1280,1800"] if screenshot else ["--dump-dom"]
-    for attempt in range(3):
-        result = subprocess.run(
-            [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--no-first-run", "--virtual-time-budget=2500", f"--user-data-dir={profile}-{attempt}",
-             *what, *extra, url],
-            capture_output=True, text=True, timeout=90, check=False,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-2000:]
-        if screenshot.exists() if screenshot else result.stdout.strip():
-            return result.stdout
-    raise AssertionError(f"Chromium did nothing in 3 launches: {result.stderr[-2000:]}")
+def browse(url: str, *extra: str) -> str:
+    """What headless Chromium makes of the page once its scripts ran (the DOM as HTML)."""
+    result = subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--virtual-time-budget=2500", *extra, url],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
 
 
 @pytest.mark.timeout(300)
@@ -107,12 +96,8 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "0",
-         "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "10",
-         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072", "--set", "data.epochs=4",
-         # Light learners that rest between steps: the run stays live for the whole test, and
-         # otherwise takes the cores the test's own commands and browser (and the suite's other
-         # tests) need; what is watched is the same.
-         "--set", "model.kwargs.n_layer=1", "--set", "train.step_delay_s=0.2"],
+         "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "20",
+         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072", "--set", "data.epochs=4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -199,17 +184,21 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         # refusal; the link logs it in (a cookie), and the page's own requests carry that cookie:
         # the learners' rows and curves with points, and a screenshot of it all.
         pin = f"--ignore-certificate-errors-spki-list={pinned(tls_dir / 'coordinator.crt')}"
-        profiles = tmp_path / "chromium"
 
-        dom = browse(page, profiles / "refused", pin)
+        def trust(profile: str) -> list[str]:
+            # A profile of its own per launch: one still shutting down would take the next
+            # launch's work over (Chromium's single instance per profile) and it would do nothing.
+            return [f"--user-data-dir={tmp_path / 'chromium' / profile}", pin]
+
+        dom = browse(page, "--dump-dom", *trust("refused"))
         assert "no credentials" in dom and "data-loaded" not in dom, dom[:2000]
-        dom = browse(login, profiles / "page", pin)
+        dom = browse(login, "--dump-dom", *trust("page"))
         assert 'data-loaded="true"' in dom, dom[:2000]
         assert len(re.findall(r'<tr class="learner[^"]*" data-worker="learner-\d"', dom)) == 2, dom
         points = [int(n) for n in re.findall(r'class="curve" data-name="[^"]*" data-points="(\d+)"', dom)]
         assert points and max(points) >= 2, dom
         shot = tmp_path / "page.png"
-        browse(login, profiles / "screenshot", pin, screenshot=shot)
+        browse(login, f"--screenshot={shot}", "--window-size=1280,1800", *trust("screenshot"))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
         # Seen enough: the run is asked to finish (as an operator would), and ends as ever.
