@@ -214,6 +214,8 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             proc.wait(30)
+        # Shown only when the test fails: what the job said (a child that died, and its last lines).
+        print("".join(output)[-6000:])
     # After the run, with no server: the model evaluated and sampled, and the curves on disk.
     summary = json.loads((workdir / "summary.json").read_text())
     evaluated = run_cli(["eval", str(workdir), "--json"], timeout=90)
