@@ -58,17 +58,23 @@ def test_a_two_rank_learner_trains_what_one_rank_trains(small_corpus: Path, tmp_
     budget = ["--sync", "--tokens", "30000", "--minutes", "2"]
     # The three runs at once: each is mostly start-up (torchrun, gloo, imports), and a fault-free
     # synchronous run of one seed trains the same rows whatever the timing (test_repeatable).
-    arms = {"one": (1, budget), "ddp": (2, [*budget, "--data-parallel", "ddp"]),
-            "fsdp": (2, [*budget, "--data-parallel", "fsdp"])}  # fmt: skip
-    with ThreadPoolExecutor(len(arms)) as pool:
-        runs = {
-            name: pool.submit(group_run, small_corpus, tmp_path / name, ranks=ranks, batch=4, extra=extra)
-            for name, (ranks, extra) in arms.items()
+    with ThreadPoolExecutor(3) as pool:
+        one_run = pool.submit(group_run, small_corpus, tmp_path / "one", ranks=1, batch=4, extra=budget)
+        two_runs = {
+            kind: pool.submit(
+                group_run,
+                small_corpus,
+                tmp_path / kind,
+                ranks=2,
+                batch=4,
+                extra=[*budget, "--data-parallel", kind],
+            )
+            for kind in ("ddp", "fsdp")
         }
-        summaries = {name: run.result() for name, run in runs.items()}
-    one = summaries.pop("one")
+        one = one_run.result()
+        twos = {kind: run.result() for kind, run in two_runs.items()}
     assert one["ranks_per_learner"] == {"learner-0": 1}
-    for kind, two in summaries.items():
+    for kind, two in twos.items():
         workdir = tmp_path / kind
         assert two["ranks_per_learner"] == {"learner-0": 2}
         # On a mismatch, say what the end game did (a refused or retried push, rows given back).
