@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -16,3 +17,6 @@ def setup_logging(role: str, level: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # A crash below Python (a segfault in gRPC or torch, an abort) would otherwise end the role
+    # with nothing in its log: this writes every thread's Python stack there first.
+    faulthandler.enable(file=sys.stderr, all_threads=True)

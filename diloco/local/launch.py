@@ -357,7 +357,10 @@ class LocalRun:
                 coordinator = self.group.by_role("coordinator")[0]
                 if not coordinator.alive:
                     if not chaos:
-                        raise DilocoError(f"coordinator died:\n{self.group.tail(coordinator)}")
+                        raise DilocoError(
+                            f"coordinator died ({self.group.how_it_ended(coordinator)}):\n"
+                            f"{self.group.tail(coordinator)}"
+                        )
                     self.group.respawn(coordinator)  # a supervisor restarts what dies
                 if (
                     chaos

@@ -246,6 +246,17 @@ class ProcessGroup:
             self.fork_server.close()
             self.fork_server = None
 
+    @staticmethod
+    def how_it_ended(child: Child) -> str:
+        """`exit code 1`, `killed by SIGKILL`: what a log without a last line cannot say."""
+        code = child.proc.returncode
+        if code is None:
+            return "still running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
     def tail(self, child: Child, lines: int = 20) -> str:
         try:
             return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-lines:])

@@ -96,7 +96,8 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
     workdir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "0",
-         "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "20",
+         "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "10",
+         "--set", "model.kwargs.n_layer=1", "--set", "train.step_delay_s=0.2",
          "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072", "--set", "data.epochs=4"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
