@@ -98,6 +98,9 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
         # The training loops' own speed: peers time theirs from a start barrier; a diloco run's
         # wall also holds its start-up (processes, joins, first shards) and the final flush.
         "loop_tokens_per_s": r["tokens_trained"] / wall if ddp else r.get("learner_tokens_per_s", 0.0),
+        # ...per CPU-second the learners' (ranks', replicas') processes used over their loops: the
+        # loops' own cost, whatever the job's other roles took of a shared machine's cores
+        "loop_tokens_per_cpu_s": r.get("tokens_per_cpu_s") if ddp else r.get("learner_tokens_per_cpu_s"),
         # DDP applies every step's gradient at once, torchft's DiLoCo stops only after a round's
         # outer step: everything they train is merged.
         "merged_tokens_per_s": r["tokens_trained"] / wall if ddp else r["merged_tokens_per_s"],
@@ -125,12 +128,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     def pct(v: float | None) -> str:
         return "-" if v is None else f"{v:.1%}"
 
-    header = (f"{'arm':<20}{'eval loss':>10}{'tok/s':>9}{'loop tok/s':>11}{'merged/s':>10}{'merged':>8}"
+    header = (f"{'arm':<20}{'eval loss':>10}{'tok/s':>9}{'loop tok/s':>11}{'tok/CPU-s':>10}{'merged/s':>10}{'merged':>8}"
               f"{'util':>8}{'util min':>9}{'wire B/tok':>12}{'within B/tok':>13}{'wall s':>8}")  # fmt: skip
     print(header)
     print("-" * len(header))
     for r in rows:
+        cpu = r.get("loop_tokens_per_cpu_s")
         print(f"{r['arm']:<20}{r['eval_loss']:>10.4f}{r['trained_tokens_per_s']:>9.0f}{r['loop_tokens_per_s']:>11.0f}"
+              f"{'-' if cpu is None else f'{cpu:.0f}':>10}"
               f"{r['merged_tokens_per_s']:>10.0f}"
               f"{pct(r['merged_share']):>8}{pct(r['utilization']):>8}{pct(r['utilization_min_others']):>9}"
               f"{r['wire_bytes_per_token']:>12.2f}{r['within_learner_bytes_per_token']:>13.2f}"

@@ -167,7 +167,7 @@ def _train_rank(
         losses: list[float] = []
 
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         step = 0
         while max_steps is None or step < max_steps:
             # Ranks must agree on when to stop, or one waits forever in the next all-reduce: rank 0
@@ -210,9 +210,11 @@ def _train_rank(
                     flush=True,
                 )
         wall = time.perf_counter() - t0
+        cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
 
         total = torch.tensor([counter.bucket_bytes], dtype=torch.int64)
         dist.all_reduce(total)  # summed over ranks: N * (bytes per rank)
+        dist.all_reduce(cpu)  # every rank's process CPU over the loop
         # Let DDP's reducer go and every rank arrive before the group is torn down: destroying it
         # under a live reducer (or a peer still in a collective) aborts gloo's threads.
         del ddp
@@ -239,6 +241,8 @@ def _train_rank(
         "steps": step,
         "steps_per_second": step / wall if wall > 0 else 0.0,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        # per CPU-second of the ranks' processes over the loop (diloco's learner_tokens_per_cpu_s)
+        "tokens_per_cpu_s": tokens / float(cpu.item()) if cpu.item() > 0 else None,
         "params": sum(p.numel() for p in model.parameters()),
         "epochs": step / steps_per_epoch,
         "batch_size": bs,

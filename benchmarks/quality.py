@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.compare import DILOCO_ARMS, run_diloco  # noqa: E402
+from benchmarks.compare import DILOCO_ARMS, row, run_diloco  # noqa: E402
 from benchmarks.ddp_baseline import run_ddp  # noqa: E402
 from diloco.config import RunConfig, parse_assignments  # noqa: E402
 from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
@@ -120,16 +120,42 @@ def run_cell(
                         args.max_minutes,
                     )  # fmt: skip
                 by_seed[seed][arm] = result["eval_loss"]
+                speed = row(arm, result)
                 raw[f"{arm}/seed{seed}"] = {
-                    k: result.get(k)
-                    for k in ("eval_loss", "baseline_loss", "tokens_trained", "tokens_merged", "rounds",
-                              "wall_seconds", "trained_tokens_per_s", "learner_tokens_per_s", "merged_tokens_per_s",
-                              "utilization", "cpu_seconds_by_role", "rounds_by_pushes")
+                    **{k: result.get(k)
+                       for k in ("eval_loss", "baseline_loss", "tokens_trained", "tokens_merged", "rounds",
+                                 "wall_seconds", "trained_tokens_per_s", "learner_tokens_per_s",
+                                 "merged_tokens_per_s", "utilization", "cpu_seconds_by_role", "rounds_by_pushes")},
+                    "loop_tokens_per_s": speed["loop_tokens_per_s"],
+                    "loop_tokens_per_cpu_s": speed["loop_tokens_per_cpu_s"],
                 }  # fmt: skip
     losses = {arm: spread([s[arm] for s in by_seed.values() if arm in s]) for arm in arms}
     ratios = {f"{a}/{b}": spread(r) for a, b in PAIRS if (r := paired_ratios(by_seed, a, b))}
     return {"workers": workers, "inner_steps": inner_steps, "model": model, "eval_loss": losses,
-            "ratios": ratios, "by_seed": by_seed, "runs": raw}  # fmt: skip
+            "ratios": ratios, "by_seed": by_seed, "runs": raw, "speed": speeds(raw, arms, seeds)}  # fmt: skip
+
+
+SPEEDS = ("loop_tokens_per_s", "loop_tokens_per_cpu_s")
+
+
+def speeds(raw: dict[str, dict[str, Any]], arms: dict, seeds: list[int]) -> dict[str, Any]:
+    """Each arm's training-loop speed over seeds, per wall second and per CPU-second of its
+    learners' processes, and every other arm's over torchft's, paired by seed: the wall figure is
+    the target's, the CPU one says whether a gap is the loop's or the cores the job's other roles
+    (coordinator, data workers) took from the learners on a shared machine."""
+    out: dict[str, Any] = {}
+    for key in SPEEDS:
+        values = {
+            arm: {s: v for s in seeds if (v := (raw.get(f"{arm}/seed{s}") or {}).get(key))} for arm in arms
+        }
+        out[key] = {arm: spread(list(v.values())) for arm, v in values.items() if v}
+        peer = values.get("torchft", {})
+        out[f"{key}/torchft"] = {
+            arm: spread(r)
+            for arm, v in values.items()
+            if arm != "torchft" and (r := [v[s] / peer[s] for s in v if s in peer])
+        }
+    return out
 
 
 def print_cell(cell: dict[str, Any]) -> None:
@@ -143,6 +169,12 @@ def print_cell(cell: dict[str, Any]) -> None:
         print(
             f"{pair:<22}{s['mean']:>9.4f}{s['std']:>9.4f}{s['min']:>9.4f}{s['max']:>9.4f}{s['n']:>4}  (paired by seed)"
         )
+    for key in SPEEDS:
+        for arm, s in cell["speed"].get(key, {}).items():
+            print(f"{arm + ' ' + key:<44}{s['mean']:>10.0f}{s['std']:>9.0f}{s['min']:>9.0f}{s['n']:>4}")
+        for arm, s in cell["speed"].get(f"{key}/torchft", {}).items():
+            print(f"{arm + ' ' + key + ' / torchft':<44}{s['mean']:>10.4f}{s['std']:>9.4f}{s['min']:>9.4f}"
+                  f"{s['n']:>4}  (paired by seed)")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

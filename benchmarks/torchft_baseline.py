@@ -164,7 +164,7 @@ def _train_replica(
             manager.start_quorum()
             agree_stop(False)
             sent[0] = 0
-            t0 = time.time()
+            t0, cpu0 = time.time(), time.process_time()
             step = 0
             while max_steps is None or step < max_steps:
                 started = time.perf_counter()
@@ -195,7 +195,7 @@ def _train_replica(
                                       "lr": lr, "elapsed_s": round(elapsed, 2),
                                       "rounds_committed": manager.current_step()}),
                           file=sys.stderr, flush=True)  # fmt: skip
-            t1 = time.time()
+            t1, cpu_s = time.time(), time.process_time() - cpu0
             if manager.errored():
                 raise RuntimeError(f"replica {replica}: torchft reported {manager.errored()}")
         part: dict[str, Any] = {
@@ -203,6 +203,7 @@ def _train_replica(
             "steps": step,
             "start": t0,
             "end": t1,
+            "cpu_seconds": cpu_s,
             "sent_bytes": sent[0],
             "sync_seconds": sync_s,
             "rounds_committed": manager.current_step(),
@@ -288,6 +289,8 @@ def run_torchft(cfg: RunConfig, workers: int = 2, max_tokens: int | None = None,
         "wall_seconds": wall,
         "trained_tokens_per_s": tokens / wall if wall > 0 else 0.0,
         "tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        # per CPU-second of the replicas' processes (every thread) over the loop
+        "tokens_per_cpu_s": tokens / cpu if (cpu := sum(p["cpu_seconds"] for p in parts)) > 0 else None,
         "wire_bytes": wire_bytes,
         "wire_bytes_per_token": wire_bytes / tokens if tokens else 0.0,
         "steps": steps,

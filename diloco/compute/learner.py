@@ -357,7 +357,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
             first = not self.progress.tokens_trained  # this life's first step (a resume goes on counting)
             if first:
                 self.startup.mark("first_batch")
-                self.progress.started = time.monotonic()  # training time, utilization's wall, from here
+                self.progress.start()  # training time, utilization's wall, from here
             yield item
             if first:
                 self.startup.mark("first_step")
@@ -391,7 +391,7 @@ class Learner(KeepsLocalState, EndGame, Heartbeats):
         self.prefetcher.start()
         self.channel.start()
         heartbeats = heartbeat_thread(self._heartbeat, cfg.coordinator.heartbeat_s, self.stop, log)
-        self.progress.started = time.monotonic()
+        self.progress.start()
         return heartbeats
 
     def run(self) -> int:

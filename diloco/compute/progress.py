@@ -29,6 +29,9 @@ class Progress:
     spent_at: float | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None  # the training loop's end: the final flush is not training time
+    # The process's CPU time (every thread: pushes, pulls and prefetching too) at the same marks.
+    cpu_started: float = field(default_factory=time.process_time)
+    cpu_ended: float | None = None
     # The forward's metrics summed over the steps since the last heartbeat, and those steps.
     metric_sums: dict[str, float] = field(default_factory=dict)
     metric_steps: int = 0
@@ -43,10 +46,18 @@ class Progress:
     def wall_s(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
+    def cpu_s(self) -> float:
+        return (self.cpu_ended if self.cpu_ended is not None else time.process_time()) - self.cpu_started
+
+    def start(self) -> None:
+        """Training time (and the CPU it takes) counts from now."""
+        self.started, self.cpu_started = time.monotonic(), time.process_time()
+
     def end(self, now: float) -> None:
         """The training loop ended: at `now`, or when the allowance it waited on since ran out.
         A wait that more steps followed is held-back time, and stays in the wall."""
         self.ended = self.spent_at if self.spent_at is not None else now
+        self.cpu_ended = time.process_time()  # an idle wait for the allowance used next to none
 
     def budget_waited(self, since: float, now: float) -> None:
         """Time waiting for an allowance of the token budget (schedule.budget_spent)."""
@@ -109,6 +120,7 @@ class Progress:
             busy_seconds=self.busy_s,
             kept_busy_seconds=self.kept_busy_s,
             wall_seconds=self.wall_s(),
+            cpu_seconds=self.cpu_s(),
             data_stall_seconds=self.stall_s,
             sync_wait_seconds=self.sync_wait_s,
             device=self.device,

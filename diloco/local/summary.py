@@ -228,6 +228,13 @@ def summarize(
     summary["learner_tokens_per_s"] = round(
         sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
     )
+    # ...and per CPU-second its processes used over that time (a group's ranks each do rank 0's
+    # arithmetic, so rank 0's CPU stands for each): a speed that does not depend on how many cores
+    # the job's other roles took from the learners, as they do on one small machine.
+    cpu = sum(w.get("cpu_seconds", 0.0) * int(w.get("ranks") or 1) for w in timed)
+    summary["learner_tokens_per_cpu_s"] = (
+        round(sum(w.get("tokens_trained", 0) for w in timed) / cpu, 1) if cpu > 0 else None
+    )
     # Each learner's own speed in its inner steps (its last life), its ranks and its MFU (None
     # where the device's peak is not known, e.g. a CPU).
     summary["learners_detail"] = {

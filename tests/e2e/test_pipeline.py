@@ -107,6 +107,8 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     assert summary["wire_bytes"] > 0
     # The learners timed their pulls' arrival (at least the join's full pull).
     assert summary["transfers"]["learner_pull_seconds_mean"] > 0, summary["transfers"]
+    # The learners' speed per wall second and per CPU-second of their own processes, both known.
+    assert summary["learner_tokens_per_s"] > 0 and summary["learner_tokens_per_cpu_s"] > 0, summary
     assert summary["sample"].startswith("def ")
     assert summary["chunks"] == summary["shards"] > 1
     assert_one_shard_per_chunk(workdir)

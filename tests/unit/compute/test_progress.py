@@ -38,3 +38,20 @@ def test_a_resumed_learners_step_time_is_its_own_lifes() -> None:
         p.stepped(0.2, 10, 2.0)
     assert p.inner_steps == 141
     assert p.step_time_s() == pytest.approx(0.2)
+
+
+def test_the_cpu_a_learner_used_is_counted_from_its_first_step_to_the_loops_end() -> None:
+    """Heartbeats carry the process's CPU over the same span as wall_seconds: a learner sharing
+    a small machine with other roles is then judged by tokens per CPU-second of its own."""
+    p = Progress()
+    for _ in range(3):  # start-up work before training: not counted
+        sum(i * i for i in range(200_000))
+    p.start()
+    assert p.cpu_s() < 0.05
+    sum(i * i for i in range(2_000_000))  # the loop's work
+    p.end(now=p.started + 1.0)
+    used = p.cpu_s()
+    assert used > 0.01
+    sum(i * i for i in range(2_000_000))  # the final flush: after the loop's end, not counted
+    assert p.cpu_s() == used
+    assert p.heartbeat([]).cpu_seconds == pytest.approx(used)
