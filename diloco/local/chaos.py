@@ -1,15 +1,28 @@
 """Chaos: kill random processes of a local job with SIGKILL, and restart them as a supervisor would.
 
-The choices are pure functions of a seeded RNG, so a chaos run is repeatable for its seed. Roles
-come out of a shuffled bag: every cycle of kills hits each role that has a live process once, in
-random order, so a short run still kills the coordinator, not only the many workers.
+The choices (ChaosPlan) are pure functions of a seeded RNG, so a chaos run is repeatable for its
+seed. Roles come out of a shuffled bag: every cycle of kills hits each role that has a live process
+once, in random order, so a short run still kills the coordinator, not only the many workers.
+ChaosMonkey carries a plan out on a job's ProcessGroup (`diloco run --chaos-interval`).
 """
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+import signal
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from diloco.local.procs import ProcessGroup
+
+# The roles chaos kills unless told: the job's own (not the evaluator, which only watches).
+CHAOS_ROLES = ("coordinator", "data", "learner")
+# Warm spares per restarted role: two, so a second kill within a spare's warm-up (a few seconds
+# of imports) still finds one ready.
+SPARES_PER_ROLE = 2
 
 
 @dataclass
@@ -39,3 +52,48 @@ class ChaosPlan:
 
     def pick(self, names: Sequence[str]) -> str:
         return self.rng.choice(sorted(names))
+
+
+@dataclass
+class ChaosMonkey:
+    """SIGKILLs one random live process of `group` at the plan's times and restarts it at once."""
+
+    plan: ChaosPlan
+    group: ProcessGroup
+    say: Callable[[str], Any] = print
+    spare_learners: bool = True  # False when a learner is a torchrun group: a spare is one process
+    kills: dict[str, int] = field(default_factory=dict)  # by role
+    kill_log: list[dict[str, Any]] = field(default_factory=list)  # wall clock, process, role
+    next_kill: float = math.inf
+    spares_kept: bool = False
+    clock: Callable[[], float] = time.monotonic  # the watch loop's (a kill and restart take time)
+
+    def start(self, now: float) -> None:
+        self.next_kill = now + self.plan.next_delay()
+
+    def tick(self, now: float, *, training: bool, finishing: bool) -> None:
+        """Called by the job's watch loop: keeps spares once the learners train (or at the first
+        kill, if sooner: six processes importing torch beside the job's own would slow its start
+        on a small machine), and kills when a kill is due, unless the job is finishing."""
+        if not self.spares_kept and (training or now >= self.next_kill):
+            roles = [r for r in self.plan.roles or CHAOS_ROLES if self.spare_learners or r != "learner"]
+            # A warm spare skips the interpreter's start and the imports (diloco.local.spare).
+            self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
+            self.spares_kept = True
+        if not finishing and now >= self.next_kill:
+            self.kill_one()
+            self.next_kill = self.clock() + self.plan.next_delay()
+
+    def kill_one(self) -> None:
+        alive = [c for c in self.group.children if c.alive]
+        role = self.plan.pick_role([c.role for c in alive])
+        if role is None:
+            return
+        name = self.plan.pick([c.name for c in alive if c.role == role])
+        victim = next(c for c in alive if c.name == name)
+        self.group.signal(victim, signal.SIGKILL)
+        self.kill_log.append({"at": round(time.time(), 3), "process": victim.name, "role": role})
+        self.group.wait([victim], timeout_s=10)  # reaped by wait4, so its CPU time is counted
+        self.kills[role] = self.kills.get(role, 0) + 1
+        self.group.respawn(victim)
+        self.say(f"chaos: killed {victim.name} (kill #{sum(self.kills.values())}), restarted it")

@@ -29,7 +29,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.report import split_sizes
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset
 from diloco.errors import DilocoError
-from diloco.local.chaos import ChaosPlan
+from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
 from diloco.local.procs import Child, ProcessGroup
 from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
 from diloco.local.tls import SUPERVISOR, run_certificates, tls_args
@@ -55,13 +55,8 @@ def default_run_config() -> RunConfig:
     return cfg
 
 
-# Warm spares per restarted role under chaos: two, so a second kill within a spare's warm-up (a
-# few seconds of imports) still finds one ready.
-SPARES_PER_ROLE = 2
 # DILOCO_FORK_SERVER=0: every process of the job starts its own interpreter (diloco.local.forkserver).
 FORK_SERVER_ENV = "DILOCO_FORK_SERVER"
-# The roles chaos kills unless told: the job's own.
-CHAOS_ROLES = ("coordinator", "data", "learner")
 
 
 def observe_ports(info: dict[str, Any]) -> list[str]:
@@ -135,14 +130,21 @@ class LocalRun:
             cfg = cfg.with_overrides({"data.max_ready_shards": 2 * o.learners})
         self.config = cfg.with_overrides({"name": self.name}).validate()
         self.certificates: dict[str, TlsFiles] = {}  # made at start when options.tls
-        self.kills: dict[str, int] = {}
-        # Every kill as it happened (wall clock, process, role): what a merge or a calibration is
-        # lined up against afterwards.
-        self.kill_log: list[dict[str, Any]] = []
         self.group = ProcessGroup(
             self.workdir / "logs",
             env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"},
             fork=os.environ.get(FORK_SERVER_ENV, "1") != "0",  # the server starts with the first child
+        )
+        self.chaos = (
+            ChaosMonkey(
+                ChaosPlan(o.chaos_interval, self.config.train.seed, o.chaos_roles or CHAOS_ROLES),
+                self.group,
+                say=self.console.print,
+                # a spare is one process; a learner of several ranks is a torchrun group
+                spare_learners=max(o.learner_ranks) == 1,
+            )
+            if o.chaos_interval
+            else None
         )
 
     # -- processes ------------------------------------------------------------------------------
@@ -292,8 +294,10 @@ class LocalRun:
                 train_seconds=train_seconds,
                 started_at=started_at,
             ),  # fmt: skip
-            kills=self.kills,
-            kill_log=self.kill_log,
+            kills=self.chaos.kills if self.chaos else {},
+            # Every kill as it happened (wall clock, process, role): what a merge or a calibration
+            # is lined up against afterwards.
+            kill_log=self.chaos.kill_log if self.chaos else [],
             started_at=round(started_at, 3),  # wall clock, as kill_log's times
             # Where the machine's time went: learners' arithmetic, or the parts around it.
             cpu_seconds_by_role=self.group.cpu_seconds_by_role(),
@@ -339,13 +343,8 @@ class LocalRun:
         deadline = started + self.options.minutes * 60 if self.options.minutes > 0 else math.inf
         detail: dict[str, Any] = {}
         finish_sent = False
-        chaos = (
-            ChaosPlan(self.options.chaos_interval, self.config.train.seed, self._chaos_roles())
-            if self.options.chaos_interval
-            else None
-        )
-        next_kill = time.monotonic() + chaos.next_delay() if chaos else math.inf
-        spares_kept = False
+        if self.chaos:
+            self.chaos.start(time.monotonic())
         live = Live(
             progress_table(detail, started, self.name, self.options.minutes),
             console=self.console,
@@ -356,22 +355,16 @@ class LocalRun:
             while any(c.alive for c in self.group.by_role("learner")):
                 coordinator = self.group.by_role("coordinator")[0]
                 if not coordinator.alive:
-                    if not chaos:
+                    if not self.chaos:
                         raise DilocoError(
                             f"coordinator died ({self.group.how_it_ended(coordinator)}):\n"
                             f"{self.group.tail(coordinator)}"
                         )
                     self.group.respawn(coordinator)  # a supervisor restarts what dies
-                if (
-                    chaos
-                    and not spares_kept
-                    and (detail.get("tokens_trained") or time.monotonic() >= next_kill)
-                ):
-                    self._keep_spares()
-                    spares_kept = True
-                if chaos and not finish_sent and time.monotonic() >= next_kill:
-                    self._kill_one(chaos)
-                    next_kill = time.monotonic() + chaos.next_delay()
+                if self.chaos:
+                    self.chaos.tick(
+                        time.monotonic(), training=bool(detail.get("tokens_trained")), finishing=finish_sent
+                    )
                 detail = self._status(observer) or detail
                 if self.options.show_progress:
                     live.update(progress_table(detail, started, self.name, self.options.minutes))
@@ -390,36 +383,6 @@ class LocalRun:
                 f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})"
             )
         return detail
-
-    def _keep_spares(self) -> None:
-        """A supervisor that expects deaths keeps warm spares of each role it will restart: the
-        replacement skips the interpreter's start and the imports (diloco.local.spare). Started
-        once the learners train (or at the first kill, if sooner): six processes importing torch
-        beside the job's own would slow the job's start on a small machine."""
-        roles = list(self._chaos_roles())
-        if max(self.options.learner_ranks) > 1:  # a spare is one process; a learner here is a torchrun group
-            roles = [r for r in roles if r != "learner"]
-        self.group.keep_spares(roles, per_role=SPARES_PER_ROLE)
-
-    def _chaos_roles(self) -> tuple[str, ...]:
-        """The roles chaos kills: those asked for, else the job's own (not the evaluator, which only
-        watches)."""
-        return self.options.chaos_roles or CHAOS_ROLES
-
-    def _kill_one(self, chaos: ChaosPlan) -> None:
-        """SIGKILL one random live process and start it again, as a supervisor would."""
-        alive = [c for c in self.group.children if c.alive]
-        role = chaos.pick_role([c.role for c in alive])
-        if role is None:
-            return
-        name = chaos.pick([c.name for c in alive if c.role == role])
-        victim = next(c for c in alive if c.name == name)
-        self.group.signal(victim, signal.SIGKILL)
-        self.kill_log.append({"at": round(time.time(), 3), "process": victim.name, "role": role})
-        self.group.wait([victim], timeout_s=10)  # reaped by wait4, so its CPU time is counted
-        self.kills[role] = self.kills.get(role, 0) + 1
-        self.group.respawn(victim)
-        self.console.print(f"chaos: killed {victim.name} (kill #{sum(self.kills.values())}), restarted it")
 
     def _wind_down(self, observer: CoordinatorClient) -> None:
         with contextlib.suppress(Exception):
