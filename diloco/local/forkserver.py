@@ -51,9 +51,13 @@ def _become_child(inherited: set[int]) -> None:
     """In the forked child, before it runs its assignment: the state a fresh process starts with
     (its own session, default signal handling, stdin from /dev/null, none of the server's fds)."""
     os.setsid()  # its own session, as Popen(start_new_session=True) gave it
-    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGPIPE):
+    for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C is KeyboardInterrupt, as ever
+    # SIGPIPE ignored, as the interpreter sets it at start-up: a write to a closed socket or pipe is
+    # then a BrokenPipeError. At its default it ended the process with no word in its log: a browser
+    # that closed its connection mid-reply killed the coordinator serving the status page.
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     null = os.open(os.devnull, os.O_RDONLY)
