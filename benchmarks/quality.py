@@ -145,15 +145,19 @@ def speeds(raw: dict[str, dict[str, Any]], arms: dict, seeds: list[int]) -> dict
     (coordinator, data workers) took from the learners on a shared machine."""
     out: dict[str, Any] = {}
     for key in SPEEDS:
-        values = {
-            arm: {s: v for s in seeds if (v := (raw.get(f"{arm}/seed{s}") or {}).get(key))} for arm in arms
+        # {seed: {arm: speed}}, the shape paired_ratios reads (arms without the figure left out)
+        by_seed = {
+            s: {arm: v for arm in arms if (v := (raw.get(f"{arm}/seed{s}") or {}).get(key))} for s in seeds
         }
-        out[key] = {arm: spread(list(v.values())) for arm, v in values.items() if v}
-        peer = values.get("torchft", {})
+        out[key] = {
+            arm: spread(values)
+            for arm in arms
+            if (values := [speeds[arm] for speeds in by_seed.values() if arm in speeds])
+        }
         out[f"{key}/torchft"] = {
             arm: spread(r)
-            for arm, v in values.items()
-            if arm != "torchft" and (r := [v[s] / peer[s] for s in v if s in peer])
+            for arm in arms
+            if arm != "torchft" and (r := paired_ratios(by_seed, arm, "torchft"))
         }
     return out
 

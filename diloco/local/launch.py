@@ -357,7 +357,7 @@ class LocalRun:
                 if not coordinator.alive:
                     if not self.chaos:
                         raise DilocoError(
-                            f"coordinator died ({self.group.how_it_ended(coordinator)}):\n"
+                            f"coordinator died ({coordinator.how_it_ended()}):\n"
                             f"{self.group.tail(coordinator)}"
                         )
                     self.group.respawn(coordinator)  # a supervisor restarts what dies

@@ -50,6 +50,16 @@ class Child:
         self.cpu_s = usage.ru_utime + usage.ru_stime
         return False
 
+    def how_it_ended(self) -> str:
+        """`exit code 1`, `killed by SIGKILL`: what a log without a last line cannot say."""
+        code = self.proc.returncode
+        if code is None:
+            return "still running"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
 
 @dataclass
 class ProcessGroup:
@@ -245,17 +255,6 @@ class ProcessGroup:
         if children is None and self.fork_server is not None:
             self.fork_server.close()
             self.fork_server = None
-
-    @staticmethod
-    def how_it_ended(child: Child) -> str:
-        """`exit code 1`, `killed by SIGKILL`: what a log without a last line cannot say."""
-        code = child.proc.returncode
-        if code is None:
-            return "still running"
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
 
     def tail(self, child: Child, lines: int = 20) -> str:
         try:

@@ -42,7 +42,7 @@ def test_forked_processes_run_the_cli_exit_and_die_like_their_own(tiny_corpus: P
         for _ in range(5):
             close_mid_request(info["http_port"])
             time.sleep(0.1)
-        assert coordinator.alive, f"{group.how_it_ended(coordinator)}\n{group.tail(coordinator)}"
+        assert coordinator.alive, f"{coordinator.how_it_ended()}\n{group.tail(coordinator)}"
         group.signal(coordinator, signal.SIGKILL)
         assert group.wait([coordinator], 10)
         assert coordinator.proc.returncode == -signal.SIGKILL and coordinator.cpu_s is not None

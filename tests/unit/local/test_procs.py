@@ -33,6 +33,6 @@ def test_a_role_that_crashes_below_python_leaves_its_stacks_and_says_how_it_ende
     proc.wait(timeout=60)
     child = Child("coordinator", "coordinator", [], proc, log_path)
     group = ProcessGroup(tmp_path)
-    assert group.how_it_ended(child) == "killed by SIGSEGV"
+    assert child.how_it_ended() == "killed by SIGSEGV"
     assert "Fatal Python error: Segmentation fault" in group.tail(child)
     assert "most recent call first" in group.tail(child)
