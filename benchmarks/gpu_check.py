@@ -14,7 +14,10 @@ there: download the missing wheels here once, into an ignored folder that the ca
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl grpcio==1.85.3 protobuf==7.36.2 zstandard==0.25.0 cryptography==50.0.2 cffi==2.1.1 \
-        pycparser==3.12 typer==0.29.2 rich==15.0.0
+        pycparser==3.12 rich==15.0.0
+
+(not typer: the image's 0.27.2 serves the CLI, where a carried 0.29 imports pydantic, which the
+image lacks and which then fails `diloco run`; seen on an H200 on 2026-12-04)
 
 and run, carrying `.whl` (one call, timeout ~540 s):
 
@@ -106,21 +109,31 @@ def time_steps(
         "last_loss": loss,
     }  # fmt: skip
     del trained, model, optimizer
+    if compile_model:
+        # Inductor failed an assertion compiling the ~350 M model after the ~1.3 B one in the same
+        # process (torch 2.11, H200); compiled alone it ran. A learner compiles one model.
+        torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
-def whole_run(device: torch.device, tokens: int, folder: Path) -> dict[str, Any]:
+def whole_run(
+    device: torch.device, tokens: int, folder: Path, minutes: float, overrides: dict[str, str]
+) -> dict[str, Any]:
     """`diloco run` with two learners on the device: its summary's per-learner speed and MFU."""
     config = folder / "run.toml"
-    config.write_text(default_run_config().with_overrides({"train.device": str(device)}).to_toml())
+    run_config = default_run_config().with_overrides({"train.device": str(device), **overrides})
+    config.write_text(run_config.to_toml())
     try:
-        summary = run_diloco("gpu", [], config, tokens, 2, folder, max_minutes=8)
+        summary = run_diloco("gpu", [], config, tokens, 2, folder, max_minutes=minutes)
     except RuntimeError as e:  # the step figures above are still worth having
         return {"error": str(e)[-3000:]}
-    keys = ("eval_loss", "tokens_trained", "learner_tokens_per_s", "utilization", "wall_seconds")
-    return {**{k: summary.get(k) for k in keys}, "learners_detail": summary.get("learners_detail")}
+    keys = (
+        "eval_loss", "tokens_trained", "learner_tokens_per_s", "utilization", "wall_seconds",
+        "learners_detail", "params", "data_stall_share", "sync_wait_share", "goodput", "transfers",
+    )  # fmt: skip
+    return {k: summary.get(k) for k in keys}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -131,9 +144,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--run-tokens", type=int, default=2_000_000, help="the whole run's budget (0: none)")
+    p.add_argument("--run-minutes", type=float, default=4.0, help="the whole run's time limit")
+    p.add_argument("--run-set", action="append", default=[], metavar="KEY=VALUE", help="the run's config")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    overrides = dict(item.split("=", 1) for item in args.run_set)
     report: dict[str, Any] = {
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -148,14 +164,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 row = {"size": size, "compile": setting == "on", "error": f"{type(e).__name__}: {e}"[:2000]}
             report["steps"].append(row)
             print(json.dumps(row), flush=True)
+            write(report, args.out)  # a device lease can end mid-check: keep what is measured
     if args.run_tokens > 0:
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-            report["run"] = whole_run(device, args.run_tokens, Path(tmp))
+            report["run"] = whole_run(device, args.run_tokens, Path(tmp), args.run_minutes, overrides)
         print(json.dumps(report["run"]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+        write(report, args.out)
     print(f"results: {args.out}")
     return report
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":
