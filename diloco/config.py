@@ -135,6 +135,9 @@ class TrainConfig:
     # bases) on its own disk this often, off the training thread: restarted, it goes on from
     # there instead of losing every step since its last pushes (0: never).
     local_state_every_s: float = 2.0
+    # ...and no more often than keeps the copies' cost (the training thread's copy and the
+    # writer's save) within this share of the time: a large model copies less often.
+    local_state_max_share: float = 0.05
     # Inner-step arithmetic: "auto" is bf16 autocast on CUDA and fp32 elsewhere; "bf16" | "fp32".
     precision: str = "auto"
     # torch.compile the model for its inner steps (the first steps pay for the compile).
@@ -362,6 +365,8 @@ class RunConfig:
                 raise ConfigError(f'{key} must be "package.module:function", not {spec!r}')
         if t.local_state_every_s < 0:
             raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
+        if not 0 < t.local_state_max_share <= 1:
+            raise ConfigError(f"train.local_state_max_share must be in (0, 1], got {t.local_state_max_share}")
         if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
             raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
         if t.precision not in PRECISIONS:

@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 
 from diloco.compute.held import HeldFragment
 from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
+from diloco.compute.state_cadence import copy_due
 from diloco.coordinator.syncer import staleness_refusal
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -210,6 +211,10 @@ def save(path: Path, state: LocalState) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"state": json.dumps(meta)})
+    # On disk before the rename (a rename can outlive the data it names), and inside the save's
+    # time: the copies' budget (state_cadence) then counts the disk's work, not the page cache's.
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -286,16 +291,26 @@ class StateWriter:
     A state offered while the last is still being written replaces any not yet started: only the
     newest matters, and copies never pile up."""
 
-    def __init__(self, path: Path, every_s: float, on_saved: Callable[[LocalState], None] | None = None):
+    def __init__(
+        self,
+        path: Path,
+        every_s: float,
+        on_saved: Callable[[LocalState], None] | None = None,
+        max_share: float = 0.05,
+    ):
         self.path = path
         self.every_s = every_s
+        self.max_share = max_share  # of the time, the most that copies may cost (state_cadence)
         self.on_saved = on_saved  # called on the writer thread once a state is on disk
         self._closed = threading.Event()
         self._next: LocalState | None = None
         self._busy = False
         # -inf, not 0: monotonic time starts near the machine's boot, and a machine up for less
-        # than every_s would wait that long for its first copy (and after note_push).
+        # than every_s would wait that long for its first copy.
         self._last_offer = -math.inf
+        self._pushed = False  # a push left after the last copy
+        self._copy_s = 0.0  # the last copy's cost: the training thread's copy...
+        self._save_s = 0.0  # ...and the writer's save
         self._cond = threading.Condition()
         self.writes = 0
         # Pushes of work made, over every life of this learner: a fresh life (start_fresh) counts
@@ -307,12 +322,22 @@ class StateWriter:
     def due(self, now: float) -> bool:
         """Time for a new copy (and the last one is on disk already)."""
         with self._cond:
-            return not self._busy and self._next is None and now - self._last_offer >= self.every_s
+            if self._busy or self._next is not None:
+                return False
+            return copy_due(
+                now,
+                last_copy=self._last_offer,
+                last_cost_s=self._copy_s + self._save_s,
+                every_s=self.every_s,
+                max_share=self.max_share,
+                pushed_since=self._pushed,
+            ).due
 
-    def offer(self, state: LocalState) -> None:
+    def offer(self, state: LocalState, copy_s: float = 0.0) -> None:
+        """A copy to save, taken by the training thread in `copy_s` seconds."""
         with self._cond:
             self._next = state
-            self._last_offer = time.monotonic()
+            self._last_offer, self._pushed, self._copy_s = time.monotonic(), False, copy_s
             self._cond.notify_all()
 
     def note_push(self) -> None:
@@ -328,7 +353,7 @@ class StateWriter:
         except OSError as e:
             log.warning("could not note the push in %s: %s", marker, e)
         with self._cond:
-            self._last_offer = -math.inf
+            self._pushed = True
 
     def start_fresh(self) -> None:
         """The last life's state is not resumed: it and its push count go, so that a copy left
@@ -359,7 +384,9 @@ class StateWriter:
                     return
                 state, self._next, self._busy = self._next, None, True
             try:
+                started = time.monotonic()
                 save(self.path, state)
+                self._save_s = time.monotonic() - started
                 self.writes += 1
                 if self.on_saved is not None:
                     self.on_saved(state)

@@ -51,7 +51,9 @@ class KeepsLocalState:
         if not self.overrides.state_dir or not self.overrides.worker_id or cfg.train.local_state_every_s <= 0:
             return None
         path = state_path(self.overrides.state_dir, self.overrides.worker_id)
-        self.state_writer = StateWriter(path, cfg.train.local_state_every_s, on_saved=self._saved)
+        self.state_writer = StateWriter(
+            path, cfg.train.local_state_every_s, self._saved, cfg.train.local_state_max_share
+        )
         state = local_state.load(path, [f.names for f in self.frags])
         decision = local_state.resume_decision(
             state,
@@ -111,23 +113,23 @@ class KeepsLocalState:
         writer = self.state_writer
         if writer is None or not writer.due(time.monotonic()):
             return
+        started = time.monotonic()
         # The tensors in bases and pushes are replaced, never changed in place: the dicts are copied.
         frags = [dataclasses.replace(f, base=dict(f.base), at_push=dict(f.at_push)) for f in self.frags]
-        writer.offer(
-            LocalState(
-                run_id=self.run_id,
-                worker_id=self.client.worker_id,
-                inner_steps=self.progress.inner_steps,
-                busy_s=self.progress.busy_s,
-                first_loss=self.progress.first_loss,
-                schedule_shift=self.schedule_shift,
-                params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-                optimizer=local_state.copy_optimizer(self.optimizer),
-                fragments=frags,
-                pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
-                residual=dict(self.residual),
-                rows=self.rows.copy(),
-                held_shards=self.prefetcher.held_shards(),
-                push_count=writer.push_count,
-            )
+        state = LocalState(
+            run_id=self.run_id,
+            worker_id=self.client.worker_id,
+            inner_steps=self.progress.inner_steps,
+            busy_s=self.progress.busy_s,
+            first_loss=self.progress.first_loss,
+            schedule_shift=self.schedule_shift,
+            params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
+            optimizer=local_state.copy_optimizer(self.optimizer),
+            fragments=frags,
+            pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
+            residual=dict(self.residual),
+            rows=self.rows.copy(),
+            held_shards=self.prefetcher.held_shards(),
+            push_count=writer.push_count,
         )
+        writer.offer(state, copy_s=time.monotonic() - started)

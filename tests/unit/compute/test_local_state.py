@@ -118,7 +118,9 @@ def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None
     shapes = {n: tuple(t.shape) for n, t in state.params.items()}
     kw = {"run_id": "run-1", "worker_id": "learner-0", "shapes": shapes, "max_staleness": 4}
     path = state_path(tmp_path, "learner-0")
-    writer = StateWriter(path, every_s=3600.0)
+    # max_share 1: a copy's cost (here its save, some milliseconds) holds back no later copy
+    # longer than it took; test_state_cadence has the budget itself.
+    writer = StateWriter(path, every_s=3600.0, max_share=1.0)
     try:
         # The first copy is due at once, however long the machine has been up (monotonic time
         # starts near its boot: a young machine once waited every_s for it).
@@ -162,3 +164,19 @@ def test_the_writer_keeps_only_the_newest_state_and_discard_removes_it(tmp_path:
     assert 1 <= writer.writes <= 3
     writer.discard()
     assert not path.exists()
+
+
+def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(tmp_path: Path) -> None:
+    """A copy that took the training thread 2 s, at 1% of the time: none for 200 s, a push's
+    neither (the learner of a large model trains instead of copying)."""
+    state, _ = a_state(tmp_steps=3)
+    writer = StateWriter(state_path(tmp_path, "learner-0"), every_s=0.0, max_share=0.01)
+    try:
+        assert writer.due(time.monotonic())
+        writer.offer(state, copy_s=2.0)
+        wait_for(lambda: writer.writes >= 1, 20, "the copy")
+        writer.note_push()
+        assert not writer.due(time.monotonic())
+        assert writer.due(time.monotonic() + 201.0)
+    finally:
+        writer.discard()
