@@ -16,10 +16,10 @@ from collections.abc import Callable
 from diloco.client import CoordinatorClient
 from diloco.compute import schedule
 from diloco.compute.held import HeldFragment
-from diloco.compute.local_state import StateWriter
 from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
 from diloco.compute.rows import RowBook
+from diloco.compute.state_writer import StateWriter
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.v1 import coordinator_pb2 as pb

@@ -32,7 +32,7 @@ from diloco.compute.handshake import check_same_model, join_run, pull_everything
 from diloco.compute.heartbeats import Heartbeats
 from diloco.compute.held import HeldFragment
 from diloco.compute.inner import inner_step, straggle_s
-from diloco.compute.local_state import LocalState, StateWriter
+from diloco.compute.local_state import LocalState
 from diloco.compute.mfu import peak_flops
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import DONE, ShardPrefetcher
@@ -40,6 +40,7 @@ from diloco.compute.progress import Progress
 from diloco.compute.resume import KeepsLocalState
 from diloco.compute.rows import RowBook, Unpushed
 from diloco.compute.startup import StartupClock, breakdown, describe
+from diloco.compute.state_writer import StateWriter
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache

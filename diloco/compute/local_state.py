@@ -2,10 +2,11 @@
 
 Without it a kill loses every inner step since the learner's last complete set of fragment
 pushes (their rows go back to the pool), and the restart pulls every fragment in full. With it,
-every `train.local_state_every_s` the training thread copies what it holds (parameters, inner
-optimizer, each fragment's base and counters, the push in flight, error-feedback residuals, the
-rows no merge has counted yet) and a writer thread saves it as one safetensors file (atomically:
-a temporary file, then a rename; nothing is pickled). A restarted learner with the same id
+every `train.local_state_every_s` (within the cost budget of state_cadence) the training thread
+copies what it holds (parameters, inner optimizer, each fragment's base and counters, the push in
+flight, error-feedback residuals, the rows no merge has counted yet) and a writer thread
+(state_writer) saves it as one safetensors file (atomically: a temporary file, fsync, then a
+rename; nothing is pickled). A restarted learner with the same id
 resumes from it when `resume_decision` says its bases are still ones the syncer accepts pushes
 on, and then needs no pull at all.
 
@@ -19,11 +20,8 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import math
 import os
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +32,6 @@ from safetensors.torch import save_file
 
 from diloco.compute.held import HeldFragment
 from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
-from diloco.compute.state_cadence import copy_due
 from diloco.coordinator.syncer import staleness_refusal
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -283,115 +280,3 @@ def _from_file(meta: dict[str, Any], tensors: dict[str, torch.Tensor], names: li
         push_count=int(meta["push_count"]),
         written_at=float(meta["written_at"]),
     )
-
-
-class StateWriter:
-    """Saves the latest offered state on a thread of its own; the training thread never waits on disk.
-
-    A state offered while the last is still being written replaces any not yet started: only the
-    newest matters, and copies never pile up."""
-
-    def __init__(
-        self,
-        path: Path,
-        every_s: float,
-        on_saved: Callable[[LocalState], None] | None = None,
-        max_share: float = 0.05,
-    ):
-        self.path = path
-        self.every_s = every_s
-        self.max_share = max_share  # of the time, the most that copies may cost (state_cadence)
-        self.on_saved = on_saved  # called on the writer thread once a state is on disk
-        self._closed = threading.Event()
-        self._next: LocalState | None = None
-        self._busy = False
-        # -inf, not 0: monotonic time starts near the machine's boot, and a machine up for less
-        # than every_s would wait that long for its first copy.
-        self._last_offer = -math.inf
-        self._pushed = False  # a push left after the last copy
-        self._copy_s = 0.0  # the last copy's cost: the training thread's copy...
-        self._save_s = 0.0  # ...and the writer's save
-        self._cond = threading.Condition()
-        self.writes = 0
-        # Pushes of work made, over every life of this learner: a fresh life (start_fresh) counts
-        # anew, a resumed one goes on from its state's count (which equals the noted one).
-        self.push_count = pushed_count(path) or 0
-        self._thread = threading.Thread(target=self._write_forever, name="local-state", daemon=True)
-        self._thread.start()
-
-    def due(self, now: float) -> bool:
-        """Time for a new copy (and the last one is on disk already)."""
-        with self._cond:
-            if self._busy or self._next is not None:
-                return False
-            return copy_due(
-                now,
-                last_copy=self._last_offer,
-                last_cost_s=self._copy_s + self._save_s,
-                every_s=self.every_s,
-                max_share=self.max_share,
-                pushed_since=self._pushed,
-            ).due
-
-    def offer(self, state: LocalState, copy_s: float = 0.0) -> None:
-        """A copy to save, taken by the training thread in `copy_s` seconds."""
-        with self._cond:
-            self._next = state
-            self._last_offer, self._pushed, self._copy_s = time.monotonic(), False, copy_s
-            self._cond.notify_all()
-
-    def note_push(self) -> None:
-        """On the training thread, before a push leaves: a few bytes on disk, so that a restart
-        knows whether its state is older than its last push (resume_decision); and the next copy
-        is due at once, so the state soon holds the push."""
-        self.push_count += 1
-        marker = pushed_path(self.path)
-        tmp = marker.with_suffix(".pushed.tmp")
-        try:
-            tmp.write_text(json.dumps({"pushes": self.push_count}))
-            os.replace(tmp, marker)
-        except OSError as e:
-            log.warning("could not note the push in %s: %s", marker, e)
-        with self._cond:
-            self._pushed = True
-
-    def start_fresh(self) -> None:
-        """The last life's state is not resumed: it and its push count go, so that a copy left
-        from it is never taken for this life's (this life's pushes count from 0 again)."""
-        self.path.unlink(missing_ok=True)
-        pushed_path(self.path).unlink(missing_ok=True)
-        self.push_count = 0
-
-    def discard(self) -> None:
-        """The learner ended cleanly (its work pushed and merged): nothing is left to resume."""
-        self.close()
-        self.path.unlink(missing_ok=True)
-        pushed_path(self.path).unlink(missing_ok=True)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        with self._cond:
-            self._next = None
-            self._cond.notify_all()
-        self._closed.set()
-        self._thread.join(timeout_s)
-
-    def _write_forever(self) -> None:
-        while True:
-            with self._cond:
-                while self._next is None and not self._closed.is_set():
-                    self._cond.wait(0.5)
-                if self._next is None:
-                    return
-                state, self._next, self._busy = self._next, None, True
-            try:
-                started = time.monotonic()
-                save(self.path, state)
-                self._save_s = time.monotonic() - started
-                self.writes += 1
-                if self.on_saved is not None:
-                    self.on_saved(state)
-            except Exception as e:  # a full disk must not stop training: the next copy may land
-                log.warning("could not save local state to %s: %s", self.path, e)
-            finally:
-                with self._cond:
-                    self._busy = False

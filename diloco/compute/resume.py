@@ -14,11 +14,12 @@ import torch
 from diloco.client import CoordinatorClient
 from diloco.compute import local_state
 from diloco.compute.held import HeldFragment
-from diloco.compute.local_state import LocalState, StateWriter, state_path
+from diloco.compute.local_state import LocalState, state_path
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
 from diloco.compute.rows import RowBook
+from diloco.compute.state_writer import StateWriter
 from diloco.compute.sync_channel import SyncChannel
 from diloco.config import RunConfig
 from diloco.v1 import coordinator_pb2 as pb

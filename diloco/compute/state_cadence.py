@@ -22,6 +22,7 @@ from dataclasses import dataclass
 class CopyVerdict:
     due: bool
     reason: str
+    held_by_cost: bool = False  # not due only because of the budget: worth a line in the log
 
 
 def copy_due(
@@ -44,6 +45,7 @@ def copy_due(
             False,
             f"the last copy cost {last_cost_s:.2f}s, at most {max_share:.0%} of the time: "
             f"the next in {spacing - since:.1f}s",
+            held_by_cost=True,
         )
     if pushed_since:
         return CopyVerdict(True, "a push left after the last copy")

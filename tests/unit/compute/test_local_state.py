@@ -3,15 +3,18 @@ decision is a pure function of the state and the run, and a real learner killed 
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from diloco.compute import local_state
 from diloco.compute.held import HeldFragment
-from diloco.compute.local_state import LocalState, StateWriter, resume_decision, state_path
+from diloco.compute.local_state import LocalState, resume_decision, state_path
 from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
+from diloco.compute.state_writer import StateWriter
 from diloco.config import RunConfig
 from diloco.model import build_model, make_inner_optimizer
 from diloco.v1 import coordinator_pb2 as pb
@@ -166,7 +169,9 @@ def test_the_writer_keeps_only_the_newest_state_and_discard_removes_it(tmp_path:
     assert not path.exists()
 
 
-def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(tmp_path: Path) -> None:
+def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A copy that took the training thread 2 s, at 1% of the time: none for 200 s, a push's
     neither (the learner of a large model trains instead of copying)."""
     state, _ = a_state(tmp_steps=3)
@@ -176,7 +181,11 @@ def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(tmp_path
         writer.offer(state, copy_s=2.0)
         wait_for(lambda: writer.writes >= 1, 20, "the copy")
         writer.note_push()
-        assert not writer.due(time.monotonic())
+        with caplog.at_level(logging.INFO, logger="diloco.local_state"):
+            assert not writer.due(time.monotonic())
+            assert not writer.due(time.monotonic())
+        held = [r.getMessage() for r in caplog.records if "held back" in r.getMessage()]
+        assert len(held) == 1 and "cost 2.00s" in held[0]  # said once, not at every step
         assert writer.due(time.monotonic() + 201.0)
     finally:
         writer.discard()

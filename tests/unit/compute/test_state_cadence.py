@@ -29,8 +29,12 @@ def test_a_costly_copy_waits_until_its_cost_is_within_the_share() -> None:
         110.0, last_copy=100.0, last_cost_s=1.7, every_s=2.0, max_share=0.05, pushed_since=True
     )
     assert not verdict.due and "cost 1.70s" in verdict.reason and "next in 24.0s" in verdict.reason
+    assert verdict.held_by_cost
 
 
 def test_every_s_still_bounds_a_copy_within_its_budget() -> None:
     assert not due(105.0, every_s=10.0)
+    assert not copy_due(
+        105.0, last_copy=100.0, last_cost_s=0.01, every_s=10.0, max_share=0.05, pushed_since=False
+    ).held_by_cost
     assert due(110.0, every_s=10.0)
