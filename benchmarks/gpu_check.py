@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare import run_diloco  # noqa: E402
 from diloco.compute.inner import inner_step  # noqa: E402
 from diloco.compute.mfu import mfu, peak_flops  # noqa: E402
-from diloco.config import ModelConfig, TrainConfig  # noqa: E402
+from diloco.config import ModelConfig, TrainConfig, parse_assignments  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
 from diloco.model.factory import build_model  # noqa: E402
 from diloco.model.optim import make_inner_optimizer  # noqa: E402
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    overrides = dict(item.split("=", 1) for item in args.run_set)
+    overrides = parse_assignments(args.run_set)
     report: dict[str, Any] = {
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

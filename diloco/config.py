@@ -135,8 +135,8 @@ class TrainConfig:
     # bases) on its own disk this often, off the training thread: restarted, it goes on from
     # there instead of losing every step since its last pushes (0: never).
     local_state_every_s: float = 2.0
-    # ...and no more often than keeps the copies' cost (the training thread's copy and the
-    # writer's save) within this share of the time: a large model copies less often.
+    # ...and no more often than keeps the copies' cost (the training thread's copy, the writer's
+    # save and fsync) within this share of the time: a large model copies less often.
     local_state_max_share: float = 0.05
     # Inner-step arithmetic: "auto" is bf16 autocast on CUDA and fp32 elsewhere; "bf16" | "fp32".
     precision: str = "auto"

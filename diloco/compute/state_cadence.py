@@ -3,8 +3,9 @@
 A copy costs the training thread its copy of every tensor it holds (parameters, the inner
 AdamW's two moments, each fragment's base) and the writer thread a save of all of it: for the
 built-in GPT at 86 M parameters, ~1.7 GB a copy. Taken every `train.local_state_every_s`
-whatever the cost, copies of such a model cut a learner's tokens/s by 35% on the 2-core machine
-(measured: 115 against 178 tokens/s without local state). So a copy also waits until the last
+whatever the cost, copies of such a model cut two learners' tokens/s to 0.594 ± 0.036 of the same
+run without local state on the 2-core machine, 3 seeds (benchmarks/local_state_cost.py; 0.917 ±
+0.008 within the budget). So a copy also waits until the last
 one's cost is at most `train.local_state_max_share` of the time since it: a small model copies
 every few seconds as before, a large one as often as its budget allows.
 
