@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.chaos import diloco_run  # noqa: E402
+from benchmarks.quality import spread  # noqa: E402
 
 
 def arm(
@@ -59,15 +59,6 @@ def arm(
         "eval_loss": summary["eval_loss"],
         "wire_bytes_per_token": summary["steady_wire_bytes_per_token"],
         "tokens_trained": summary["tokens_trained"],
-    }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {
-        "mean": round(statistics.fmean(values), 4),
-        "sd": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
-        "min": round(min(values), 4),
-        "max": round(max(values), 4),
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco.config import DEVICE_FORMS, is_device_spec
+from diloco.config_checks import DEVICE_FORMS, is_device_spec
 from diloco.errors import DilocoError
 
 

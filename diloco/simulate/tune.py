@@ -27,12 +27,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from diloco.config_checks import CODECS  # most precise first
 from diloco.simulate.config import LinkConfig, OuterConfig
 from diloco.simulate.costs import CODEC_BITS, sync_times, transfer_seconds
 
 H_CHOICES = (50, 100, 200, 500)
 P_CHOICES = (2, 4, 8, 16)
-CODECS = ("fp32", "bf16", "int8", "int4")  # most precise first
 LINK_LOAD = 0.4  # at most this share of the link carries syncs: room for rejoin pulls, and a round
 # trip (twice a fragment's push time) still shorter than a push interval
 CHUNK_MIN_S = 10.0

@@ -1,0 +1,95 @@
+"""Whether a run's configuration can be used: every value checked, each refusal saying which key
+and why (a ConfigError), before any role acts on it."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from diloco.config_parse import ConfigError
+
+if TYPE_CHECKING:
+    from diloco.config import RunConfig
+
+# The devices a learner can be told to use (whether this machine has them is the learner's check);
+# "" is "auto", as it always was.
+DEVICE_FORMS = "auto, cpu, cuda or cuda:N"
+_DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)?")
+PRECISIONS = ("auto", "bf16", "fp32")
+# The codecs sync.codec and sync.pull_codec may name, most precise first (diloco.wire.codecs gives
+# each its id on the wire; this module stays free of torch).
+CODECS = ("fp32", "bf16", "int8", "int4")
+MERGES = ("mean", "token", "rda")
+
+
+def is_device_spec(spec: str) -> bool:
+    return _DEVICE.fullmatch(spec.strip().lower()) is not None
+
+
+def check(cfg: RunConfig) -> None:
+    m, t, s = cfg.model, cfg.train, cfg.sync
+    named = {"model.factory": m.factory}
+    if cfg.data.preprocess:
+        named["data.preprocess"] = cfg.data.preprocess
+    for key, spec in named.items():
+        if spec.count(":") != 1 or not all(part.strip() for part in spec.split(":")):
+            raise ConfigError(f'{key} must be "package.module:function", not {spec!r}')
+    if t.local_state_every_s < 0:
+        raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
+    if not 0 < t.local_state_max_share <= 1:
+        raise ConfigError(f"train.local_state_max_share must be in (0, 1], got {t.local_state_max_share}")
+    if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
+        raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    if s.fragments < 1 or s.quorum < 0:
+        raise ConfigError("sync.fragments must be >= 1 and sync.quorum >= 0")
+    if (
+        min(s.overlap_steps, s.max_staleness, s.grace_factor, s.grace_steps, s.outer_warmup_rounds) < 0
+        or not 0.0 <= s.mix_alpha < 1.0
+    ):
+        raise ConfigError(
+            "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.grace_steps and "
+            "sync.outer_warmup_rounds must be >= 0, and sync.mix_alpha in [0, 1)"
+        )
+    if not 0.0 < s.stale_decay <= 1.0:
+        raise ConfigError(f"sync.stale_decay must be in (0, 1], got {s.stale_decay}")
+    if t.inner_steps % s.fragments:
+        raise ConfigError(
+            f"train.inner_steps (H = {t.inner_steps}) must be a multiple of sync.fragments (P = {s.fragments}): "
+            "each fragment is pushed every H steps, one every H/P"
+        )
+    if s.overlap_steps >= t.inner_steps:
+        raise ConfigError(
+            f"sync.overlap_steps (τ = {s.overlap_steps}) must be below train.inner_steps (H = {t.inner_steps}): "
+            "a fragment's merge must be applied before its next push"
+        )
+    for key in ("codec", "pull_codec"):
+        if getattr(s, key) not in CODECS:
+            raise ConfigError(f"sync.{key} must be one of {', '.join(CODECS)}, not {getattr(s, key)!r}")
+    if not is_device_spec(t.device):
+        raise ConfigError(f"train.device must be {DEVICE_FORMS}, not {t.device!r}")
+    if s.merge not in MERGES:
+        raise ConfigError(f"sync.merge must be one of {', '.join(MERGES)}, not {s.merge!r}")
+    if cfg.data.max_record_bytes < 1:
+        raise ConfigError("data.max_record_bytes must be >= 1")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError("data.eval_fraction must be in [0, 1)")
+    if cfg.data.epochs < 1:
+        raise ConfigError("data.epochs must be >= 1")
+    if cfg.data.mix_shards < 1:
+        raise ConfigError("data.mix_shards must be >= 1")
+    if cfg.data.deal < 0:
+        raise ConfigError("data.deal must be >= 0 (0: first come, first served)")
+    if cfg.data.max_ready_shards < 0:
+        raise ConfigError("data.max_ready_shards must be >= 0 (0: no limit)")
+    if cfg.data.cache_bytes < 0:
+        raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
+    if cfg.coordinator.stream_chunk_bytes * 2 > cfg.coordinator.max_message_bytes:
+        raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
+    if cfg.eval.every_s < 0 or cfg.eval.every_merges < 0:
+        raise ConfigError("eval.every_s and eval.every_merges must be >= 0 (both 0: no evaluator)")
+    if cfg.eval.max_batches < 1 or cfg.eval.threads < 1:
+        raise ConfigError("eval.max_batches and eval.threads must be >= 1")
+    if cfg.coordinator.min_publish_interval_s < 0:
+        raise ConfigError("coordinator.min_publish_interval_s must be >= 0")
