@@ -2,12 +2,12 @@
 
     python benchmarks/ingest.py --learners 4 --seconds 20 --out benchmarks/results/ingest.json
 
-Both sides run on 127.0.0.1, one after the other: a separate process (the learners are other
-processes, as in a real job; in this one they would share the server's interpreter lock) runs M
-threads that stream the very same serialized push messages (a GPT fragment's delta, fp32, in
-1 MiB pieces) to (a) a bare gRPC client-streaming handler that only reads them, and (b) the real
-coordinator, which validates, assembles, records the push in its ledger, merges (quorum 1) and
-checkpoints. The two take turns (--rounds), so a change in the machine's load falls on both.
+Both sides run on 127.0.0.1, one after the other: a separate process per arm (the learners are
+other processes, as in a real job; in this one they would share the server's interpreter lock),
+started once and kept across the turns, runs M threads that stream the very same serialized push
+messages (a GPT fragment's delta, fp32, in 1 MiB pieces) to (a) a bare gRPC client-streaming
+handler that only reads them, and (b) the real coordinator, which validates, assembles, records
+the push in its ledger, merges (quorum 1) and checkpoints. The two take turns (--rounds), so a change in the machine's load falls on both.
 Printed: MB/s of push bytes each way, the ratio (target: ingest + merge >= 50% of raw streaming)
 over all turns and turn by turn, and the server's CPU time per MB pushed.
 
@@ -98,7 +98,8 @@ def push_messages(shapes: dict[str, tuple[int, ...]], piece: int) -> list[bytes]
     return [m.SerializeToString() for m in stream_tensors(header, delta, piece)]
 
 
-def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, seconds, out, tls=None) -> None:
+def _pusher_child(address, method, worker_ids, shapes, cfg_json, learners, commands, out, tls=None) -> None:
+    """The pushing process: connects once, then runs one turn of `seconds` per command (None: done)."""
     cfg = RunConfig.from_json(cfg_json)
     messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
     push_bytes = sum(len(m) for m in messages)
@@ -122,11 +123,14 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
     calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in own]
     if channel is not None:  # the raw server: the very same bytes, nothing to say about them
         call = channel.stream_unary(method)
-        sent, elapsed = drive(lambda i: (call(iter(messages)), push_bytes)[1], learners, seconds)
+
+        def send_one(i: int) -> int:
+            call(iter(messages))
+            return push_bytes
     else:
         template = pb.TensorStreamMessage.FromString(messages[0])
 
-        def push_one(i: int) -> int:
+        def send_one(i: int) -> int:
             header = pb.TensorStreamMessage()
             header.header.CopyFrom(template.header)
             header.header.push_id = uuid.uuid4().hex
@@ -135,38 +139,41 @@ def _drive_child(address, method, worker_ids, shapes, cfg_json, learners, second
             assert reply.accepted, reply.reason
             return push_bytes
 
-        sent, elapsed = drive(push_one, learners, seconds)
+    while (seconds := commands.get()) is not None:
+        sent, elapsed = drive(send_one, learners, seconds)
+        out.put((sent, elapsed, push_bytes))
     for c in (channel, *own):
         if c is not None:
             c.close()
-    out.put((sent, elapsed, push_bytes))
 
 
-def drive_elsewhere(
-    address: str,
-    method: str,
-    worker_ids: list[str],
-    shapes: dict[str, tuple[int, ...]],
-    cfg: RunConfig,
-    learners: int,
-    seconds: float,
-    tls: dict[str, tuple[str, str, str]] | None = None,
-) -> tuple[int, float, int]:
-    """M pushing threads in a process of their own; returns (bytes sent, seconds, bytes per push).
+class Pusher:
+    """M pushing threads in a process of their own (the learners are other processes, as in a real
+    job), started once per arm and kept across its turns: a turn pays no process start or torch
+    import (seconds each with a CUDA build) and no handshakes, as a learner's channel is kept.
     `tls`: each worker id's certificate, key and CA files (mutual TLS); none, plaintext."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    child = ctx.Process(
-        target=_drive_child,
-        args=(address, method, worker_ids, shapes, cfg.to_json(), learners, seconds, out, tls),
-    )
-    child.start()
-    try:
-        return out.get(timeout=seconds + 300)
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
+
+    def __init__(self, address: str, method: str, worker_ids: list[str], shapes: dict[str, tuple[int, ...]],
+                 cfg: RunConfig, learners: int, tls: dict[str, tuple[str, str, str]] | None = None):  # fmt: skip
+        ctx = mp.get_context("spawn")
+        self.commands, self.out = ctx.Queue(), ctx.Queue()
+        self.child = ctx.Process(
+            target=_pusher_child,
+            args=(address, method, worker_ids, shapes, cfg.to_json(), learners, self.commands, self.out, tls),
+            daemon=True,
+        )
+        self.child.start()
+
+    def turn(self, seconds: float) -> tuple[int, float, int]:
+        """One turn of pushing for `seconds`: (bytes sent, seconds it took, bytes per push)."""
+        self.commands.put(seconds)
+        return self.out.get(timeout=seconds + 300)
+
+    def close(self) -> None:
+        self.commands.put(None)
+        self.child.join(30)
+        if self.child.is_alive():
+            self.child.kill()
 
 
 def server_cpu_s() -> float:
@@ -175,15 +182,10 @@ def server_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def ingest_turn(
-    running, clients: list[CoordinatorClient], shapes, cfg: RunConfig, seconds: float, tls=None
-) -> tuple[int, float, float]:
+def ingest_turn(running, pusher: Pusher, seconds: float) -> tuple[int, float, float]:
     """One turn of pushes to a real coordinator, its merges drained: (bytes, seconds, server CPU s)."""
     cpu0 = server_cpu_s()
-    address = f"127.0.0.1:{running.port}"
-    sent, elapsed, _ = drive_elsewhere(
-        address, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, len(clients), seconds, tls
-    )
+    sent, elapsed, _ = pusher.turn(seconds)
     # Accepted pushes still waiting for their merge or checkpoint count against ingest.
     drain_started = time.monotonic()
     assert running.service.wait_published(120), "merges did not catch up"
@@ -243,26 +245,35 @@ def main(argv: list[str] | None = None) -> None:
             # gRPC's own ceiling over the same mutual TLS: what the transport's TLS costs alone.
             raw_tls = raw_server(cfg, Security(tls=issue(ca, "coordinator", "raw")))
         raw, raw_port = raw_server(cfg)
+        plain = f"127.0.0.1:{running.port}"
+        pushers = {
+            "raw": Pusher(f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners),
+            "ingest": Pusher(plain, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners),
+        }
+        if raw_tls is not None:
+            pushers["raw_tls"] = Pusher(f"127.0.0.1:{raw_tls[1]}", RAW_METHOD, [], shapes, cfg, args.learners,
+                                        {"raw": tls_files["learner-0"]})  # fmt: skip
+        if secure is not None:
+            pushers["tls"] = Pusher(f"127.0.0.1:{secure.port}", PUSH_METHOD, [c.worker_id for c in secure_clients],
+                                    shapes, cfg, args.learners, tls_files)  # fmt: skip
         # The arms take turns, so a change in the machine's load falls on all alike. The same
         # pieces go to each; only the header is new per push (its own push_id).
         turns: list[dict[str, float]] = []
-        for _ in range(args.rounds):
-            cpu0 = server_cpu_s()
-            raw_bytes, raw_s, push_bytes = drive_elsewhere(
-                f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners, turn_s
-            )
-            turn = {"raw_bytes": raw_bytes, "raw_s": raw_s, "raw_cpu_s": server_cpu_s() - cpu0}
-            turn.update(zip(("ingest_bytes", "ingest_s", "ingest_cpu_s"),
-                            ingest_turn(running, clients, shapes, cfg, turn_s), strict=True))  # fmt: skip
-            if raw_tls is not None:
-                cpu0 = server_cpu_s()
-                sent, secs, _ = drive_elsewhere(f"127.0.0.1:{raw_tls[1]}", RAW_METHOD, [], shapes, cfg, args.learners,
-                                                turn_s, {"raw": tls_files["learner-0"]})  # fmt: skip
-                turn.update(raw_tls_bytes=sent, raw_tls_s=secs, raw_tls_cpu_s=server_cpu_s() - cpu0)
-            if secure is not None:
-                turn.update(zip(("tls_bytes", "tls_s", "tls_cpu_s"),
-                                ingest_turn(secure, secure_clients, shapes, cfg, turn_s, tls_files), strict=True))  # fmt: skip
-            turns.append(turn)
+        try:
+            for _ in range(args.rounds):
+                turn: dict[str, float] = {}
+                for arm, pusher in pushers.items():
+                    if arm.startswith("raw"):
+                        cpu0 = server_cpu_s()
+                        sent, secs, push_bytes = pusher.turn(turn_s)
+                        measured = (sent, secs, server_cpu_s() - cpu0)
+                    else:
+                        measured = ingest_turn(running if arm == "ingest" else secure, pusher, turn_s)
+                    turn.update(zip((f"{arm}_bytes", f"{arm}_s", f"{arm}_cpu_s"), measured, strict=True))
+                turns.append(turn)
+        finally:
+            for pusher in pushers.values():
+                pusher.close()
         raw.stop(0)
         if raw_tls is not None:
             raw_tls[0].stop(0)

@@ -157,7 +157,7 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
     process, against the same coordinator with it off, in alternating turns (plaintext, as in
     benchmarks/ingest.py: the scraper's own TLS would be the scraper's cost)."""
     from benchmarks._local import coordinator_with_shards
-    from benchmarks.ingest import ingest_turn, with_learners
+    from benchmarks.ingest import PUSH_METHOD, Pusher, ingest_turn, with_learners
     from diloco.coordinator.server import ObservePorts, start_observers
     from diloco.security.transport import Security
 
@@ -171,6 +171,9 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
         clients, params = with_learners(running, learners)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         cfg = running.service.config
+        pusher = Pusher(
+            f"127.0.0.1:{running.port}", PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, learners
+        )
         try:
             for i in range(rounds):
                 got = {}
@@ -188,7 +191,7 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
                             scraper.stdout is not None and scraper.stdout.readline()
                         )  # scraping before pushes start
                     try:
-                        sent, secs, cpu = ingest_turn(running, clients, shapes, cfg, seconds)
+                        sent, secs, cpu = ingest_turn(running, pusher, seconds)
                     finally:
                         if scraper is not None:
                             scraper.kill()
@@ -202,6 +205,7 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
                       f"off {got[False]['mb_per_s']:.0f} MB/s",
                       flush=True)  # fmt: skip
         finally:
+            pusher.close()
             for c in clients:
                 c.close()
             running.stop()
