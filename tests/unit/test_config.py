@@ -213,3 +213,12 @@ def test_parse_assignments():
     for bad in ("nonsense", "=5", " =x"):
         with pytest.raises(ConfigError, match="section.key=value"):
             parse_assignments([bad])
+
+
+def test_the_config_accepts_exactly_the_codecs_the_wire_knows():
+    # config_checks keeps its own names so that reading a config imports no torch; a codec added to
+    # the wire must be one a config may name, and the other way round.
+    from diloco.config_checks import CODECS
+    from diloco.wire.codecs import CODECS as WIRE_CODECS
+
+    assert CODECS == WIRE_CODECS
