@@ -7,9 +7,10 @@ other processes, as in a real job; in this one they would share the server's int
 started once and kept across the turns, runs M threads that stream the very same serialized push
 messages (a GPT fragment's delta, fp32, in 1 MiB pieces) to (a) a bare gRPC client-streaming
 handler that only reads them, and (b) the real coordinator, which validates, assembles, records
-the push in its ledger, merges (quorum 1) and checkpoints. The two take turns (--rounds), so a change in the machine's load falls on both.
-Printed: MB/s of push bytes each way, the ratio (target: ingest + merge >= 50% of raw streaming)
-over all turns and turn by turn, and the server's CPU time per MB pushed.
+the push in its ledger, merges (quorum 1) and checkpoints. The two take turns (--rounds), so a
+change in the machine's load falls on both. Printed: MB/s of push bytes each way, the ratio
+(target: ingest + merge >= 50% of raw streaming) over all turns and turn by turn, and the server's
+CPU time per MB pushed.
 
     python benchmarks/ingest.py --tls --out benchmarks/results/ingest_tls.json
 
@@ -245,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
             # gRPC's own ceiling over the same mutual TLS: what the transport's TLS costs alone.
             raw_tls = raw_server(cfg, Security(tls=issue(ca, "coordinator", "raw")))
         raw, raw_port = raw_server(cfg)
-        plain = f"127.0.0.1:{running.port}"
         pushers = {
             "raw": Pusher(f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners),
-            "ingest": Pusher(plain, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners),
+            "ingest": Pusher(f"127.0.0.1:{running.port}", PUSH_METHOD, [c.worker_id for c in clients],
+                             shapes, cfg, args.learners),  # fmt: skip
         }
         if raw_tls is not None:
             pushers["raw_tls"] = Pusher(f"127.0.0.1:{raw_tls[1]}", RAW_METHOD, [], shapes, cfg, args.learners,

@@ -88,7 +88,7 @@ class StateWriter:
     def note_push(self) -> None:
         """On the training thread, before a push leaves: a few bytes on disk, so that a restart
         knows whether its state is older than its last push (resume_decision); and the next copy
-        is due at once, so the state soon holds the push."""
+        is due as soon as the cost budget allows (state_cadence), so the state soon holds the push."""
         self.push_count += 1
         marker = pushed_path(self.path)
         tmp = marker.with_suffix(".pushed.tmp")

@@ -190,7 +190,9 @@ def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(
         # The cost is the training thread's 2 s and the save (with its fsync) after it.
         cost = float(re.search(r"cost (\d+\.\d+)s", held[0]).group(1))  # type: ignore[union-attr]
         assert 2.0 <= cost < 3.0
-        # (2 s + the save's milliseconds) / 1%: due ~200 s on, with room for a slow disk's save
+        # (2 s + the save's milliseconds) / 1%: still held back 150 s on, the push's copy too...
+        assert not writer.due(time.monotonic() + 150.0)
+        # ...and due ~200 s on, with room for a slow disk's save
         assert writer.due(time.monotonic() + 300.0)
     finally:
         writer.discard()
