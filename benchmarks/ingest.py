@@ -246,10 +246,10 @@ def main(argv: list[str] | None = None) -> None:
             # gRPC's own ceiling over the same mutual TLS: what the transport's TLS costs alone.
             raw_tls = raw_server(cfg, Security(tls=issue(ca, "coordinator", "raw")))
         raw, raw_port = raw_server(cfg)
+        plain = f"127.0.0.1:{running.port}"
         pushers = {
             "raw": Pusher(f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners),
-            "ingest": Pusher(f"127.0.0.1:{running.port}", PUSH_METHOD, [c.worker_id for c in clients],
-                             shapes, cfg, args.learners),  # fmt: skip
+            "ingest": Pusher(plain, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners),
         }
         if raw_tls is not None:
             pushers["raw_tls"] = Pusher(f"127.0.0.1:{raw_tls[1]}", RAW_METHOD, [], shapes, cfg, args.learners,
