@@ -100,6 +100,9 @@ RunArg = Annotated[
 LiveOpt = Annotated[
     str | None, typer.Option("--coordinator", help="a live run's HOST:PORT: its latest published model")
 ]
+DeviceOpt = Annotated[
+    str, typer.Option(help="where the model runs: auto (cuda when present), cpu, cuda, cuda:N")
+]
 
 
 @clear_errors
@@ -112,11 +115,12 @@ def eval_(
     ] = None,
     max_batches: Annotated[int, typer.Option(help="batches of train.batch_size rows at most (0: all)")] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    device: DeviceOpt = "auto",
 ) -> None:
     """The model's loss (and metrics) on the run's held-out split or on your data."""
     from diloco.results import evaluate_loaded, load_model
 
-    result = evaluate_loaded(load_model(run, coordinator), dataset, max_batches or None)
+    result = evaluate_loaded(load_model(run, coordinator), dataset, max_batches or None, device)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -136,12 +140,15 @@ def generate(
     prompt: Annotated[str, typer.Option(help="the text to continue")] = "def ",
     tokens: Annotated[int, typer.Option(min=1, help="tokens to sample")] = 200,
     temperature: Annotated[float, typer.Option(help="sampling temperature (0: greedy)")] = 0.8,
-    seed: Annotated[int, typer.Option(help="sampling seed: the same seed gives the same text")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="sampling seed: the same seed gives the same text on one device")
+    ] = 0,
+    device: DeviceOpt = "auto",
 ) -> None:
     """A token model continues the prompt."""
     from diloco.results import generate_text, load_model
 
-    typer.echo(generate_text(load_model(run, coordinator), prompt, tokens, temperature, seed))
+    typer.echo(generate_text(load_model(run, coordinator), prompt, tokens, temperature, seed, device))
 
 
 @clear_errors

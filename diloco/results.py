@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from diloco.client import CoordinatorClient
+from diloco.compute.device import pick_device
 from diloco.config import RunConfig
 from diloco.coordinator.report import read_only, stored_run
 from diloco.data.chunks import partition_dataset
@@ -132,10 +133,13 @@ def held_out_columns(loaded: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
     return concat_columns(shards), shards[0].unit
 
 
-def evaluate_loaded(loaded: LoadedModel, dataset: str | None, max_batches: int | None) -> dict[str, Any]:
+def evaluate_loaded(
+    loaded: LoadedModel, dataset: str | None, max_batches: int | None, device: str = "cpu"
+) -> dict[str, Any]:
     columns, unit = dataset_columns(loaded.cfg, dataset) if dataset else held_out_columns(loaded)
+    on = pick_device(device)
     result: EvalResult = evaluate(
-        loaded.model, columns, loaded.cfg.train.batch_size, "cpu", max_batches, loaded.cfg.model.factory
+        loaded.model.to(on), columns, loaded.cfg.train.batch_size, on, max_batches, loaded.cfg.model.factory
     )
     out: dict[str, Any] = {"model": loaded.source, "data": dataset or "held-out split", "rows": result.rows,
                            "loss": result.loss, "metrics": result.metrics}  # fmt: skip
@@ -145,10 +149,13 @@ def evaluate_loaded(loaded: LoadedModel, dataset: str | None, max_batches: int |
     return out
 
 
-def generate_text(loaded: LoadedModel, prompt: str, tokens: int, temperature: float, seed: int) -> str:
+def generate_text(
+    loaded: LoadedModel, prompt: str, tokens: int, temperature: float, seed: int, device: str = "cpu"
+) -> str:
     if not can_sample(loaded.model):
         raise DilocoError(
             f"the run's model ({loaded.cfg.model.factory}) has no logits(input_ids) to sample from"
         )
     tokenizer = load_tokenizer(loaded.cfg.data.tokenizer)
-    return sample_text(loaded.model, tokenizer, prompt, tokens, "cpu", seed=seed, temperature=temperature)
+    on = pick_device(device)
+    return sample_text(loaded.model.to(on), tokenizer, prompt, tokens, on, seed=seed, temperature=temperature)

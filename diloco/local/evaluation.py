@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from diloco import store
+from diloco.compute.device import pick_device
 from diloco.config import RunConfig
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.workdir import store_root
@@ -41,7 +42,11 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
             p.copy_(params[param_name])
     # The trained model in one file: what a later run can start from (model.init_from).
     save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
-    result = evaluate(model, columns, cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES, cfg.model.factory)
+    # On the learners' device: the learners have exited and freed it, and a model sized for a GPU
+    # takes minutes to evaluate on the CPU (an 86 M-parameter run: 2 min after 42 s of training).
+    device = pick_device(cfg.train.device)
+    model.to(device)
+    result = evaluate(model, columns, cfg.train.batch_size, device, EVAL_MAX_BATCHES, cfg.model.factory)
     tokens = shards[0].unit == UNIT_TOKENS
     used = columns["input_ids"][: result.rows] if tokens else None
     return {
@@ -52,7 +57,7 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
         "baseline_loss": unigram_entropy([used], vocab) if used is not None else None,
         "eval_tokens": int(used.size) if used is not None else result.rows,
         "sample": (
-            sample_text(model, tokenizer, SAMPLE_PROMPT, 200, "cpu", seed=cfg.train.seed)
+            sample_text(model, tokenizer, SAMPLE_PROMPT, 200, device, seed=cfg.train.seed)
             if tokens and can_sample(model)
             else ""
         ),

@@ -227,6 +227,8 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
     ]
     assert samples[0].returncode == 0 and samples[0].stdout.startswith("def f"), samples[0].stderr
     assert samples[0].stdout == samples[1].stdout  # the same seed, the same text
+    elsewhere = run_cli(["eval", str(workdir), "--device", "tpu"], timeout=90)
+    assert elsewhere.returncode != 0 and "unknown device 'tpu'" in elsewhere.stderr, elsewhere.stderr
     kinds = {json.loads(line)["kind"] for line in Path(summary["metrics_log"]).read_text().splitlines()}
     assert {"start", "join", "merge", "learner", "eval", "progress"} <= kinds
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
