@@ -20,6 +20,7 @@ diloco.compute.group): every collective here is torch.distributed's own.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from typing import Literal
 
@@ -65,6 +66,37 @@ class Replicated:
 
     def follow_gather(self, names: list[str]) -> None:
         raise RuntimeError("a DDP group never gathers: every rank holds the whole model")
+
+    def share_optimizer(self) -> None:
+        """Rank 0's inner AdamW state on every rank, once, before the first step. Under DDP the
+        ranks' moments stay equal (the same averaged gradients on the same parameters), so rank
+        0's are the group's: a group that resumed its local state (rank 0's file) starts every
+        rank from them. Fresh, there is no state and only the empty layout travels."""
+        state = self.optimizer.state_dict()["state"] if self.group.leader else {}
+        layout = json.loads(self.group.share_text(json.dumps(_layout(state)) if self.group.leader else None))
+        if not self.group.leader:
+            state = {
+                int(i): {k: torch.empty(shape, dtype=getattr(torch, dtype)) for k, (dtype, shape) in entries}
+                for i, entries in layout
+            }
+        self.group.share_tensors(state[int(i)][k] for i, entries in layout for k, _ in entries)
+        if not self.group.leader and state:
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _layout(state: dict[int, dict[str, object]]) -> list[list[object]]:
+    """An optimizer's state as [[param index, [[key, [dtype, shape]], ...]], ...] (AdamW's is
+    tensors only: step, exp_avg, exp_avg_sq): what the other ranks allocate before receiving it."""
+    out: list[list[object]] = []
+    for i, entries in sorted(state.items()):
+        if not all(isinstance(v, torch.Tensor) for v in entries.values()):
+            raise TypeError(f"the inner optimizer's state for parameter {i} holds more than tensors")
+        tensors = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
+        out.append(
+            [i, [[k, [str(v.dtype).removeprefix("torch."), list(v.shape)]] for k, v in tensors.items()]]
+        )
+    return out
 
 
 class Sharded:
@@ -168,4 +200,6 @@ def lead(
     if kind == "fsdp":  # the outer copy stays whole on the host; fully_shard puts each rank's
         model.to("cpu")  # part of the trained copy on the device (the mesh's)
         return hold(kind, group, copy.deepcopy(model), device, train)
-    return hold(kind, group, model, device, train, optimizer)
+    held = Replicated(group, model, device, train, optimizer)
+    held.share_optimizer()  # a resumed rank 0's moments (run_follower does the same)
+    return held

@@ -208,11 +208,18 @@ class ProcessGroup:
         return [c for c in self.children if c.role == role]
 
     def signal(self, child: Child, sig: int) -> None:
-        """To the child's whole process group (its own session): a learner that is a torchrun
-        group dies with all its ranks, as a kill -9 of a node would take them."""
+        """To the child's whole process group (its own session). A kill -9 also goes to every
+        process below the child: torchrun starts its ranks in sessions of their own, and a
+        learner that is a torchrun group must die with all its ranks at once, as a dead node
+        takes them (left to notice their agent is gone, rank 0 trained and pushed for up to a
+        second more, and its restart then found its local state older than its last push)."""
         if child.alive:
+            below = descendants(child.proc.pid) if sig == signal.SIGKILL else []
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, sig)
+            for pid in below:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, sig)
 
     def wait(self, children: list[Child], timeout_s: float) -> bool:
         """Wait until all of `children` exited; False if some are still running at the deadline."""
@@ -261,3 +268,22 @@ class ProcessGroup:
             return "\n".join(child.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), read from /proc; [] where
+    there is no /proc."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after it
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # exited while read
+        parents.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], list(parents.get(pid, []))
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(parents.get(p, []))
+    return found

@@ -113,6 +113,43 @@ def test_two_gloo_ranks_follow_rank_0() -> None:
     assert not zero["differ"] and not one["differ"]
 
 
+def share_adamw(rank: int, port: int, out: dict) -> None:
+    from diloco.compute.replicas import Replicated
+    from diloco.config import TrainConfig
+    from diloco.model.optim import make_inner_optimizer
+
+    group = join_two(rank, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    train = TrainConfig()
+    optimizer = make_inner_optimizer(model, train)
+    if group.leader:  # a resumed rank 0: moments from steps the other rank never took
+        for _ in range(3):
+            model(torch.randn(5, 4)).square().sum().backward()
+            optimizer.step()
+    fresh = Replicated(group, torch.nn.Linear(2, 2), torch.device("cpu"), train)
+    fresh.share_optimizer()  # no state anywhere: only the empty layout travels
+    held = Replicated(group, model, torch.device("cpu"), train, optimizer)
+    held.share_optimizer()
+    state = held.optimizer.state_dict()["state"]
+    out[rank] = {
+        "fresh": len(fresh.optimizer.state_dict()["state"]),
+        "state": {i: {k: v.tolist() for k, v in s.items()} for i, s in state.items()},
+    }
+    group.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback")
+def test_a_ddp_group_starts_every_rank_from_rank_0s_adamw_moments() -> None:
+    """A group that resumed rank 0's local state: the other ranks take its moments, so the
+    replicas stay equal after the next step (their gradients are averaged, their AdamW is not)."""
+    zero, one = spawn_two(share_adamw)
+    assert zero["fresh"] == one["fresh"] == 0
+    assert len(zero["state"]) == 4 and zero["state"][0]["step"] == 3.0
+    assert one["state"] == zero["state"]
+
+
 def test_a_single_process_is_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert Group.from_env() is None

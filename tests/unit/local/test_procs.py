@@ -3,11 +3,13 @@ a child that crashes says how it ended, and its log keeps its stacks."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from diloco.local.procs import Child, ProcessGroup
+from diloco.local.procs import Child, ProcessGroup, descendants
+from tests.support import wait_for
 
 
 def test_a_respawned_child_keeps_its_prefix(tmp_path: Path) -> None:
@@ -36,3 +38,37 @@ def test_a_role_that_crashes_below_python_leaves_its_stacks_and_says_how_it_ende
     assert child.how_it_ended() == "killed by SIGSEGV"
     assert "Fatal Python error: Segmentation fault" in group.tail(child)
     assert "most recent call first" in group.tail(child)
+
+
+def test_a_kill_9_takes_the_processes_a_child_started_in_sessions_of_their_own(tmp_path: Path) -> None:
+    """As torchrun starts its ranks: a kill -9 of the child reaches them at once (a dead node),
+    not only its own process group; a gentler signal is left to the child to pass on."""
+    rank = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+        "print(p.pid, flush=True); time.sleep(60)"
+    )
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", rank], stdout=subprocess.PIPE, start_new_session=True, text=True
+        )
+        child = Child("learner-0", "learner", [], proc, tmp_path / "learner-0.log")
+        grandchild = int(proc.stdout.readline())  # type: ignore[union-attr]
+        assert descendants(proc.pid) == [grandchild]
+        group.signal(child, signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_for(
+            lambda: not Path(f"/proc/{grandchild}").exists() or zombie(grandchild),
+            10,
+            "the grandchild to die",
+        )
+    finally:
+        group.stop()
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
