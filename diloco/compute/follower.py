@@ -8,9 +8,9 @@ import logging
 import torch
 
 from diloco.compute.device import pick_device, set_threads
-from diloco.compute.group import OP_GATHER, OP_MERGE, OP_STEP, OP_STOP, Group
+from diloco.compute.group import OP_COPY, OP_GATHER, OP_MERGE, OP_STEP, OP_STOP, Group
 from diloco.compute.inner import inner_step
-from diloco.compute.replicas import Replicated, hold
+from diloco.compute.replicas import Sharded, hold
 from diloco.config import RunConfig
 from diloco.fragments import assign_fragments
 from diloco.model.factory import build_model
@@ -31,8 +31,7 @@ def run_follower(group: Group, device_spec: str | None, threads: int | None) -> 
     plan = assign_fragments([(n, p.numel()) for n, p in model.named_parameters()], cfg.sync.fragments)
     group.share_tensors(model.parameters())
     held = hold(kind, group, model, device, cfg.train)  # type: ignore[arg-type]
-    if isinstance(held, Replicated):
-        held.share_optimizer()  # rank 0's AdamW moments: a resumed group's, as replicas.lead sends
+    held.share_optimizer()  # rank 0's AdamW moments: a resumed group's, as replicas.lead sends
     trained = torch.compile(held.train_model) if cfg.train.compile else held.train_model
     log.info("rank %d of %d on %s follows rank 0 (%s)", group.rank, group.world, device, kind)
     steps = 0
@@ -50,6 +49,8 @@ def run_follower(group: Group, device_spec: str | None, threads: int | None) -> 
             held.follow_gather(plan[arg])
         elif op == OP_MERGE:
             held.follow_merge(plan[arg])
+        elif op == OP_COPY and isinstance(held, Sharded):
+            held.follow_copy()
         elif op == OP_STOP:
             log.info("rank %d: %d steps; rank 0 says stop", group.rank, steps)
             return 0

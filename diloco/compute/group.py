@@ -12,6 +12,8 @@ coordinator; they follow rank 0 step by step through a small protocol of collect
     STEP: batch spec + columns -- broadcast -->  train on their part of the rows (DDP all-reduces
                                                  the gradients, so the replicas stay equal)
     GATHER p (FSDP only) -- all-gather -->       fragment p whole on rank 0, for its push
+    COPY (FSDP only)     -- all-gather -->       every parameter and AdamW moment whole on rank 0,
+                                                 for its local state
     MERGE p: fragment p's tensors -- broadcast --> write them, at the same step as rank 0
                          (FSDP: scattered into the shards)
     STOP                 -- broadcast -->        exit 0
@@ -42,7 +44,7 @@ log = logging.getLogger("diloco.group")
 # broadcast; a dead rank is torchrun's to notice (it takes the group down), not a timeout's.
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 
-OP_STEP, OP_MERGE, OP_STOP, OP_GATHER = 1, 2, 3, 4
+OP_STEP, OP_MERGE, OP_STOP, OP_GATHER, OP_COPY = 1, 2, 3, 4, 5
 
 # dtypes a batch column may have, by a code that travels in the spec.
 DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.float32, torch.float16,

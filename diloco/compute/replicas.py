@@ -22,11 +22,12 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
-from diloco.compute.group import OP_GATHER, OP_MERGE, Group
+from diloco.compute.group import OP_COPY, OP_GATHER, OP_MERGE, Group
+from diloco.compute.local_state import copy_optimizer
 from diloco.config import TrainConfig
 from diloco.model.optim import make_inner_optimizer
 
@@ -73,30 +74,45 @@ class Replicated:
         0's are the group's: a group that resumed its local state (rank 0's file) starts every
         rank from them. Fresh, there is no state and only the empty layout travels."""
         state = self.optimizer.state_dict()["state"] if self.group.leader else {}
-        layout = json.loads(self.group.share_text(json.dumps(_layout(state)) if self.group.leader else None))
+        layout = _share_layout(self.group, state)
         if not self.group.leader:
-            state = {
-                int(i): {k: torch.empty(shape, dtype=getattr(torch, dtype)) for k, (dtype, shape) in entries}
-                for i, entries in layout
-            }
-        self.group.share_tensors(state[int(i)][k] for i, entries in layout for k, _ in entries)
+            state = {i: {k: _placeholder(spec) for k, spec in entries} for i, entries in layout}
+        self.group.share_tensors(state[i][k] for i, entries in layout for k, _ in entries)
         if not self.group.leader and state:
-            groups = self.optimizer.state_dict()["param_groups"]
-            self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+            _load_state(self.optimizer, state)
+
+    def optimizer_copy(self, outer: dict[str, torch.nn.Parameter]) -> dict[str, Any]:
+        """Rank 0, for its local state: the trained parameters are `outer` already, and its
+        AdamW's moments are every rank's."""
+        return copy_optimizer(self.optimizer)
 
 
-def _layout(state: dict[int, dict[str, object]]) -> list[list[object]]:
-    """An optimizer's state as [[param index, [[key, [dtype, shape]], ...]], ...] (AdamW's is
-    tensors only: step, exp_avg, exp_avg_sq): what the other ranks allocate before receiving it."""
-    out: list[list[object]] = []
+Layout = list[tuple[int, list[tuple[str, tuple[str, list[int]]]]]]
+
+
+def _share_layout(group: Group, state: dict[int, dict[str, Any]]) -> Layout:
+    """Rank 0's optimizer state as [(param index, [(key, (dtype, shape)), ...]), ...] on every
+    rank (AdamW's is tensors only: step, exp_avg, exp_avg_sq): what the others allocate to
+    receive it."""
+    out = []
     for i, entries in sorted(state.items()):
         if not all(isinstance(v, torch.Tensor) for v in entries.values()):
             raise TypeError(f"the inner optimizer's state for parameter {i} holds more than tensors")
-        tensors = {k: v for k, v in entries.items() if isinstance(v, torch.Tensor)}
         out.append(
-            [i, [[k, [str(v.dtype).removeprefix("torch."), list(v.shape)]] for k, v in tensors.items()]]
+            [i, [[k, [str(v.dtype).removeprefix("torch."), list(v.shape)]] for k, v in entries.items()]]
         )
-    return out
+    shared = json.loads(group.share_text(json.dumps(out) if group.leader else None))
+    return [(int(i), [(k, (dtype, shape)) for k, (dtype, shape) in entries]) for i, entries in shared]
+
+
+def _placeholder(spec: tuple[str, list[int]]) -> torch.Tensor:
+    dtype, shape = spec
+    return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def _load_state(optimizer: torch.optim.Optimizer, state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """`state` (by parameter index) into the optimizer; its param groups stay its own."""
+    optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 class Sharded:
@@ -147,6 +163,55 @@ class Sharded:
 
     def follow_gather(self, names: list[str]) -> None:
         self._gathered(names)
+
+    def optimizer_copy(self, outer: dict[str, torch.nn.Parameter]) -> dict[str, Any]:
+        """Rank 0, for its local state: every parameter and AdamW moment gathered whole from the
+        shards (the trained parameters into `outer`, rank 0's whole copy), so that one file holds
+        the group's state; the other ranks take part (follow_copy)."""
+        self.group.send_op(OP_COPY)
+        with torch.no_grad():
+            for n, value in self._gathered(list(self.params)).items():
+                outer[n].copy_(value)
+        return {
+            "state": self._gathered_moments(),
+            "param_groups": copy_optimizer(self.optimizer)["param_groups"],
+        }
+
+    def follow_copy(self) -> None:
+        self._gathered(list(self.params))
+        self._gathered_moments()
+
+    def _gathered_moments(self) -> dict[int, dict[str, torch.Tensor]]:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            return {
+                i: {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+                    for k, v in entries.items()}
+                for i, entries in sorted(self.optimizer.state_dict()["state"].items())
+            }  # fmt: skip
+
+    def share_optimizer(self, resumed: dict[int, dict[str, torch.Tensor]] | None = None) -> None:
+        """Rank 0's whole AdamW state (`resumed`: its unsharded optimizer's, from its local state)
+        cut into every rank's shards before the first step, as a merge is; a fresh start sends
+        the empty layout alone."""
+        from torch.distributed.tensor import distribute_tensor
+
+        layout = _share_layout(self.group, resumed or {})
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, entries in layout:
+            p, state[i] = params[i], {}
+            for key, spec in entries:
+                src = resumed[i][key] if resumed else _placeholder(spec)
+                if tuple(spec[1]) == tuple(p.shape):  # a moment: each rank's part of it
+                    src = src.to(device=p.to_local().device)
+                    state[i][key] = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=0)
+                else:  # the step count
+                    self.group.share_tensors([src])
+                    state[i][key] = src
+        if state:
+            _load_state(self.optimizer, state)
 
     def _scatter(self, whole: dict[str, torch.Tensor]) -> None:
         """Rank 0's whole tensors (the others pass placeholders of the same shape) cut into the
@@ -199,7 +264,10 @@ def lead(
     group.share_tensors(model.parameters())
     if kind == "fsdp":  # the outer copy stays whole on the host; fully_shard puts each rank's
         model.to("cpu")  # part of the trained copy on the device (the mesh's)
-        return hold(kind, group, copy.deepcopy(model), device, train)
+        sharded = Sharded(group, copy.deepcopy(model), device, train)
+        sharded.share_optimizer(optimizer.state_dict()["state"])  # a resumed rank 0's moments
+        optimizer.state.clear()  # the whole moments are in the shards now: not kept twice
+        return sharded
     held = Replicated(group, model, device, train, optimizer)
-    held.share_optimizer()  # a resumed rank 0's moments (run_follower does the same)
+    held.share_optimizer()  # a resumed rank 0's moments (run_follower takes part)
     return held

@@ -18,6 +18,7 @@ from diloco.compute.local_state import LocalState, state_path
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
+from diloco.compute.replicas import Replicated, Sharded
 from diloco.compute.rows import RowBook
 from diloco.compute.state_writer import StateWriter
 from diloco.compute.sync_channel import SyncChannel
@@ -46,6 +47,7 @@ class KeepsLocalState:
     channel: SyncChannel
     state_writer: StateWriter | None
     stop: threading.Event
+    data_parallel: Replicated | Sharded | None  # a torchrun group's (None: one process)
 
     def _resume_decision(self, cfg: RunConfig, reply: pb.JoinReply) -> LocalState | None:
         """This learner's state from its last life, restored, when the run still accepts it; else None."""
@@ -115,6 +117,9 @@ class KeepsLocalState:
         if writer is None or not writer.due(time.monotonic()):
             return
         started = time.monotonic()
+        # A torchrun group's: under FSDP the trained values live in the ranks' shards, gathered here.
+        dp = self.data_parallel
+        optimizer = dp.optimizer_copy(self.params) if dp else local_state.copy_optimizer(self.optimizer)
         # The tensors in bases and pushes are replaced, never changed in place: the dicts are copied.
         frags = [dataclasses.replace(f, base=dict(f.base), at_push=dict(f.at_push)) for f in self.frags]
         state = LocalState(
@@ -125,7 +130,7 @@ class KeepsLocalState:
             first_loss=self.progress.first_loss,
             schedule_shift=self.schedule_shift,
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
-            optimizer=local_state.copy_optimizer(self.optimizer),
+            optimizer=optimizer,
             fragments=frags,
             pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
             residual=dict(self.residual),

@@ -23,13 +23,6 @@ def run_learner(
         from diloco.compute.follower import run_follower
 
         return run_follower(group, o.device, o.threads)
-    sharded = group is not None and overrides is not None and overrides.data_parallel == "fsdp"
-    if sharded and overrides is not None and overrides.state_dir:
-        # Rank 0's file would hold its own shard of AdamW's state alone (DDP's ranks hold equal
-        # moments, which rank 0 shares at the start: replicas.Replicated.share_optimizer). A
-        # restarted FSDP group pulls the global model, as a learner without local state does.
-        log.warning("--state-dir is not kept by an FSDP learner: a restart pulls instead")
-        overrides.state_dir = None
     learner = Learner(address, overrides, stop, group)
     port = learner.overrides.metrics_port
     if port is None:

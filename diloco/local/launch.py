@@ -205,8 +205,7 @@ class LocalRun:
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
             args += ["--worker-id", f"learner-{i}"]
-            if o.ranks_of(i) == 1 or o.data_parallel == "ddp":  # FSDP keeps none (compute.start)
-                args += ["--state-dir", str(self.workdir / "learner-state")]
+            args += ["--state-dir", str(self.workdir / "learner-state")]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             if o.ranks_of(i) > 1:

@@ -150,6 +150,50 @@ def test_a_ddp_group_starts_every_rank_from_rank_0s_adamw_moments() -> None:
     assert one["state"] == zero["state"]
 
 
+def shard_adamw(rank: int, port: int, out: dict) -> None:
+    from diloco.compute.group import OP_COPY
+    from diloco.compute.replicas import Sharded
+    from diloco.config import TrainConfig
+
+    group = join_two(rank, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    held = Sharded(group, model, torch.device("cpu"), TrainConfig())
+    # Rank 0's resumed whole moments (its unsharded AdamW's, from its local state).
+    resumed = {
+        i: {"step": torch.tensor(7.0), "exp_avg": torch.full(shape, 0.1 * i), "exp_avg_sq": torch.rand(shape)}
+        for i, shape in enumerate(shapes)
+    }
+    held.share_optimizer(resumed if group.leader else None)
+    whole = {n: p.full_tensor() for n, p in held.params.items()}  # every rank takes part
+    outer = {n: torch.nn.Parameter(torch.zeros(p.shape)) for n, p in held.params.items()}
+    if group.leader:
+        copied = held.optimizer_copy(outer)["state"]  # gathered whole again, for the next copy
+        group.send_op(OP_STOP)
+        out[rank] = {
+            "same": all(torch.equal(copied[i][k], resumed[i][k]) for i in resumed for k in resumed[i]),
+            "outer": all(torch.equal(outer[n], whole[n]) for n in outer),
+        }
+    else:
+        assert group.recv_op()[0] == OP_COPY
+        held.follow_copy()
+        assert group.recv_op()[0] == OP_STOP
+        local = held.optimizer.state_dict()["state"]
+        out[rank] = {"parts": [tuple(local[i]["exp_avg"].to_local().shape) for i in sorted(local)]}
+    group.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(sys.platform != "linux", reason="gloo on loopback")
+def test_an_fsdp_group_cuts_rank_0s_moments_into_shards_and_gathers_them_back() -> None:
+    """A resumed FSDP group: rank 0's whole AdamW moments go to the ranks' shards; the next copy
+    of the local state gathers the same values back, and the trained parameters with them."""
+    zero, one = spawn_two(shard_adamw)
+    assert zero == {"same": True, "outer": True}
+    assert one["parts"] == [(3, 4), (3,), (3,), (3,)]  # rank 1 holds its half of each
+
+
 def test_a_single_process_is_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert Group.from_env() is None
