@@ -142,6 +142,7 @@ class EndGame:
                 self._flush()
                 self.progress.kept_busy_s = self.progress.busy_s  # pushed and merged, or given back
                 if self.state_writer is not None:
+                    log.info("%s", self.state_writer.describe(self.progress.busy_s))
                     self.state_writer.discard()  # nothing is left to resume
         finally:
             self._leave(reason, heartbeats)

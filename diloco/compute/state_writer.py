@@ -53,6 +53,10 @@ class StateWriter:
         self._told_held = -math.inf  # when the log last said the budget held a copy back
         self._cond = threading.Condition()
         self.writes = 0
+        # Over this life: the training thread's copies (wall) and the writer's saves (its CPU,
+        # the share of a core it takes from training; the fsync's wait is not counted).
+        self.copies_s = 0.0
+        self.saves_cpu_s = 0.0
         # Pushes of work made, over every life of this learner: a fresh life (start_fresh) counts
         # anew, a resumed one goes on from its state's count (which equals the noted one).
         self.push_count = pushed_count(path) or 0
@@ -83,6 +87,7 @@ class StateWriter:
         with self._cond:
             self._next = state
             self._last_offer, self._pushed, self._copy_s = time.monotonic(), False, copy_s
+            self.copies_s += copy_s
             self._cond.notify_all()
 
     def note_push(self) -> None:
@@ -129,9 +134,10 @@ class StateWriter:
                     return
                 state, self._next, self._busy = self._next, None, True
             try:
-                started = time.monotonic()
+                started, cpu = time.monotonic(), time.thread_time()
                 save(self.path, state)
                 self._save_s = time.monotonic() - started
+                self.saves_cpu_s += time.thread_time() - cpu
                 self.writes += 1
                 if self.on_saved is not None:
                     self.on_saved(state)
@@ -140,3 +146,12 @@ class StateWriter:
             finally:
                 with self._cond:
                     self._busy = False
+
+    def describe(self, busy_s: float) -> str:
+        """This life's copies and what they cost, against the time in inner steps."""
+        cost = self.copies_s + self.saves_cpu_s
+        share = cost / busy_s if busy_s > 0 else 0.0
+        return (
+            f"local state: {self.writes} copies saved, copying {self.copies_s:.2f}s + saving "
+            f"{self.saves_cpu_s:.2f}s CPU ({share:.1%} of the {busy_s:.1f}s in inner steps)"
+        )

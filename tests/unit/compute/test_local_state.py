@@ -194,5 +194,10 @@ def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(
         assert not writer.due(time.monotonic() + 150.0)
         # ...and due ~200 s on, with room for a slow disk's save
         assert writer.due(time.monotonic() + 300.0)
+        # What the learner's last line says the copies cost this life, against its training.
+        assert writer.copies_s == 2.0 and writer.saves_cpu_s > 0.0
+        said = writer.describe(busy_s=100.0)
+        assert said.startswith("local state: 1 copies saved, copying 2.00s + saving "), said
+        assert f"({(2.0 + writer.saves_cpu_s) / 100:.1%} of the 100.0s in inner steps)" in said
     finally:
         writer.discard()
