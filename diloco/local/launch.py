@@ -215,14 +215,10 @@ class LocalRun:
         if (
             self.config.eval.every_s > 0 or self.config.eval.every_merges > 0
         ):  # the held-out loss of the global model, while it trains
-            args = [
-                "evaluator",
-                "--coordinator",
-                address,
-                "--worker-id",
-                "evaluator",
-                *self._tls("evaluator"),
-            ]
+            # On the learners' device: a model sized for a GPU takes minutes per evaluation on one
+            # CPU thread (auto is the CPU on a machine without one).
+            args = ["evaluator", "--coordinator", address, "--worker-id", "evaluator",
+                    "--device", self.config.train.device, *self._tls("evaluator")]  # fmt: skip
             self.group.spawn("evaluator", "evaluator", args)
 
     def _stop_children(self) -> None:
