@@ -174,7 +174,7 @@ class Sharded:
                 outer[n].copy_(value)
         return {
             "state": self._gathered_moments(),
-            "param_groups": copy_optimizer(self.optimizer)["param_groups"],
+            "param_groups": json.loads(json.dumps(self.optimizer.state_dict()["param_groups"])),
         }
 
     def follow_copy(self) -> None:
