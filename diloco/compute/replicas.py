@@ -204,7 +204,7 @@ class Sharded:
             p, state[i] = params[i], {}
             for key, spec in entries:
                 src = resumed[i][key] if resumed else _placeholder(spec)
-                if tuple(spec[1]) == tuple(p.shape):  # a moment: each rank's part of it
+                if key != "step" and tuple(spec[1]) == tuple(p.shape):  # a moment: each rank's part
                     src = src.to(device=p.to_local().device)
                     state[i][key] = distribute_tensor(src, p.device_mesh, p.placements, src_data_rank=0)
                 else:  # the step count
@@ -268,6 +268,6 @@ def lead(
         sharded.share_optimizer(optimizer.state_dict()["state"])  # a resumed rank 0's moments
         optimizer.state.clear()  # the whole moments are in the shards now: not kept twice
         return sharded
-    held = Replicated(group, model, device, train, optimizer)
+    held = hold(kind, group, model, device, train, optimizer)
     held.share_optimizer()  # a resumed rank 0's moments (run_follower takes part)
     return held
