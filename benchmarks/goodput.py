@@ -1,6 +1,7 @@
 """Goodput under learner failures: M learners, only learners killed, next to the fault-free run.
 
     python benchmarks/goodput.py --learners 4 --minutes 3 --per-learner 120,30 --seed 1
+    python benchmarks/goodput.py --learners 2 --learner-ranks 2 --minutes 2 --per-learner 30   # torchrun groups
 
 Goodput is the share of learner-seconds whose work was merged (run.goodput): time in inner steps
 over every life of every learner, times the share of trained tokens that merged, over M × wall
@@ -82,11 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--minutes", type=float, default=3.0, help="wall time of every arm")
     p.add_argument("--per-learner", default="120,30", help="mean seconds between kills of each learner")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--learner-ranks", type=int, default=1, help="each learner a torchrun group of N ranks")
+    p.add_argument("--data-parallel", default="ddp", help="inside a group: ddp or fsdp")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "goodput.json")
     args = p.parse_args(argv)
 
-    common = ["--minutes", str(args.minutes), "--learners", str(args.learners), "--seed", str(args.seed)]
+    common = ["--minutes", str(args.minutes), "--learners", str(args.learners), "--seed", str(args.seed),
+              "--learner-ranks", str(args.learner_ranks), "--data-parallel", args.data_parallel]  # fmt: skip
     for item in args.overrides:
         common += ["--set", item]
     rows = []

@@ -142,9 +142,11 @@ class SyncsFragments:
 
     def _covered_by(self, p: int) -> Unpushed:
         """The rows whose effect is in every fragment once fragment p is pushed now."""
-        carried = self.rows.carry(p, len(self.frags))
+        carried = self.rows.carry(p, len(self.frags), self.progress.busy_s)
         if self.rows.all_carried():  # every step so far rides on a push: a kill now loses none of it
             self.progress.kept_busy_s = self.progress.busy_s
+        else:  # the steps before the rows that still wait for another fragment's push
+            self.progress.kept_busy_s = max(self.progress.kept_busy_s, self.rows.kept_busy_s)
         return carried
 
     def _push_due(self) -> None:

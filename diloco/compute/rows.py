@@ -53,30 +53,38 @@ class AwaitingCover:
 
     rows: Unpushed
     waiting: set[int]
+    # The learner's time in inner steps when the group was made (at a push): once it waits for
+    # nothing, every step up to then rides on pushes made, and a kill no longer loses it.
+    busy_s: float = 0.0
 
 
-def release_fragment(awaiting: list[AwaitingCover], fragment: int) -> tuple[Unpushed, list[AwaitingCover]]:
+def release_fragment(
+    awaiting: list[AwaitingCover], fragment: int
+) -> tuple[Unpushed, list[AwaitingCover], float]:
     """The groups stop waiting for `fragment` (it was just pushed, or just overwritten by its merge:
     what it held of the rows is then as far as they get, as for any row in the τ overlap).
-    Returns the rows that now wait for nothing and the groups still waiting."""
-    done = Unpushed()
+    Returns the rows that now wait for nothing, the groups still waiting, and the time in inner
+    steps up to which the completed groups keep the learner's work (0.0: none completed)."""
+    done, kept = Unpushed(), 0.0
     for group in awaiting:
         group.waiting.discard(fragment)
         if not group.waiting:
             done.extend(group.rows)
-    return done, [g for g in awaiting if g.waiting]
+            kept = max(kept, group.busy_s)
+    return done, [g for g in awaiting if g.waiting], kept
 
 
 def rows_to_carry(
-    awaiting: list[AwaitingCover], fresh: Unpushed, pushed: int, fragments: int
-) -> tuple[Unpushed, list[AwaitingCover]]:
-    """Fragment `pushed` is pushed now: the rows its push carries, and the groups still waiting.
+    awaiting: list[AwaitingCover], fresh: Unpushed, pushed: int, fragments: int, busy_s: float = 0.0
+) -> tuple[Unpushed, list[AwaitingCover], float]:
+    """Fragment `pushed` is pushed now, `busy_s` into the learner's inner steps: the rows its push
+    carries, the groups still waiting, and the time up to which the steps ride on pushes.
 
     `fresh` holds the rows trained since the previous push; from now on they wait for every
     fragment's push, this one included. Groups complete in the order they were made.
     """
     groups = (
-        [*awaiting, AwaitingCover(fresh, set(range(fragments)))]
+        [*awaiting, AwaitingCover(fresh, set(range(fragments)), busy_s)]
         if fresh.spans or fresh.released
         else awaiting
     )
@@ -103,14 +111,17 @@ class RowBook:
     unpushed: Unpushed = field(default_factory=Unpushed)
     awaiting: list[AwaitingCover] = field(default_factory=list)
     resolved: Unpushed = field(default_factory=Unpushed)
+    # Every step up to this time in inner steps rides on pushes made (goodput's kept work).
+    kept_busy_s: float = 0.0
 
     def trained(self, batch: Batch) -> None:
         self.unpushed.add(batch)
 
-    def carry(self, pushed: int, fragments: int) -> Unpushed:
-        """Fragment `pushed` is pushed now: the rows its push carries (their effect is in every
-        fragment once it is sent)."""
-        carried, self.awaiting = rows_to_carry(self.awaiting, self.unpushed, pushed, fragments)
+    def carry(self, pushed: int, fragments: int, busy_s: float = 0.0) -> Unpushed:
+        """Fragment `pushed` is pushed now, `busy_s` into the inner steps: the rows its push carries
+        (their effect is in every fragment once it is sent)."""
+        carried, self.awaiting, kept = rows_to_carry(self.awaiting, self.unpushed, pushed, fragments, busy_s)
+        self.kept_busy_s = max(self.kept_busy_s, kept)
         self.unpushed = Unpushed()
         self.resolved.extend(carried)
         carried, self.resolved = self.resolved, Unpushed()
@@ -118,7 +129,8 @@ class RowBook:
 
     def overwritten(self, fragment: int) -> None:
         """Fragment `fragment` was overwritten by its merge: it holds no waiting rows up any more."""
-        done, self.awaiting = release_fragment(self.awaiting, fragment)
+        done, self.awaiting, kept = release_fragment(self.awaiting, fragment)
+        self.kept_busy_s = max(self.kept_busy_s, kept)
         self.resolved.extend(done)
 
     def all_carried(self) -> bool:
@@ -143,6 +155,7 @@ class RowBook:
         """A copy that later changes to this book do not reach (for the local state)."""
         return RowBook(
             copy_rows(self.unpushed),
-            [AwaitingCover(copy_rows(g.rows), set(g.waiting)) for g in self.awaiting],
+            [AwaitingCover(copy_rows(g.rows), set(g.waiting), g.busy_s) for g in self.awaiting],
             copy_rows(self.resolved),
+            self.kept_busy_s,
         )

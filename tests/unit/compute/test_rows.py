@@ -43,38 +43,38 @@ def rows(*spans: tuple[int, int, int]) -> Unpushed:
 
 def test_rows_ride_on_the_push_that_completes_every_fragment() -> None:
     # P = 2: rows trained before fragment 0's push ride on fragment 1's next push, not on this one.
-    carried, awaiting = rows_to_carry([], rows((1, 0, 8)), pushed=0, fragments=2)
+    carried, awaiting, _ = rows_to_carry([], rows((1, 0, 8)), pushed=0, fragments=2)
     assert carried.spans == [] and [g.waiting for g in awaiting] == [{1}]
-    carried, awaiting = rows_to_carry(awaiting, rows((1, 8, 16)), pushed=1, fragments=2)
+    carried, awaiting, _ = rows_to_carry(awaiting, rows((1, 8, 16)), pushed=1, fragments=2)
     assert carried.spans == [(1, 0, 8)] and [g.waiting for g in awaiting] == [{0}]
-    carried, awaiting = rows_to_carry(awaiting, Unpushed(), pushed=0, fragments=2)
+    carried, awaiting, _ = rows_to_carry(awaiting, Unpushed(), pushed=0, fragments=2)
     assert carried.spans == [(1, 8, 16)] and awaiting == []
 
 
 def test_one_fragment_carries_its_rows_at_once() -> None:
-    carried, awaiting = rows_to_carry([], rows((4, 0, 8), (4, 8, 16)), pushed=0, fragments=1)
+    carried, awaiting, _ = rows_to_carry([], rows((4, 0, 8), (4, 8, 16)), pushed=0, fragments=1)
     assert carried.spans == [(4, 0, 16)] and awaiting == []
 
 
 def test_a_released_shard_rides_with_its_last_rows() -> None:
     last = Unpushed()
     last.add(batch(2, 56, 64, last=True))
-    carried, awaiting = rows_to_carry([], last, pushed=1, fragments=3)
-    carried, awaiting = rows_to_carry(awaiting, Unpushed(), pushed=2, fragments=3)
+    carried, awaiting, _ = rows_to_carry([], last, pushed=1, fragments=3)
+    carried, awaiting, _ = rows_to_carry(awaiting, Unpushed(), pushed=2, fragments=3)
     assert carried.released == [] and awaiting
-    carried, awaiting = rows_to_carry(awaiting, Unpushed(), pushed=0, fragments=3)
+    carried, awaiting, _ = rows_to_carry(awaiting, Unpushed(), pushed=0, fragments=3)
     assert carried.spans == [(2, 56, 64)] and carried.released == [2] and awaiting == []
 
 
 def test_an_overwritten_fragment_stops_waiting_and_the_rows_ride_on_the_next_push() -> None:
     # Fragment 1 pushed with rows waiting for fragment 0, which is then overwritten by its merge
     # before it is pushed again (a learner with no more data): the rows wait for nothing more.
-    _, awaiting = rows_to_carry([], rows((5, 0, 8)), pushed=1, fragments=2)
-    done, awaiting = release_fragment(awaiting, 0)
+    _, awaiting, _ = rows_to_carry([], rows((5, 0, 8)), pushed=1, fragments=2)
+    done, awaiting, _ = release_fragment(awaiting, 0)
     assert done.spans == [(5, 0, 8)] and awaiting == []
     # Overwriting a fragment nobody waits for changes nothing.
-    _, awaiting = rows_to_carry([], rows((6, 0, 8)), pushed=0, fragments=2)
-    done, awaiting = release_fragment(awaiting, 0)
+    _, awaiting, _ = rows_to_carry([], rows((6, 0, 8)), pushed=0, fragments=2)
+    done, awaiting, _ = release_fragment(awaiting, 0)
     assert done.spans == [] and [g.waiting for g in awaiting] == [{1}]
 
 
@@ -87,6 +87,24 @@ def test_the_row_book_carries_rows_once_every_fragment_is_pushed_after_them() ->
     book.overwritten(0)  # fragment 0's merge overwrote what it held of the later rows
     assert book.all_carried() and book.resolved.spans == [(3, 8, 16)]
     assert book.carry(1, 2).spans == [(3, 8, 16)] and not book.resolved.spans
+
+
+def test_the_steps_before_rows_that_still_wait_are_kept_work() -> None:
+    """Goodput's kept work without a local state: the steps up to the newest rows every fragment
+    has carried (a kill loses only those after), not nothing until every row at once is carried,
+    which with fragments pushed in turn hardly ever happens."""
+    book = RowBook()
+    book.trained(batch(3, 0, 8))
+    book.carry(0, 2, busy_s=1.0)  # the rows trained by 1.0 s wait for fragment 1
+    assert book.kept_busy_s == 0.0
+    book.trained(batch(3, 8, 16))
+    book.carry(1, 2, busy_s=2.0)  # they ride now; the rows trained by 2.0 s wait for fragment 0
+    assert book.kept_busy_s == 1.0 and not book.all_carried()
+    book.trained(batch(3, 16, 24))
+    book.carry(0, 2, busy_s=3.0)
+    assert book.kept_busy_s == 2.0
+    book.overwritten(1)  # fragment 1's merge: the rows trained by 3.0 s wait for nothing more
+    assert book.kept_busy_s == 3.0
 
 
 def test_the_row_book_gives_everything_back_at_the_end_and_its_copies_stand_apart() -> None:
