@@ -56,19 +56,19 @@ def test_a_kill_9_takes_the_processes_a_child_started_in_sessions_of_their_own(t
         child = Child("learner-0", "learner", [], proc, tmp_path / "learner-0.log")
         grandchild = int(proc.stdout.readline())  # type: ignore[union-attr]
         assert descendants(proc.pid) == [grandchild]
+        group.signal(child, signal.SIGSTOP)  # a gentler signal: the child's own group alone
+        wait_for(lambda: state(proc.pid) == "T", 10, "the child to stop")
+        assert state(grandchild) in ("S", "R")
         group.signal(child, signal.SIGKILL)
         proc.wait(timeout=10)
-        wait_for(
-            lambda: not Path(f"/proc/{grandchild}").exists() or zombie(grandchild),
-            10,
-            "the grandchild to die",
-        )
+        wait_for(lambda: state(grandchild) in (None, "Z"), 10, "the grandchild to die")
     finally:
         group.stop()
 
 
-def zombie(pid: int) -> bool:
+def state(pid: int) -> str | None:
+    """A process's state letter from /proc (None: gone)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return True
+        return None
