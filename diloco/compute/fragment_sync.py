@@ -137,7 +137,7 @@ class SyncsFragments:
                 f.counted_at_push = (f.steps, f.tokens, f.loss_sum)
             f.push = (header, tensors)
             if self.state_writer is not None:
-                self.state_writer.note_push()
+                self.state_writer.note_push(header, tensors)
         self.channel.submit(header, tensors)
 
     def _covered_by(self, p: int) -> Unpushed:

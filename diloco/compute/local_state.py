@@ -82,23 +82,27 @@ def resume_decision(
     current_versions: list[int],
     max_staleness: int,
     pushes_noted: int | None = None,
+    journaled: tuple[int, ...] = (),
 ) -> ResumeDecision:
     """Whether a restarted learner goes on from its local state, and why (or why not).
 
     pushes_noted: how many pushes of work the dead life had made (pushed_count). A push after the
-    state was copied carried work the state still holds as unpushed: resumed, it would be pushed
-    and merged a second time (measured: a chaos run whose rounds were all whole ended +5% once a
-    learner killed just after a push re-sent its steps from the older state). Pushes are counted,
-    not dated by step: a copy and a push at the same step come in either order (the end game
-    hands in after the step's copy), and a step said "the state holds it" when it did not.
+    state was copied carried work the state still holds as unpushed: resumed as it is, it would
+    be pushed and merged a second time (measured: a chaos run whose rounds were all whole ended
+    +5% once a learner killed just after a push re-sent its steps from the older state). Pushes
+    are counted, not dated by step: a copy and a push at the same step come in either order (the
+    end game hands in after the step's copy), and a step said "the state holds it" when it did not.
+    journaled: the fragments of the pushes after the state that the push journal holds, in order
+    (push_journal.after): those pushes are replayed on the state, and their fragments start over
+    from the run's current version (no staleness to refuse).
     """
     if state is None:
         return ResumeDecision(False, "no local state")
-    if pushes_noted is not None and pushes_noted > state.push_count:
+    if pushes_noted is not None and pushes_noted > state.push_count + len(journaled):
         return ResumeDecision(
             False,
-            f"{pushes_noted - state.push_count} push(es) came after the state (step {state.inner_steps}): "
-            "resumed, that work would be merged twice",
+            f"{pushes_noted - state.push_count} push(es) came after the state (step {state.inner_steps}), "
+            f"{len(journaled)} of them in the push journal: resumed, that work would be merged twice",
         )
     if state.run_id != run_id or state.worker_id != worker_id:
         return ResumeDecision(
@@ -112,13 +116,17 @@ def resume_decision(
             False, f"local state has {len(state.fragments)} fragment(s), the run {len(current_versions)}"
         )
     for p, (f, now) in enumerate(zip(state.fragments, current_versions, strict=True)):
+        if p in journaled:
+            continue
         if refusal := staleness_refusal(max_staleness, f.version, now):
             return ResumeDecision(False, f"fragment {p}: {refusal}")
     age = time.time() - state.written_at
     versions = [f.version for f in state.fragments]
+    replayed = f", replaying {len(journaled)} push(es) from the journal" if journaled else ""
     return ResumeDecision(
         True,
-        f"resuming at step {state.inner_steps} from state {age:.1f}s old (versions {versions}, run at {current_versions})",
+        f"resuming at step {state.inner_steps} from state {age:.1f}s old (versions {versions}, "
+        f"run at {current_versions}){replayed}",
     )
 
 

@@ -1,6 +1,7 @@
 """The learner's local state, kept and resumed (diloco.compute.local_state has the file and the
 decision): a copy of what it holds every few seconds, handed to a writer thread; after a restart,
-that copy put back in place of a full pull when the run still accepts it."""
+that copy put back in place of a full pull when the run still accepts it, with the pushes made
+after it replayed from the push journal (diloco.compute.push_journal)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 import torch
 
 from diloco.client import CoordinatorClient
-from diloco.compute import local_state
+from diloco.compute import local_state, push_journal
 from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, state_path
 from diloco.compute.overrides import LocalOverrides
@@ -58,6 +59,7 @@ class KeepsLocalState:
             path, cfg.train.local_state_every_s, self._saved, cfg.train.local_state_max_share
         )
         state = local_state.load(path, [f.names for f in self.frags])
+        journal = push_journal.after(path, state.push_count) if state is not None else []
         decision = local_state.resume_decision(
             state,
             run_id=reply.run_id,
@@ -66,6 +68,7 @@ class KeepsLocalState:
             current_versions=list(reply.fragment_versions),
             max_staleness=cfg.sync.max_staleness,
             pushes_noted=local_state.pushed_count(path),
+            journaled=tuple(push.header.fragment for push in journal),
         )
         if state is not None:
             log.info("local state: %s", decision.reason)
@@ -73,6 +76,7 @@ class KeepsLocalState:
         if not decision.resume or state is None:
             self.state_writer.start_fresh()
             return None
+        pushed = push_journal.replay(state, journal, keeps_overlap=keeps_overlap(cfg))
         with torch.no_grad():
             for name, t in state.params.items():
                 self.params[name].copy_(t.to(self.device))
@@ -85,7 +89,30 @@ class KeepsLocalState:
         self.schedule_shift = state.schedule_shift
         for p, push in state.pushes.items():
             self.frags[p].push = push
+        if pushed:  # their steps went with the journaled pushes: they start over from the run's
+            self._start_over(self.client.pull(sorted(pushed), None), cfg)
         return state
+
+    def _start_over(
+        self, pulled: list[tuple[pb.TensorHeader, dict[str, torch.Tensor]]], cfg: RunConfig
+    ) -> None:
+        """Fragments a journaled push carried: the run's current value in place of the state's
+        (which the push holds already), still in flight with that push. With keep_overlap the steps
+        from here on are kept on top of its merge, as after any push."""
+        for header, value in pulled:
+            f = self.frags[header.fragment]
+            with torch.no_grad():
+                for n in f.names:
+                    self.params[n].copy_(value[n].to(self.device))
+            f.base = {n: value[n].to(torch.float32).clone() for n in f.names}
+            f.version = header.version
+            f.steps = f.tokens = 0
+            f.loss_sum = 0.0
+            f.apply_at = self.progress.inner_steps + cfg.sync.overlap_steps
+            f.at_push = {n: self.params[n].detach().clone() for n in f.names} if keeps_overlap(cfg) else {}
+            f.counted_at_push = (0, 0, 0.0)
+            for n in f.names:  # what the codec left out was sent on with the journaled push
+                self.residual.pop(n, None)
 
     def _saved(self, state: LocalState) -> None:
         """(writer thread) The steps up to this state survive a kill now."""
@@ -139,3 +166,8 @@ class KeepsLocalState:
             push_count=writer.push_count,
         )
         writer.offer(state, copy_s=time.monotonic() - started)
+
+
+def keeps_overlap(cfg: RunConfig) -> bool:
+    """A merge's apply keeps the steps since its push (fragment_sync._apply)."""
+    return cfg.sync.mix_alpha == 0 and cfg.sync.keep_overlap and cfg.sync.overlap_steps > 0

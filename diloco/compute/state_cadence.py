@@ -9,9 +9,9 @@ run without local state on the 2-core machine, 3 seeds (benchmarks/local_state_c
 one's cost is at most `train.local_state_max_share` of the time since it: a small model copies
 every few seconds as before, a large one as often as its budget allows.
 
-A push makes a copy due sooner (the cost budget still holds): a state older than the learner's
-last push cannot be resumed (local_state.resume_decision), so the copy that follows a push is the
-one worth having.
+Pushes do not make a copy due: a state older than the learner's last push is resumed with the
+pushes after it from the push journal (push_journal), so the copies follow the clock and the
+budget alone (before the journal a copy followed every push, the only state a resume could use).
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ def copy_due(
     last_cost_s: float,
     every_s: float,
     max_share: float,
-    pushed_since: bool,
 ) -> CopyVerdict:
     """Whether the training thread copies its state at `now`.
 
     last_copy: when the last copy was taken (-inf: never); last_cost_s: its cost, the training
-    thread's copy and the writer's save together; pushed_since: a push left after it."""
+    thread's copy and the writer's save together."""
     since = now - last_copy
     spacing = last_cost_s / max_share if max_share > 0 else 0.0
     if since < spacing:
@@ -48,8 +47,6 @@ def copy_due(
             f"the next in {spacing - since:.1f}s",
             held_by_cost=True,
         )
-    if pushed_since:
-        return CopyVerdict(True, "a push left after the last copy")
     if since < every_s:
         return CopyVerdict(False, f"copied {since:.1f}s ago, every {every_s:g}s")
     return CopyVerdict(True, f"{since:.1f}s since the last copy")

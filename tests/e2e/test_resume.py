@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from diloco.compute import local_state
+from diloco.compute import local_state, push_journal
 from diloco.compute.local_state import state_path
-from diloco.local.procs import ProcessGroup
-from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
+from diloco.local.procs import Child, ProcessGroup, descendants
+from tests.support import ledger_rows, run_cli, start_coordinator
 
 pytestmark = pytest.mark.e2e
 
@@ -21,10 +24,14 @@ pytestmark = pytest.mark.e2e
 def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
     tiny_corpus: Path, tmp_path: Path, ranks: str
 ) -> None:
-    """kill -9 mid-run, the same id restarts: it resumes at its step without a pull, the run ends
-    with every row merged once (the audit), and a clean end leaves no state behind. Under a token
-    budget (allowances), the resumed steps are not handed in before the first allowance comes:
-    they go on to their scheduled pushes (handed in, each closed a round of its own).
+    """kill -9 mid-run, the same id restarts: it resumes at its step, the run ends with every row
+    merged once (the audit), and a clean end leaves no state behind. Under a token budget
+    (allowances), the resumed steps are not handed in before the first allowance comes: they go
+    on to their scheduled pushes (handed in, each closed a round of its own).
+
+    The kill comes when the state is older than the learner's last push (copies every second,
+    pushes every 10 steps): the resume replays the pushes after it from the push journal (a
+    push no longer brings a copy forward), and the run still merges every row once.
 
     A learner of 2 ranks (torchrun) is killed whole and resumes from rank 0's file: under DDP rank
     1 takes rank 0's AdamW moments, else their steps would part the replicas, which the check after
@@ -37,7 +44,7 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
     try:
         address = start_coordinator(group, workdir, [
             "--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.inner_steps=20",
-            "--set", "train.local_state_every_s=0.2", "--set", "data.chunk_bytes=65536",
+            "--set", "train.local_state_every_s=1", "--set", "data.chunk_bytes=65536",
             "--set", "train.max_tokens=1000000000",
         ])  # fmt: skip
         group.spawn("data-0", "data", ["data", "--coordinator", address])
@@ -48,23 +55,33 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
         learner = group.spawn("learner-0", "learner", args)
 
         def saved_steps() -> int:
-            """The saved step, while no push has left after the copy (a resumable state)."""
+            """The saved step, while pushes have left after the copy and the journal holds them all."""
             state = local_state.load(path, [[]] * 8) if path.exists() else None
-            resumable = state is not None and state.push_count == (local_state.pushed_count(path) or 0)
-            return state.inner_steps if state and resumable else 0
+            if state is None:
+                return 0
+            noted = local_state.pushed_count(path) or 0
+            journaled = len(push_journal.after(path, state.push_count))
+            return state.inner_steps if state.push_count < noted <= state.push_count + journaled else 0
 
-        wait_for(
-            lambda: saved_steps() >= 30, 150, "the learner to keep its state past step 30", period_s=0.02
-        )
+        # Frozen (every process of the learner), the files hold still while they are read.
+        deadline = time.monotonic() + 150
+        while True:
+            assert time.monotonic() < deadline, "the learner to keep its state past step 30, pushes journaled"
+            freeze(learner, signal.SIGSTOP)
+            if saved_steps() >= 30:
+                break
+            freeze(learner, signal.SIGCONT)
+            time.sleep(0.05)
+        saved = saved_steps()
         group.signal(learner, signal.SIGKILL)
         assert group.wait([learner], 10)
-        saved = saved_steps()
         learner = group.respawn(learner)
         assert group.wait([learner], 150) and learner.proc.returncode == 0, group.tail(learner, 40)
         log = learner.log_path.read_text()
         resumed = [line for line in log.splitlines() if "local state: resuming at step" in line]
         assert resumed, log[-3000:]
         assert int(resumed[-1].split("resuming at step ")[1].split()[0]) >= saved
+        assert "from the journal" in resumed[-1], resumed[-1]
         this_life = log[log.index(resumed[-1]) :]
         assert "start-up:" in this_life, this_life[-3000:]
         before_first_step = this_life[: this_life.index("start-up:")]
@@ -84,3 +101,10 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
         assert merged[0][0] > 0
     finally:
         group.stop()
+
+
+def freeze(child: Child, sig: int) -> None:
+    """SIGSTOP or SIGCONT to the learner and every process below it (a torchrun group's ranks)."""
+    for pid in [child.proc.pid, *descendants(child.proc.pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.compute import local_state
+from diloco.compute import local_state, push_journal
 from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, resume_decision, state_path
 from diloco.compute.rows import AwaitingCover, RowBook, Unpushed
@@ -112,12 +112,19 @@ def test_resume_decision_names_its_reason() -> None:
     assert not resume_decision(state, current_versions=[3, 2], **{**kw, "shapes": {"x": (1,)}}).resume
 
 
-def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None:
+def a_push(fragment: int, push_id: str) -> tuple[pb.TensorHeader, dict[str, torch.Tensor]]:
+    header = pb.TensorHeader(fragment=fragment, version=2, push_id=push_id, inner_steps=5, tokens=500)
+    return header, {"w": torch.full((4,), float(fragment + 1))}
+
+
+def test_a_state_older_than_the_last_push_resumes_only_with_that_push_journaled(tmp_path: Path) -> None:
     """Killed after a push and before the next copy: the state still holds the pushed steps as
-    unpushed. Resumed, the learner would push that work again and the syncer merge it twice; the
-    push count, noted on disk before each push leaves, says so, even when the push came at the
-    very step of the copy (the end game hands in after the step's copy: a chaos run's learner
-    resumed such a state and a 1-step push of fragment 0 merged twice)."""
+    unpushed. Resumed as it is, the learner would push that work again and the syncer merge it
+    twice; the push count, noted on disk before each push leaves, says so, even when the push
+    came at the very step of the copy (the end game hands in after the step's copy: a chaos run's
+    learner resumed such a state and a 1-step push of fragment 0 merged twice). The push journal,
+    written by the writer thread, holds each such push: with it, the state resumes (the push is
+    replayed on it, push_journal), and a push no longer brings the next copy forward."""
     state, _ = a_state(tmp_steps=7)
     shapes = {n: tuple(t.shape) for n, t in state.params.items()}
     kw = {"run_id": "run-1", "worker_id": "learner-0", "shapes": shapes, "max_staleness": 4}
@@ -129,27 +136,41 @@ def test_a_state_older_than_the_last_push_is_not_resumed(tmp_path: Path) -> None
         # The first copy is due at once, however long the machine has been up (monotonic time
         # starts near its boot: a young machine once waited every_s for it).
         assert writer.due(time.monotonic())
-        writer.note_push()
+        writer.note_push(*a_push(1, "first"))
         state.push_count = writer.push_count  # copied at step 7, after the push at step 6
         writer.offer(state)
         wait_for(lambda: writer.writes >= 1, 20, "the first copy")
         assert not writer.due(time.monotonic())  # offered just now: the next is every_s away
         assert local_state.pushed_count(path) == 1
+        assert push_journal.entries(path) == []  # the copy holds the push: its entry is gone
         back = local_state.load(path, [f.names for f in state.fragments])
         assert back is not None and back.push_count == 1
         assert resume_decision(back, current_versions=[5, 2], pushes_noted=1, **kw).resume
-        writer.note_push()  # pushed at the step the state was copied, after the copy
-        assert writer.due(time.monotonic())  # and the next copy is due at once
-        same_step = resume_decision(
-            back, current_versions=[5, 2], pushes_noted=local_state.pushed_count(path), **kw
-        )
+        writer.note_push(*a_push(1, "second"))  # pushed at the step the state was copied, after the copy
+        assert not writer.due(time.monotonic())  # no copy brought forward by a push
+        wait_for(lambda: writer.journaled >= 2, 20, "the push's journal entry")
+        noted = local_state.pushed_count(path)
+        same_step = resume_decision(back, current_versions=[5, 2], pushes_noted=noted, **kw)
         assert not same_step.resume and "merged twice" in same_step.reason
+        journal = push_journal.after(path, back.push_count)
+        assert [(j.count, j.header.push_id) for j in journal] == [(2, "second")]
+        journaled = tuple(j.header.fragment for j in journal)
+        replayed = resume_decision(
+            back, current_versions=[5, 2], pushes_noted=noted, journaled=journaled, **kw
+        )
+        assert replayed.resume and "replaying 1 push(es) from the journal" in replayed.reason
+        # The journaled fragment starts over from the run's version: its staleness refuses nothing.
+        assert resume_decision(
+            back, current_versions=[5, 9], pushes_noted=noted, journaled=journaled, **kw
+        ).resume
+        assert not resume_decision(back, current_versions=[5, 9], pushes_noted=noted, **kw).resume
         # A restarted writer goes on counting from the marker; a fresh life counts anew and
-        # leaves no copy of the last life to be taken for its own.
+        # leaves no copy or journal of the last life to be taken for its own.
         again = StateWriter(path, every_s=3600.0)
         assert again.push_count == 2
         again.start_fresh()
         assert again.push_count == 0 and not path.exists() and local_state.pushed_count(path) is None
+        assert push_journal.entries(path) == []
         again.close()
     finally:
         writer.discard()
@@ -173,15 +194,15 @@ def test_the_writer_keeps_only_the_newest_state_and_discard_removes_it(tmp_path:
 def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A copy that took the training thread 2 s, at 1% of the time: none for 200 s, a push's
-    neither (the learner of a large model trains instead of copying)."""
+    """A copy that took the training thread 2 s, at 1% of the time: none for 200 s, whatever the
+    pushes (the learner of a large model trains instead of copying; the journal holds its pushes)."""
     state, _ = a_state(tmp_steps=3)
     writer = StateWriter(state_path(tmp_path, "learner-0"), every_s=0.0, max_share=0.01)
     try:
         assert writer.due(time.monotonic())
         writer.offer(state, copy_s=2.0)
         wait_for(lambda: writer.writes >= 1, 20, "the copy")
-        writer.note_push()
+        writer.note_push(*a_push(0, "after"))
         with caplog.at_level(logging.INFO, logger="diloco.local_state"):
             assert not writer.due(time.monotonic())
             assert not writer.due(time.monotonic())
@@ -190,14 +211,18 @@ def test_the_writer_times_each_copy_and_holds_the_next_back_by_its_cost(
         # The cost is the training thread's 2 s and the save (with its fsync) after it.
         cost = float(re.search(r"cost (\d+\.\d+)s", held[0]).group(1))  # type: ignore[union-attr]
         assert 2.0 <= cost < 3.0
-        # (2 s + the save's milliseconds) / 1%: still held back 150 s on, the push's copy too...
+        # (2 s + the save's milliseconds) / 1%: still held back 150 s on...
         assert not writer.due(time.monotonic() + 150.0)
         # ...and due ~200 s on, with room for a slow disk's save
         assert writer.due(time.monotonic() + 300.0)
         # What the learner's last line says the copies cost this life, against its training.
         assert writer.copies_s == 2.0 and writer.saves_cpu_s > 0.0
         said = writer.describe(busy_s=100.0)
-        assert said.startswith("local state: 1 copies saved, copying 2.00s + saving "), said
+        wait_for(lambda: writer.journaled == 1, 20, "the push's journal entry")
+        said = writer.describe(busy_s=100.0)
+        assert said.startswith(
+            "local state: 1 copies saved and 1 pushes journaled, copying 2.00s + saving "
+        ), said
         assert f"({(2.0 + writer.saves_cpu_s) / 100:.1%} of the 100.0s in inner steps)" in said
     finally:
         writer.discard()

@@ -8,33 +8,29 @@ from diloco.compute.state_cadence import copy_due
 
 
 def due(now: float, **kw: object) -> bool:
-    args = {"last_copy": 100.0, "last_cost_s": 0.01, "every_s": 2.0, "max_share": 0.05, "pushed_since": False}
+    args = {"last_copy": 100.0, "last_cost_s": 0.01, "every_s": 2.0, "max_share": 0.05}
     return copy_due(now, **{**args, **kw}).due  # type: ignore[arg-type]
 
 
-def test_a_cheap_copy_comes_every_every_s_and_at_once_after_a_push() -> None:
+def test_a_cheap_copy_comes_every_every_s() -> None:
+    """A push does not bring a copy forward: the push journal keeps an older state resumable."""
     assert due(0.0, last_copy=-math.inf)  # the first copy: at once
     assert not due(101.0)
     assert due(102.0)
-    assert due(100.5, pushed_since=True)  # the copy after a push is the one a resume can use
 
 
 def test_a_costly_copy_waits_until_its_cost_is_within_the_share() -> None:
-    """1.7 s a copy (an 86 M-parameter GPT) at 5%: one copy per 34 s, a push's too."""
+    """1.7 s a copy (an 86 M-parameter GPT) at 5%: one copy per 34 s."""
     kw = {"last_cost_s": 1.7, "max_share": 0.05}
     assert not due(102.0, **kw)
-    assert not due(133.0, pushed_since=True, **kw)
-    assert due(134.0, **kw) and due(134.0, pushed_since=True, **kw)
-    verdict = copy_due(
-        110.0, last_copy=100.0, last_cost_s=1.7, every_s=2.0, max_share=0.05, pushed_since=True
-    )
+    assert not due(133.0, **kw)
+    assert due(134.0, **kw)
+    verdict = copy_due(110.0, last_copy=100.0, last_cost_s=1.7, every_s=2.0, max_share=0.05)
     assert not verdict.due and "cost 1.70s" in verdict.reason and "next in 24.0s" in verdict.reason
     assert verdict.held_by_cost
 
 
 def test_every_s_still_bounds_a_copy_within_its_budget() -> None:
     assert not due(105.0, every_s=10.0)
-    assert not copy_due(
-        105.0, last_copy=100.0, last_cost_s=0.01, every_s=10.0, max_share=0.05, pushed_since=False
-    ).held_by_cost
+    assert not copy_due(105.0, last_copy=100.0, last_cost_s=0.01, every_s=10.0, max_share=0.05).held_by_cost
     assert due(110.0, every_s=10.0)
