@@ -67,9 +67,14 @@ def write(state: Path, push: JournaledPush) -> None:
 
 
 def drop(state: Path, upto: int | None = None) -> None:
-    """Remove the entries a saved state holds already (push count <= upto; None: all)."""
+    """Remove the entries a saved state holds already (push count <= upto; None: all, with any
+    temporary file a kill left half written)."""
+    if upto is None:
+        for path in state.parent.glob(f"{state.stem}.push-*"):
+            path.unlink(missing_ok=True)
+        return
     for count, path in entries(state):
-        if upto is None or count <= upto:
+        if count <= upto:
             path.unlink(missing_ok=True)
 
 

@@ -83,7 +83,7 @@ class StateWriter:
                 max_share=self.max_share,
             )
         if verdict.held_by_cost and now - self._told_held >= HELD_LOG_EVERY_S:
-            # Why a large model's resumes are refused more often: say so, now and then.
+            # Why a large model's resumes keep less (an older copy): say so, now and then.
             log.info("local state: copy held back: %s", verdict.reason)
             self._told_held = now
         return verdict.due

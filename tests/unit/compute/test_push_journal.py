@@ -39,6 +39,8 @@ def test_entries_round_trip_in_order_and_end_at_a_gap_or_a_torn_one(tmp_path: Pa
     assert [j.count for j in push_journal.after(path, 2)] == [3]
     push_journal.drop(path, upto=4)  # a state holding push 4 was saved
     assert [n for n, _ in push_journal.entries(path)] == [5, 7]
+    half = push_journal.entry_path(path, 8)
+    half.with_name(half.name + ".tmp").write_bytes(b"half written at a kill")
     push_journal.drop(path)
     assert push_journal.entries(path) == [] and not list(tmp_path.glob("*.tmp"))
 
