@@ -140,7 +140,13 @@ def copy_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         i: {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in s.items()}
         for i, s in sd["state"].items()
     }
-    return {"state": state, "param_groups": json.loads(json.dumps(sd["param_groups"]))}
+    return {"state": state, "param_groups": plain_groups(sd["param_groups"])}
+
+
+def plain_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A state_dict's param groups (learning rate, betas, ...) as plain data, apart from the
+    optimizer's own (which later steps change)."""
+    return json.loads(json.dumps(groups))
 
 
 # -- the file ----------------------------------------------------------------------------------

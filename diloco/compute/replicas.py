@@ -27,7 +27,7 @@ from typing import Any, Literal
 import torch
 
 from diloco.compute.group import OP_COPY, OP_GATHER, OP_MERGE, Group
-from diloco.compute.local_state import copy_optimizer
+from diloco.compute.local_state import copy_optimizer, plain_groups
 from diloco.config import TrainConfig
 from diloco.model.optim import make_inner_optimizer
 
@@ -174,7 +174,7 @@ class Sharded:
                 outer[n].copy_(value)
         return {
             "state": self._gathered_moments(),
-            "param_groups": json.loads(json.dumps(self.optimizer.state_dict()["param_groups"])),
+            "param_groups": plain_groups(self.optimizer.state_dict()["param_groups"]),
         }
 
     def follow_copy(self) -> None:

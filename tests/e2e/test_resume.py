@@ -68,11 +68,10 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
         while True:
             assert time.monotonic() < deadline, "the learner to keep its state past step 30, pushes journaled"
             freeze(learner, signal.SIGSTOP)
-            if saved_steps() >= 30:
+            if (saved := saved_steps()) >= 30:
                 break
             freeze(learner, signal.SIGCONT)
             time.sleep(0.05)
-        saved = saved_steps()
         group.signal(learner, signal.SIGKILL)
         assert group.wait([learner], 10)
         learner = group.respawn(learner)

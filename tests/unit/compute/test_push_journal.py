@@ -16,7 +16,7 @@ from diloco.v1 import coordinator_pb2 as pb
 from tests.unit.compute.test_local_state import a_state
 
 
-def a_push(count: int, fragment: int, spans: list[tuple[int, int, int]] = ()) -> JournaledPush:  # type: ignore[assignment]
+def journaled(count: int, fragment: int, spans: tuple[tuple[int, int, int], ...] = ()) -> JournaledPush:
     header = pb.TensorHeader(fragment=fragment, version=3, push_id=f"push-{count}", inner_steps=4, tokens=40)
     header.spans.extend(pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in spans)
     return JournaledPush(count, header, {"w": torch.arange(6, dtype=torch.float32) * count})
@@ -25,13 +25,13 @@ def a_push(count: int, fragment: int, spans: list[tuple[int, int, int]] = ()) ->
 def test_entries_round_trip_in_order_and_end_at_a_gap_or_a_torn_one(tmp_path: Path) -> None:
     path = state_path(tmp_path, "learner-0")
     for count in (3, 4, 5, 7):
-        push_journal.write(path, a_push(count, count % 2, [(1, count, count + 1)]))
+        push_journal.write(path, journaled(count, count % 2, [(1, count, count + 1)]))
     back = push_journal.after(path, 2)
     assert [(j.count, j.header.push_id, j.header.fragment) for j in back] == [
         (3, "push-3", 1), (4, "push-4", 0), (5, "push-5", 1),
     ]  # fmt: skip
     assert back[1].header.spans[0].row_start == 4 and torch.equal(
-        back[1].tensors["w"], a_push(4, 0).tensors["w"]
+        back[1].tensors["w"], journaled(4, 0).tensors["w"]
     )
     assert push_journal.after(path, 5) == []  # 6 is missing: nothing after it can be replayed
     assert push_journal.after(path, 0) == []  # nor after a state whose next push has no entry
@@ -52,7 +52,7 @@ def test_a_replay_carries_the_rows_as_the_dead_life_did() -> None:
     again. Replayed, every row is carried and both fragments are in flight with their last push."""
     state, _ = a_state(tmp_steps=7)
     assert state.rows.awaiting[0].waiting == {1} and state.rows.unpushed.spans == [(7, 16, 24)]
-    first, second = a_push(1, 1), a_push(2, 0)
+    first, second = journaled(1, 1), journaled(2, 0)
     pushed = push_journal.replay(state, [first], keeps_overlap=True)
     assert pushed == {1} and state.push_count == 1
     assert state.fragments[1].in_flight and state.fragments[1].push[1] is first.tensors  # type: ignore[index]
@@ -73,6 +73,6 @@ def test_a_replay_with_keep_overlap_leaves_the_rows_waiting_for_the_next_push() 
     wait for its next push, which the replayed push 2 is (it carries them)."""
     state, _ = a_state(tmp_steps=7)
     state.rows = RowBook(Unpushed([(9, 0, 4)]), [AwaitingCover(Unpushed([(5, 0, 8)]), {0})], Unpushed())
-    push_journal.replay(state, [a_push(1, 0)], keeps_overlap=True)
+    push_journal.replay(state, [journaled(1, 0)], keeps_overlap=True)
     # (5, 0, 8) was waiting for fragment 0: carried now; (9, 0, 4) waits for fragment 1.
     assert [(g.rows.spans, g.waiting) for g in state.rows.awaiting] == [([(9, 0, 4)], {1})]
