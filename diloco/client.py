@@ -21,9 +21,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from diloco.config import RunConfig
+from diloco.config import CoordinatorConfig, RunConfig
 from diloco.errors import DilocoError
-from diloco.security.transport import Security, client_channel, give_up_on_handshake, handshake_problem
+from diloco.security.transport import (
+    Security,
+    client_channel,
+    give_up_on_handshake,
+    handshake_problem,
+    http2_frame_bytes,
+)
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 
@@ -108,6 +114,8 @@ class CoordinatorClient:
                 ("grpc.max_send_message_length", CLIENT_MESSAGE_LIMIT),
                 ("grpc.max_receive_message_length", CLIENT_MESSAGE_LIMIT),
                 ("grpc.keepalive_time_ms", 20_000),
+                # A pulled piece arrives as one HTTP/2 frame.
+                ("grpc.http2.max_frame_size", http2_frame_bytes(CoordinatorConfig.stream_chunk_bytes)),
             ],
         )
         self.stub = pb_grpc.CoordinatorStub(self.channel)

@@ -27,7 +27,7 @@ from diloco.errors import DilocoError
 from diloco.observe.access import access_token
 from diloco.observe.events import RunEvents
 from diloco.observe.http import ObserveServer
-from diloco.security.transport import Guard, Security, add_port, check_listen
+from diloco.security.transport import Guard, Security, add_port, check_listen, http2_frame_bytes
 from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from diloco.wire.tensors import parse_stream_message
@@ -54,6 +54,8 @@ def grpc_options(config: RunConfig) -> list[tuple[str, int]]:
         # 4 MiB still carries ~80 MB/s per stream over a 50 ms link.
         ("grpc.http2.bdp_probe", 0),
         ("grpc.http2.lookahead_bytes", 4 << 20),
+        # A pushed piece arrives as one HTTP/2 frame.
+        ("grpc.http2.max_frame_size", http2_frame_bytes(config.coordinator.stream_chunk_bytes)),
     ]
 
 
