@@ -98,6 +98,11 @@ def row(name: str, r: dict[str, Any]) -> dict[str, Any]:
         # The training loops' own speed: peers time theirs from a start barrier; a diloco run's
         # wall also holds its start-up (processes, joins, first shards) and the final flush.
         "loop_tokens_per_s": r["tokens_trained"] / wall if ddp else r.get("learner_tokens_per_s", 0.0),
+        # ...less a Decoupled run's end game (waits for the token budget's last allowances): peers
+        # have none, each rank or replica stops at its share
+        "loop_tokens_per_s_outside_budget_waits": r["tokens_trained"] / wall
+        if ddp
+        else r.get("learner_tokens_per_s_outside_budget_waits"),
         # ...per CPU-second the learners' (ranks', replicas') processes used over their loops: the
         # loops' own cost, whatever the job's other roles took of a shared machine's cores
         "loop_tokens_per_cpu_s": r.get("tokens_per_cpu_s") if ddp else r.get("learner_tokens_per_cpu_s"),

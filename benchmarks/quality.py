@@ -125,9 +125,11 @@ def run_cell(
                     **{k: result.get(k)
                        for k in ("eval_loss", "baseline_loss", "tokens_trained", "tokens_merged", "rounds",
                                  "wall_seconds", "trained_tokens_per_s", "learner_tokens_per_s",
-                                 "merged_tokens_per_s", "utilization", "cpu_seconds_by_role", "rounds_by_pushes")},
+                                 "merged_tokens_per_s", "utilization", "budget_wait_share", "cpu_seconds_by_role",
+                                 "rounds_by_pushes")},
                     "loop_tokens_per_s": speed["loop_tokens_per_s"],
                     "loop_tokens_per_cpu_s": speed["loop_tokens_per_cpu_s"],
+                    "loop_tokens_per_s_outside_budget_waits": speed["loop_tokens_per_s_outside_budget_waits"],
                 }  # fmt: skip
     losses = {arm: spread([s[arm] for s in by_seed.values() if arm in s]) for arm in arms}
     ratios = {f"{a}/{b}": spread(r) for a, b in PAIRS if (r := paired_ratios(by_seed, a, b))}
@@ -135,7 +137,7 @@ def run_cell(
             "ratios": ratios, "by_seed": by_seed, "runs": raw, "speed": speeds(raw, arms, seeds)}  # fmt: skip
 
 
-SPEEDS = ("loop_tokens_per_s", "loop_tokens_per_cpu_s")
+SPEEDS = ("loop_tokens_per_s", "loop_tokens_per_cpu_s", "loop_tokens_per_s_outside_budget_waits")
 
 
 def speeds(raw: dict[str, dict[str, Any]], arms: dict, seeds: list[int]) -> dict[str, Any]:

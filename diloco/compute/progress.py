@@ -24,6 +24,10 @@ class Progress:
     stall_s: float = 0.0  # time waiting for data
     sync_wait_s: float = 0.0  # time waiting for the syncer
     budget_wait_s: float = 0.0  # time with its allowance of the token budget spent (schedule.budget_spent)
+    # Of it, the waits that more steps followed: inside the training wall (the run's end game
+    # handing out the budget's last tokens), where the last wait is not.
+    held_back_s: float = 0.0
+    waiting_s: float = 0.0  # budget waits since the last step: held back once a step follows
     # When its allowance ran out, while no step came after: a loop that ends then ended its
     # training there (the run's last merges are the others' end game, as the final flush is).
     spent_at: float | None = None
@@ -62,6 +66,7 @@ class Progress:
     def budget_waited(self, since: float, now: float) -> None:
         """Time waiting for an allowance of the token budget (schedule.budget_spent)."""
         self.budget_wait_s += now - since
+        self.waiting_s += now - since
         if self.spent_at is None:
             self.spent_at = since
 
@@ -78,7 +83,8 @@ class Progress:
                     self.metric_sums[name] = self.metric_sums.get(name, 0.0) + value
             self.metric_steps += 1
         self.busy_s += busy_s
-        self.spent_at = None
+        self.held_back_s += self.waiting_s  # a step came after those waits
+        self.spent_at, self.waiting_s = None, 0.0
         self.inner_steps += 1
         self.life_steps += 1
         self.tokens_trained += tokens
@@ -123,6 +129,7 @@ class Progress:
             cpu_seconds=self.cpu_s(),
             data_stall_seconds=self.stall_s,
             sync_wait_seconds=self.sync_wait_s,
+            budget_wait_seconds=self.held_back_s,
             device=self.device,
             ranks=self.ranks,
             mfu=self.mfu(),
@@ -135,6 +142,6 @@ class Progress:
         return (
             f"steps={self.inner_steps} tokens={self.tokens_trained} busy={self.busy_s:.1f}s "
             f"wall={self.wall_s():.1f}s data stall={self.stall_s:.1f}s sync wait={self.sync_wait_s:.1f}s"
-            f" budget wait={self.budget_wait_s:.1f}s"
+            f" budget wait={self.budget_wait_s:.1f}s ({self.held_back_s:.1f}s of it held back)"
             f"{group}"
         )

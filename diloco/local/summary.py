@@ -209,6 +209,10 @@ def summarize(
     )
     summary.update(data_plane_metrics(d, train_seconds))
     summary["sync_wait_share"] = mean_of([w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed])
+    # The token budget's end game: waits for the last allowances that more steps followed.
+    summary["budget_wait_share"] = mean_of(
+        [w.get("budget_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
+    )
     # One fragment's pull as the learners timed it, arrival to arrival: the coordinator's own
     # clock (transfers.pull_seconds_mean) stops with most of the bytes still in its buffers.
     pulled = sum(w.get("pulled_fragments", 0) for w in timed)
@@ -227,6 +231,15 @@ def summarize(
     # what a peer's loop timed from its start barrier measures, without the job's start-up.
     summary["learner_tokens_per_s"] = round(
         sum(w.get("tokens_trained", 0) / w["wall_seconds"] for w in timed), 1
+    )
+    # ...and with the token budget's end game left out (budget_wait_share): the loop's own speed,
+    # where the other figure also holds waits for the budget's last allowances.
+    summary["learner_tokens_per_s_outside_budget_waits"] = round(
+        sum(
+            w.get("tokens_trained", 0) / max(1e-9, w["wall_seconds"] - w.get("budget_wait_seconds", 0.0))
+            for w in timed
+        ),
+        1,
     )
     # ...and per CPU-second its processes used over that time (a group's ranks each do rank 0's
     # arithmetic, so rank 0's CPU stands for each): a speed that does not depend on how many cores

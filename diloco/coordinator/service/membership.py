@@ -93,6 +93,7 @@ class MembershipRPCs(ServiceBase):
             "cpu_seconds": request.cpu_seconds,
             "data_stall_seconds": request.data_stall_seconds,
             "sync_wait_seconds": request.sync_wait_seconds,
+            "budget_wait_seconds": request.budget_wait_seconds,
             "pull_seconds": request.pull_seconds,
             "pulled_fragments": request.pulled_fragments,
             "train_metrics": dict(request.train_metrics),

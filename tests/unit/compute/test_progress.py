@@ -55,3 +55,22 @@ def test_the_cpu_a_learner_used_is_counted_from_its_first_step_to_the_loops_end(
     sum(i * i for i in range(2_000_000))  # the final flush: after the loop's end, not counted
     assert p.cpu_s() == used
     assert p.heartbeat([]).cpu_seconds == pytest.approx(used)
+
+
+def test_budget_waits_that_more_steps_followed_are_held_back_inside_the_wall() -> None:
+    """The token budget's end game: a learner waits for its next allowance and trains on. Those
+    waits are in its training wall (budget_wait_seconds says how much of it); the last wait, that
+    no step followed, ends the wall instead."""
+    p = Progress()
+    p.start()
+    t = p.started
+    p.stepped(0.1, 10, 2.0)
+    p.budget_waited(t + 1.0, t + 1.5)
+    p.budget_waited(t + 1.5, t + 2.25)  # asked again: one wait of 1.25 s
+    p.stepped(0.1, 10, 2.0)
+    p.budget_waited(t + 3.0, t + 5.0)  # the last: the run ended during it
+    p.end(now=t + 5.0)
+    assert p.budget_wait_s == pytest.approx(3.25)
+    assert p.held_back_s == pytest.approx(1.25)
+    assert p.wall_s() == pytest.approx(3.0)  # ended where the last wait began
+    assert p.heartbeat([]).budget_wait_seconds == pytest.approx(1.25)
