@@ -91,7 +91,18 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     if steady:
         more = f" (DDP: {ddp / steady:,.0f}× more)" if ddp else ""
         table.add_row("  after each learner's join", f"{steady:.1f}{more}")
-    table.add_row("learner utilization", f"{summary['utilization']:.1%}")
+    waited = [
+        f"{summary[key]:.1%} {why}"
+        for key, why in (
+            ("sync_wait_share", "on the syncer"),
+            ("budget_wait_share", "at the token budget's end"),
+        )
+        if summary.get(key, 0.0) >= 0.001
+    ]
+    table.add_row(
+        "learner utilization",
+        f"{summary['utilization']:.1%}" + (f" (waited {', '.join(waited)})" if waited else ""),
+    )
     table.add_row(
         "data",
         f"{summary.get('data_tokens_per_s', 0.0):,.0f} {unit}/s prepared, "

@@ -34,6 +34,7 @@ def run_learner(
         return {
             "inner_steps": p.inner_steps, "tokens_trained": p.tokens_trained, "busy_seconds": p.busy_s,
             "data_stall_seconds": p.stall_s, "sync_wait_seconds": p.sync_wait_s,
+            "budget_wait_seconds": p.held_back_s,
             "inner_loss": 0.0 if math.isnan(p.last_loss) else p.last_loss,
             "tokens_per_second": p.tokens_per_s(), "mfu": p.mfu(),
         }  # fmt: skip

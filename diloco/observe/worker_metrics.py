@@ -25,6 +25,7 @@ LEARNER = {
     "busy_seconds": ("counter", "Time in inner steps"),
     "data_stall_seconds": ("counter", "Time waiting for data"),
     "sync_wait_seconds": ("counter", "Time waiting for the syncer"),
+    "budget_wait_seconds": ("counter", "Time waiting for an allowance of the token budget, then training on"),
     "inner_loss": ("gauge", "The last inner step's loss"),
     "tokens_per_second": ("gauge", "Tokens per second of inner-step time"),
 }

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from diloco.client import CoordinatorClient
 from diloco.compute.startup import breakdown, describe, read_startups
@@ -25,7 +26,7 @@ from diloco.local.summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.views import STATUS_COLUMNS, worker_cells
+from diloco.views import STATUS_COLUMNS, print_summary, worker_cells
 from tests.support import commit_merge
 
 
@@ -183,3 +184,19 @@ def test_start_up_lines_read_back_with_their_time_and_the_job_start_up(tmp_path:
     started = lives[0].first_step_at - 20.0
     # learner-0's first life took its first step 20 s in, learner-1's 72.5 s in
     assert job_startup_seconds(tmp_path, started) == pytest.approx((20.0 + 72.508) / 2)
+
+
+def test_the_result_table_says_what_learners_waited_for() -> None:
+    """Utilization short of 100% with no data stall: the table names the syncer's share and the
+    token budget's end game (budget_wait_share), each only when there was any."""
+    summary = {"tokens_trained": 1000, "tokens_merged": 1000, "rounds": 4, "chunks": 2, "shards": 2,
+               "wire_bytes_per_token": 8.0, "utilization": 0.935, "wall_seconds": 30.0, "audit_ok": True}  # fmt: skip
+
+    def row(extra: dict) -> str:
+        console = Console(width=200, record=True)
+        print_summary(console, {**summary, **extra}, Path("summary.json"))
+        return next(line for line in console.export_text().splitlines() if "learner utilization" in line)
+
+    assert "waited" not in row({"sync_wait_share": 0.0, "budget_wait_share": 0.0})
+    line = row({"sync_wait_share": 0.0, "budget_wait_share": 0.052})
+    assert "93.5% (waited 5.2% at the token budget's end)" in line and "syncer" not in line

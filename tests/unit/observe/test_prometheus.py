@@ -59,7 +59,7 @@ def test_a_learner_serves_its_own_metrics_over_http() -> None:
 
     from diloco.observe.worker_metrics import serve_worker_metrics
 
-    counters = {"inner_steps": 7, "tokens_trained": 896, "inner_loss": 2.5}
+    counters = {"inner_steps": 7, "tokens_trained": 896, "inner_loss": 2.5, "budget_wait_seconds": 1.5}
     server = serve_worker_metrics("learner", 0, "127.0.0.1", lambda: counters, lambda: "learner-3")
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
@@ -69,6 +69,7 @@ def test_a_learner_serves_its_own_metrics_over_http() -> None:
     got = {s.name: (s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["diloco_learner_inner_steps_total"] == ({"worker": "learner-3"}, 7)
     assert got["diloco_learner_inner_loss"][1] == 2.5 and got["diloco_learner_busy_seconds_total"][1] == 0
+    assert got["diloco_learner_budget_wait_seconds_total"][1] == 1.5  # the token budget's end game
 
 
 def test_transfers_are_the_means_of_one_push_and_one_learner_pull() -> None:
