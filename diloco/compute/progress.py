@@ -23,11 +23,11 @@ class Progress:
     kept_busy_s: float = 0.0  # of it, the steps a kill would not lose (pushed, or saved locally)
     stall_s: float = 0.0  # time waiting for data
     sync_wait_s: float = 0.0  # time waiting for the syncer
-    budget_wait_s: float = 0.0  # time with its allowance of the token budget spent (schedule.budget_spent)
-    # Of it, the waits that more steps followed: inside the training wall (the run's end game
-    # handing out the budget's last tokens), where the last wait is not.
+    # Time with its allowance of the token budget spent (schedule.budget_spent), in two parts:
+    # the waits that more steps followed, inside the training wall (the run's end game handing
+    # out the budget's last tokens), and those since the last step (the last wait is not in it).
     held_back_s: float = 0.0
-    waiting_s: float = 0.0  # budget waits since the last step: held back once a step follows
+    waiting_s: float = 0.0
     # When its allowance ran out, while no step came after: a loop that ends then ended its
     # training there (the run's last merges are the others' end game, as the final flush is).
     spent_at: float | None = None
@@ -47,6 +47,10 @@ class Progress:
     params: int = 0
     peak_flops: float = 0.0
 
+    @property
+    def budget_wait_s(self) -> float:
+        return self.held_back_s + self.waiting_s
+
     def wall_s(self) -> float:
         return (self.ended or time.monotonic()) - self.started
 
@@ -65,7 +69,6 @@ class Progress:
 
     def budget_waited(self, since: float, now: float) -> None:
         """Time waiting for an allowance of the token budget (schedule.budget_spent)."""
-        self.budget_wait_s += now - since
         self.waiting_s += now - since
         if self.spent_at is None:
             self.spent_at = since

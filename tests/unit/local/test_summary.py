@@ -200,3 +200,7 @@ def test_the_result_table_says_what_learners_waited_for() -> None:
     assert "waited" not in row({"sync_wait_share": 0.0, "budget_wait_share": 0.0})
     line = row({"sync_wait_share": 0.0, "budget_wait_share": 0.052})
     assert "93.5% (waited 5.2% at the token budget's end)" in line and "syncer" not in line
+    line = row({"sync_wait_share": 0.03, "budget_wait_share": 0.0})
+    assert "93.5% (waited 3.0% on the syncer)" in line and "budget" not in line
+    both = row({"sync_wait_share": 0.03, "budget_wait_share": 0.052})
+    assert "(waited 3.0% on the syncer, 5.2% at the token budget's end)" in both

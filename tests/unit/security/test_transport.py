@@ -11,7 +11,7 @@ import pytest
 
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
-from diloco.coordinator.server import start_coordinator
+from diloco.coordinator.server import grpc_options, start_coordinator
 from diloco.errors import DilocoError
 from diloco.security.certs import TlsFiles, init_ca, issue, subject_of
 from diloco.security.transport import (
@@ -21,6 +21,7 @@ from diloco.security.transport import (
     check_listen,
     give_up_on_handshake,
     handshake_problem,
+    http2_frame_bytes,
 )
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -169,3 +170,13 @@ def test_a_handshake_that_keeps_failing_is_named_and_anything_else_is_waited_out
     assert give_up_on_handshake("", since, 101.5) == (None, False)
     since, _ = give_up_on_handshake("tls", None, 102.0)
     assert give_up_on_handshake("tls", since, 102.0 + HANDSHAKE_PATIENCE_S) == (102.0, True)
+
+
+def test_a_streamed_piece_is_one_http2_frame_within_what_http2_allows() -> None:
+    """Both ends accept frames as large as a piece (the coordinator's from its config), clamped to
+    HTTP/2's range: 16 KiB at least, 2^24 - 1 at most (RFC 9113 4.2)."""
+    assert http2_frame_bytes(1 << 20) == 1 << 20
+    assert http2_frame_bytes(1000) == 1 << 14
+    assert http2_frame_bytes(1 << 26) == (1 << 24) - 1
+    cfg = RunConfig().with_overrides({"coordinator.stream_chunk_bytes": 1 << 19})
+    assert dict(grpc_options(cfg))["grpc.http2.max_frame_size"] == 1 << 19
