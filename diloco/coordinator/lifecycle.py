@@ -48,20 +48,36 @@ def next_run_state(
 
 @dataclass(frozen=True)
 class Claim:
-    """What a live learner holds of the token budget: tokens it trained that no merge it took
-    counts yet, the allowance it was given at its last heartbeat (it may be training into it), and
-    how fast it trains (tokens per busy second; 0: not known yet)."""
+    """What a live learner holds of the token budget, as it reported at its last heartbeat: tokens
+    it trained that no merge it took counts yet, the allowance it was given then (it may be
+    training into it), how fast it trains (tokens per busy second; 0: not known yet), how long
+    ago that was, and how many of its tokens the coordinator merged since."""
 
     unmerged: int
     allowed: int
     rate: float = 0.0
+    age_s: float = 0.0
+    merged_since: int = 0
 
-    def counted(self, horizon_s: float) -> int:
-        """The budget this claim holds: what it trained, and of its allowance what it can train
-        before its next heartbeat (all of it while its speed is not known)."""
-        if self.rate <= 0 or self.allowed <= self.rate * horizon_s:  # (an infinite horizon: all)
-            return self.unmerged + self.allowed
-        return self.unmerged + math.ceil(self.rate * horizon_s)
+    def _trained_since(self) -> int:
+        """Of its allowance, what it has trained since it reported (estimated from its speed)."""
+        return min(self.allowed, math.floor(self.rate * max(0.0, self.age_s)))
+
+    @property
+    def pending(self) -> int:
+        """Trained and not merged yet, now. (A report a few seconds old undercounts it by what the
+        learner trained since, and overcounts it by what merged since: at the end game, where
+        a heartbeat's interval is a large part of what is left, that skewed the split.)"""
+        return max(0, self.unmerged + self._trained_since() - self.merged_since)
+
+    def untrained(self, horizon_s: float) -> int:
+        """What is left of its allowance, counted for what it can train before it reports again
+        (all of it while its speed is not known). Pending + untrained is never less than what it
+        reported plus its allowance less what merged since, whatever the speed estimate says."""
+        left = self.allowed - self._trained_since()
+        if self.rate <= 0 or left <= self.rate * horizon_s:  # (an infinite horizon: all)
+            return left
+        return math.ceil(self.rate * horizon_s)
 
 
 def training_allowance(
@@ -80,7 +96,10 @@ def training_allowance(
     after it: when the merged count reaches the budget, each learner still holds about H steps,
     and handing them in overshoots by M·H batches (+17% at M = 2, H = 100 on a 1.2 M-token run).
     So each learner claims what it holds unmerged plus what it may train of its allowance before
-    it reports again (`horizon_s`: a few heartbeats). What is left to train once every learner's
+    it reports again (`horizon_s`: a few heartbeats), both as of now: a claim reported a heartbeat
+    ago is aged by what its learner trained and what of its work merged since (Claim.pending;
+    unaged, the end game's split leaned to whichever learner asked last, and the other waited
+    out the difference: measured, 2 s of a 28 s run). What is left to train once every learner's
     unmerged work is counted is split by the learners' speeds (evenly while a speed is not known),
     and this one gets its share of it, less only what the others' allowances already hold of it:
     the learners run out together, and a fast learner is not left waiting on a slow one's half.
@@ -92,8 +111,8 @@ def training_allowance(
     merge the learner has not taken yet) only makes the allowance smaller for a moment; a learner
     that dies stops claiming once it is found dead.
     """
-    to_train = budget - tokens_merged - mine - sum(c.unmerged for c in others)
-    free = max(0, to_train - sum(c.counted(horizon_s) - c.unmerged for c in others))
+    to_train = budget - tokens_merged - mine - sum(c.pending for c in others)
+    free = max(0, to_train - sum(c.untrained(horizon_s) for c in others))
     known = [r for r in (my_rate, *(c.rate for c in others)) if r > 0]
     typical = sum(known) / len(known) if known else 1.0
 

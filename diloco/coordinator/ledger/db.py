@@ -81,6 +81,10 @@ class LedgerBase:
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
         self._positions: dict[int, int] | None = None
+        # Tokens of each worker's pushes merged since this process opened the ledger (it ages the
+        # learners' claims on the token budget between their heartbeats; lost with a restart,
+        # which only makes the claims count in full again until each learner's next heartbeat).
+        self._merged_by_worker: dict[str, int] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -186,6 +190,11 @@ class LedgerBase:
 
     def counter(self, name: str) -> float:
         return float(self._one("SELECT value FROM counters WHERE name = ?", (name,)) or 0)
+
+    def tokens_merged_of(self, worker_id: str) -> int:
+        """Tokens of this worker's pushes merged since the ledger was opened."""
+        with self._lock:
+            return self._merged_by_worker.get(worker_id, 0)
 
     def counters(self) -> dict[str, float]:
         return {r["name"]: r["value"] for r in self._q("SELECT name, value FROM counters")}

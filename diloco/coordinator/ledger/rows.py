@@ -146,15 +146,21 @@ class PushesTable(LedgerBase):
         """
         if not merges:
             return
+        by_worker: dict[str, int] = {}
         with self._tx() as db:
             for merge in merges:
-                self._commit_one_merge(db, fragment, merge)
+                self._commit_one_merge(db, fragment, merge, by_worker)
             db.execute(
                 "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                 (f"fragment_version.{fragment}", str(merges[-1].version)),
             )
+        with self._lock:  # once committed
+            for worker_id, tokens in by_worker.items():
+                self._merged_by_worker[worker_id] = self._merged_by_worker.get(worker_id, 0) + tokens
 
-    def _commit_one_merge(self, db: sqlite3.Connection, fragment: int, merge: MergeRecord) -> None:
+    def _commit_one_merge(
+        self, db: sqlite3.Connection, fragment: int, merge: MergeRecord, by_worker: dict[str, int]
+    ) -> None:
         push_ids = merge.push_ids
         marks = ",".join("?" * len(push_ids))
         db.execute(
@@ -186,11 +192,13 @@ class PushesTable(LedgerBase):
         for sid in shard_ids:
             shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
             per_row = shard["tokens"] // max(1, shard["rows"])
-            for a, b in db.execute(
-                f"SELECT row_start, row_end FROM spans WHERE shard_id = ? AND push_id IN ({marks})",
+            for a, b, worker_id in db.execute(
+                "SELECT s.row_start, s.row_end, p.worker_id FROM spans s JOIN pushes p USING (push_id) "
+                f"WHERE s.shard_id = ? AND s.push_id IN ({marks})",
                 (sid, *push_ids),
             ).fetchall():
                 merged_tokens += (b - a) * per_row
+                by_worker[worker_id] = by_worker.get(worker_id, 0) + (b - a) * per_row
             if leases.covered_rows(self._spans(db, sid, ("merged",))) >= shard["rows"]:
                 db.execute(
                     "UPDATE shards SET state = 'consumed', holder = NULL, lease_expires = NULL WHERE id = ?",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 
 import grpc
@@ -135,9 +136,15 @@ class MembershipRPCs(ServiceBase):
             return None
         with self._budget_lock:  # two learners' heartbeats must not hand out the same tokens
             live = self.ledger.live_worker_stats("compute", self.config.coordinator.lease_ttl_s)
+            now = self.ledger.clock()
             others = [
                 lifecycle.Claim(
-                    int(s.get("tokens_unmerged", 0)), int(s.get("tokens_allowed", 0)), training_rate(s)
+                    int(s.get("tokens_unmerged", 0)),
+                    int(s.get("tokens_allowed", 0)),
+                    training_rate(s),
+                    age_s=now - float(s.get("allowed_at", now)),
+                    # (below 0 after a coordinator restart: the claim then counts in full)
+                    merged_since=max(0, self.ledger.tokens_merged_of(worker_id) - int(s.get("merged_at", 0))),
                 )
                 for worker_id, s in live.items()
                 if worker_id != request.worker_id
@@ -155,9 +162,15 @@ class MembershipRPCs(ServiceBase):
             if log.isEnabledFor(logging.DEBUG):  # not on every heartbeat's path otherwise
                 log.debug(
                     "allowance worker=%s merged=%d mine=%d others=%s -> %d", request.worker_id, merged,
-                    request.tokens_unmerged, [(c.unmerged, c.allowed, round(c.rate)) for c in others], allowed,
+                    request.tokens_unmerged, [(c.pending, c.untrained(math.inf), round(c.rate)) for c in others],
+                    allowed,
                 )  # fmt: skip
-            stats.update(tokens_unmerged=request.tokens_unmerged, tokens_allowed=allowed)
+            stats.update(
+                tokens_unmerged=request.tokens_unmerged,
+                tokens_allowed=allowed,
+                allowed_at=now,
+                merged_at=self.ledger.tokens_merged_of(request.worker_id),
+            )
             self.ledger.heartbeat(request.worker_id, stats)
         return allowed
 

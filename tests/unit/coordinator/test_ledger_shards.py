@@ -110,6 +110,10 @@ def test_one_merge_of_several_pushes_over_two_shards(ledger):
     commit_merge(ledger, 0, 1, ["p1", "p2"], 0, 0, None, "all")
     assert shard_row(ledger, s1)["state"] == shard_row(ledger, s2)["state"] == "consumed"
     assert ledger.counter("tokens_merged") == 2 * ROWS * TOKENS_PER_ROW
+    # Each learner's share, for aging its claim on the token budget (lifecycle.Claim).
+    assert ledger.tokens_merged_of("L1") == (ROWS + 3) * TOKENS_PER_ROW
+    assert ledger.tokens_merged_of("L2") == (ROWS - 3) * TOKENS_PER_ROW
+    assert ledger.tokens_merged_of("nobody") == 0
 
 
 def test_pending_rows_are_not_leased_again(ledger):

@@ -1,5 +1,7 @@
 """The run's life and the publisher's pacing: pure decisions, tested by moving numbers, never by sleeping."""
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,6 +111,36 @@ def test_a_faster_learner_gets_its_speed_share_so_nobody_waits_on_a_slow_ones_ha
     assert training_allowance(budget=4000, tokens_merged=0, mine=0, others=slow) == 2000
 
 
+def test_a_claim_reported_a_heartbeat_ago_is_aged_by_what_its_learner_trained_and_merged_since():
+    """Measured (seed 14, M = 2, H = 50): one learner's claim, reported 3 s earlier as 34k unmerged
+    and a 91k allowance, had since been mostly trained and merged; counted unaged, it left the
+    learner asking now 24k while the other still held 48k, so it ran out first and waited."""
+    stale = Claim(unmerged=34_056, allowed=90_904, rate=29_000.0, age_s=3.0, merged_since=77_000)
+    assert stale.pending == 34_056 + 87_000 - 77_000
+    assert stale.untrained(6.0) == 90_904 - 87_000
+    got = training_allowance(
+        budget=1_228_800,
+        tokens_merged=1_032_000,
+        mine=47_472,
+        others=[stale],
+        my_rate=29_000.0,
+        horizon_s=6.0,
+    )
+    left = 1_228_800 - 1_032_000 - 47_472 - stale.pending
+    assert got == left // 2  # its even share: the other's allowance left is within its own half
+    unaged = Claim(unmerged=34_056, allowed=90_904, rate=29_000.0)
+    assert training_allowance(
+        budget=1_228_800, tokens_merged=1_032_000, mine=47_472, others=[unaged], my_rate=29_000.0, horizon_s=6.0
+    ) == 1_228_800 - 1_032_000 - 47_472 - 34_056 - 90_904  # fmt: skip
+
+
+def test_however_wrong_the_speed_a_claim_never_counts_less_than_its_report_less_its_merges():
+    for rate in (0.0, 10.0, 1e6):
+        for merged_since in (0, 50, 500):
+            c = Claim(unmerged=100, allowed=300, rate=rate, age_s=2.0, merged_since=merged_since)
+            assert c.pending + c.untrained(math.inf) >= 100 + 300 - merged_since
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     learners=st.integers(1, 6),
@@ -122,39 +154,59 @@ def test_learners_under_allowances_train_the_budget_and_at_most_a_batch_each_mor
 ):
     """Heartbeats, steps and merges in any order: what the learners train never passes the budget
     by more than one batch per learner; once every learner is paused and its work merged, the
-    merged tokens reach the budget (the run finishes) whatever order things came in."""
+    merged tokens reach the budget (the run finishes) whatever order things came in. The
+    coordinator sees each learner as it last reported, aged by a clock and by the merges of its
+    work since (the speeds it ages them by are arbitrary here, as a wrong estimate would be)."""
     trained = [0] * learners
     unmerged = [0] * learners
     allowance = [(0, 0)] * learners  # (trained when reported, allowed past it)
     allowed = [0] * learners
+    reported = [0] * learners  # unmerged, as reported at the last heartbeat
+    reported_at = [0.0] * learners
+    merged_of = [0] * learners  # each learner's tokens merged, and that count at its last report
+    merged_of_then = [0] * learners
     merged = 0
+    now = 0.0
 
     def beat(i):
-        others = [Claim(unmerged[j], allowed[j], rates[j]) for j in range(learners) if j != i]
+        others = [
+            Claim(
+                reported[j], allowed[j], rates[j], age_s=now - reported_at[j], merged_since=merged_of[j] - merged_of_then[j]
+            )
+            for j in range(learners)
+            if j != i
+        ]  # fmt: skip
         allowed[i] = training_allowance(
             budget=budget, tokens_merged=merged, mine=unmerged[i], others=others, my_rate=rates[i]
         )
         allowance[i] = (trained[i], allowed[i])
+        reported[i], reported_at[i], merged_of_then[i] = unmerged[i], now, merged_of[i]
 
     def step(i):
         if trained[i] - allowance[i][0] < allowance[i][1]:
             trained[i] += batch
             unmerged[i] += batch
 
+    def merge(i):
+        nonlocal merged
+        merged, merged_of[i], unmerged[i] = merged + unmerged[i], merged_of[i] + unmerged[i], 0
+
     for who, what in events:
         i = who % learners
+        now += 0.01
         if what == "beat":
             beat(i)
         elif what == "step":
             step(i)
         else:  # a learner's work merges (and it learns so)
-            merged, unmerged[i] = merged + unmerged[i], 0
+            merge(i)
         assert sum(trained) <= budget + learners * batch
     for _ in range(budget + 2):  # then the end game: every learner asks, steps, hands in
         for i in range(learners):
+            now += 0.01
             beat(i)
             step(i)
-            merged, unmerged[i] = merged + unmerged[i], 0
+            merge(i)
         if merged >= budget:
             break
     assert budget <= merged == sum(trained) <= budget + learners * batch
