@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 
 from diloco.coordinator import syncer
 from diloco.coordinator.ledger import MergeRecord
@@ -62,20 +64,25 @@ class Merger(ServiceBase):
         return min(recheck, default=None)
 
     def _merge(self, frag: FragmentState, reason: str) -> None:
-        p = frag.round.fragment
-        pending = frag.pending
-        if not pending:  # only "nothing this round" arrivals: reopen, the version stays
-            frag.round = syncer.RoundState(p, frag.version, self.clock())
+        """Close frag's round (lock held): the outer step on what its pushes sum to, kept as the
+        new head for the publisher, or the round refused with its reason."""
+        if not frag.pending:  # only "nothing this round" arrivals: reopen, the version stays
+            frag.round = syncer.RoundState(frag.round.fragment, frag.version, self.clock())
             return
-        started = time.monotonic()
-        # Seal the round: its last accepted pushes may still be adding into the sum.
+        # Sealed until the head moves on: the round's last accepted pushes may still be adding into
+        # the sum, and a push that comes now joins the next round (it waits, lock released).
         frag.sealing = True
         try:
             while frag.sum.folding:
                 self.cond.wait(0.05)
+            self._merge_sealed(frag, reason)
         finally:
             frag.sealing = False
-        summed = frag.sum
+            self.cond.notify_all()  # the publisher, and pushes waiting for the next round
+
+    def _merge_sealed(self, frag: FragmentState, reason: str) -> None:
+        p, pending, summed = frag.round.fragment, frag.pending, frag.sum
+        started = time.monotonic()
         if summed.lost:
             # A fold that failed part-way leaves the sum untrusted: the whole round is dropped
             # (its rows go back to the pool), never merged short of a push it recorded.
@@ -90,26 +97,29 @@ class Merger(ServiceBase):
         scale = syncer.coverage_scale(len(contributors), live)
         steps = sum(q.arrival.steps for q in pending)
         work = syncer.work_fraction(steps, live, self.config.train.inner_steps)
-        try:
-            outer_grad = summed.acc.result(scale)
-            params, momentum = syncer.outer_step(
-                frag.params,
-                frag.momentum,
-                outer_grad,
-                *syncer.outer_hyper(
-                    self.policy.outer_lr,
-                    self.policy.outer_momentum,
-                    self.policy.outer_warmup_rounds,
-                    frag.version,
-                ),
-                self.policy.nesterov,
-                fraction=work,
-                consume=True,
+        hyper = syncer.outer_hyper(
+            self.policy.outer_lr, self.policy.outer_momentum, self.policy.outer_warmup_rounds, frag.version
+        )
+        # The arithmetic, with the service lock released: pushes to other fragments, pulls,
+        # heartbeats and the publisher go on meanwhile (measured: the outer step held the lock
+        # 70% of the time in benchmarks/ingest.py, and every other RPC queued behind it). The
+        # seal keeps this round's pushes, sum and the head as they are: only this thread moves them.
+        with self._lock_released():
+            try:
+                outer_grad = summed.acc.result(scale)
+                params, momentum = syncer.outer_step(
+                    frag.params, frag.momentum, outer_grad, *hyper, self.policy.nesterov, fraction=work, consume=True
+                )  # fmt: skip
+                # The parameters alone: a non-finite momentum makes a non-finite update, so parameters.
+                finite = all(math.isfinite(sq_norm(t)) for t in params.values())
+                failure = None
+            except (RuntimeError, ValueError) as e:  # the sum is spent: the round cannot be tried again
+                failure, finite = e, False
+        if failure is not None:
+            return self._refuse_round(
+                frag, contributors, f"the merge failed ({failure}): the round was refused"
             )
-        except (RuntimeError, ValueError) as e:  # the sum is spent: the round cannot be tried again
-            return self._refuse_round(frag, contributors, f"the merge failed ({e}): the round was refused")
-        # The parameters alone: a non-finite momentum makes a non-finite update, so parameters.
-        if not all(math.isfinite(sq_norm(t)) for t in params.values()):
+        if not finite:
             # Every delta was finite, yet their merge is not: nothing changes, and the round's
             # pushes are refused (their rows go back to the pool) rather than poisoning the model.
             return self._refuse_round(
@@ -144,7 +154,15 @@ class Merger(ServiceBase):
             reason,
             elapsed,
         )
-        self.cond.notify_all()  # the publisher
+
+    @contextlib.contextmanager
+    def _lock_released(self) -> Iterator[None]:
+        """The service lock let go for a while, by the merger that holds it (once: _merge_forever)."""
+        self.cond.release()
+        try:
+            yield
+        finally:
+            self.cond.acquire()
 
     def _refuse_round(self, frag: FragmentState, contributors: set[str], why: str) -> None:
         """Drop a round whose merge cannot be made: its pushes refused with `why` (their rows go back
