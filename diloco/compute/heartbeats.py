@@ -44,7 +44,7 @@ class Heartbeats:
     # Whether a heartbeat has answered with this life's allowance yet (the learner starts at none).
     allowance_told: bool = False
     _allowance_asked_at: float = 0.0
-    _asked_on_running_out: tuple[int, int] | None = None  # the allowance it asked again about
+    _asked_at_tokens: int = -1  # tokens_trained when the training loop last asked for an allowance
 
     _on_starved: Callable[[float], float]
 
@@ -85,9 +85,8 @@ class Heartbeats:
         # estimated then; told now, with this learner's count fresh, the last slice (a step or
         # two) comes without a hand-in's round trip. (Measured: after every learner handed in, the
         # merges left the budget 720 tokens short, and the last step waited a second round trip.)
-        if self.allowance_told and self.allowance is not self._asked_on_running_out:
+        if self.allowance_told and self.progress.tokens_trained != self._asked_at_tokens:
             self._ask_for_allowance(since)
-            self._asked_on_running_out = self.allowance
             if not schedule.budget_spent(self.progress.tokens_trained, self.allowance):
                 self.progress.budget_waited(since, time.monotonic())
                 return last_empty_push
@@ -106,6 +105,6 @@ class Heartbeats:
         return last_empty_push
 
     def _ask_for_allowance(self, now: float) -> None:
-        self._allowance_asked_at = now
+        self._allowance_asked_at, self._asked_at_tokens = now, self.progress.tokens_trained
         with contextlib.suppress(Exception):  # the heartbeat thread reports an outage
             self._heartbeat()

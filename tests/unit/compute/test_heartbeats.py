@@ -63,6 +63,17 @@ def test_told_nothing_at_once_it_hands_in_and_asks_again_only_after_a_pause():
     learner.step(100)
     learner._wait_for_allowance(0.0)  # asked at once: nothing; so it hands in
     assert (learner.client.asked, learner.hand_ins) == (2, 1)
-    learner._wait_for_allowance(0.0)  # the same allowance: no second ask at once (ALLOWANCE_ASK_S)
+    learner._wait_for_allowance(0.0)  # no step since: no second ask at once (ALLOWANCE_ASK_S)
     assert (learner.client.asked, learner.hand_ins) == (2, 2)
     assert learner.progress.waiting_s > 0
+
+
+def test_each_slice_trained_out_is_asked_about_once_at_once():
+    learner = Learner([100, 50, 0, 0])
+    learner._heartbeat()
+    learner.step(100)
+    learner._wait_for_allowance(0.0)  # asked at once: 50 more
+    learner.step(50)
+    learner._heartbeat()  # the heartbeat thread answers meanwhile: nothing left
+    learner._wait_for_allowance(0.0)  # trained since its last ask: asks at once again, then hands in
+    assert (learner.client.asked, learner.hand_ins) == (4, 1)
