@@ -112,6 +112,14 @@ def run(
     host: Annotated[
         str, typer.Option(help="the address the coordinator listens on and every process dials")
     ] = "127.0.0.1",
+    prepare_first: Annotated[
+        bool,
+        typer.Option(
+            "--prepare-first",
+            help="make every chunk a shard before the first learner starts (on one machine the "
+            "learners then have its cores to themselves; default: data workers keep a few shards ahead)",
+        ),
+    ] = False,
     learner_prefix: Annotated[
         str,
         typer.Option(
@@ -174,6 +182,7 @@ def run(
             tls=tls,
             host=host,
             learner_prefix=learner_prefix,
+            prepare_first=prepare_first,
             show_progress=not no_progress,
         )
     )

@@ -26,12 +26,18 @@ from rich.live import Live
 
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
-from diloco.coordinator.report import split_sizes
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset
 from diloco.errors import DilocoError
 from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
+from diloco.local.prepared import wait_until_prepared
 from diloco.local.procs import Child, ProcessGroup
-from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
+from diloco.local.summary import (
+    cold_start_warning,
+    few_outer_steps_warning,
+    job_report,
+    no_eval_split_warning,
+    summarize,
+)
 from diloco.local.tls import SUPERVISOR, run_certificates, tls_args
 from diloco.security.certs import TlsFiles
 from diloco.security.transport import Security
@@ -101,6 +107,9 @@ class LocalRunOptions:
     # A command each learner runs under, "{i}" its index: e.g. "taskset -c {i}" to give each its
     # core, or "ip netns exec ns{i}" to put each on its own (emulated) machine.
     learner_prefix: str = ""
+    # Every chunk made into a shard before the first learner starts (no bound on ready shards):
+    # on one machine the learners then have its cores to themselves (diloco.local.prepared).
+    prepare_first: bool = False
 
     def ranks_of(self, learner: int) -> int:
         return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1
@@ -124,7 +133,7 @@ class LocalRun:
             cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
         if cfg.data.deal == 0:  # one deal slot per learner: a fault-free run repeats exactly
             cfg = cfg.with_overrides({"data.deal": o.learners})
-        if cfg.data.max_ready_shards == 0:
+        if cfg.data.max_ready_shards == 0 and not o.prepare_first:
             # Data workers share the learners' cores here: make a few shards per learner ahead,
             # not the whole corpus at the start.
             cfg = cfg.with_overrides({"data.max_ready_shards": 2 * o.learners})
@@ -197,11 +206,14 @@ class LocalRun:
         refusals = [line.removeprefix("error: ") for line in tail.splitlines() if line.startswith("error: ")]
         return refusals[-1] if refusals else f"\n{tail}"
 
-    def _start_workers(self, address: str) -> None:
-        o = self.options
-        for i in range(o.data_workers):
+    def _start_data_workers(self, address: str) -> None:
+        for i in range(self.options.data_workers):
             args = ["data", "--coordinator", address, "--worker-id", f"data-{i}", *self._tls(f"data-{i}")]
             self.group.spawn(f"data-{i}", "data", args)
+
+    def _start_learners(self, address: str) -> None:
+        """The learners, and the evaluator that follows them."""
+        o = self.options
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
             args += ["--worker-id", f"learner-{i}"]
@@ -263,9 +275,19 @@ class LocalRun:
                 self.console.print(f"[yellow]warning:[/] {warning}")
         try:
             address = self._start_coordinator()
-            self._warn_if_no_eval_split()
-            self._start_workers(address)
+            if warning := no_eval_split_warning(self.workdir, self.config):
+                self.console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER, security=self._supervisor_security())
+            self._start_data_workers(address)
+            if self.options.prepare_first:
+                reading = wait_until_prepared(
+                    lambda: self._status(observer),
+                    lambda: any(c.alive for c in self.group.by_role("data")),
+                    started + self.options.minutes * 60 if self.options.minutes > 0 else math.inf,
+                    self.console.print,
+                )
+                self.console.print(f"data prepared ({reading}) in {time.monotonic() - started:.1f} s")
+            self._start_learners(address)
             detail = self._watch(observer, started)
             train_seconds = time.monotonic() - started
             self._wind_down(observer)
@@ -299,17 +321,6 @@ class LocalRun:
         )
         (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         return summary
-
-    def _warn_if_no_eval_split(self) -> None:
-        chunks, held_out = split_sizes(self.workdir)
-        if chunks and not held_out:
-            self.console.print(
-                f"[yellow]warning:[/] no held-out split: the dataset made {chunks} chunk(s) and none is "
-                f"held out (data.eval_fraction = {self.config.data.eval_fraction}), so eval_loss stays "
-                "null; give more data or a smaller data.chunk_bytes",
-                highlight=False,
-                soft_wrap=True,
-            )
 
     def _status(self, observer: CoordinatorClient) -> dict[str, Any] | None:
         try:

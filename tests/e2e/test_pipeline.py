@@ -346,3 +346,26 @@ def test_a_run_without_held_out_data_says_so(tiny_corpus: Path, tmp_path: Path) 
     warnings = [line for line in result.stderr.splitlines() if "no held-out split" in line]
     assert len(warnings) == 1 and "eval_loss" in warnings[0], result.stderr[-3000:]
     assert json.loads((workdir / "summary.json").read_text())["eval_loss"] is None
+
+
+@pytest.mark.timeout(180)
+def test_prepare_first_starts_the_learners_once_every_chunk_is_a_shard(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """--prepare-first: no learner joins before the data workers made the whole dataset into shards
+    (not only the few ahead that `diloco run` keeps by default), and the run then trains as usual."""
+    workdir = tmp_path / "run"
+    result = run_cli(
+        ["run", "--dataset", str(tiny_corpus), "--workdir", str(workdir), "--learners", "1", "--data-workers", "2",
+         "--tokens", "20000", "--prepare-first", "--no-progress", "--inner-steps", "10", "--set", "train.threads=1",
+         "--set", "data.chunk_bytes=32768", "--set", "model.kwargs.n_layer=1"],
+        timeout=150,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data prepared" in result.stderr, result.stderr[-3000:]
+    assert_one_shard_per_chunk(workdir)
+    ((last_shard,),) = ledger_rows(workdir, "SELECT MAX(created) FROM shards")
+    ((first_learner,),) = ledger_rows(workdir, "SELECT MIN(joined) FROM workers WHERE role = 'compute'")
+    assert first_learner >= last_shard, (first_learner, last_shard)
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["tokens_merged"] >= 20000 and summary["audit_ok"], summary
