@@ -282,7 +282,7 @@ class LocalRun:
             if self.options.prepare_first:
                 reading = wait_until_prepared(
                     lambda: self._status(observer),
-                    lambda: any(c.alive for c in self.group.by_role("data")),
+                    lambda: self._keep_coordinator() or any(c.alive for c in self.group.by_role("data")),
                     started + self.options.minutes * 60 if self.options.minutes > 0 else math.inf,
                     self.console.print,
                 )
@@ -359,14 +359,7 @@ class LocalRun:
         last_line = 0.0
         with live if self.options.show_progress else contextlib.nullcontext():
             while any(c.alive for c in self.group.by_role("learner")):
-                coordinator = self.group.by_role("coordinator")[0]
-                if not coordinator.alive:
-                    if not self.chaos:
-                        raise DilocoError(
-                            f"coordinator died ({coordinator.how_it_ended()}):\n"
-                            f"{self.group.tail(coordinator)}"
-                        )
-                    self.group.respawn(coordinator)  # a supervisor restarts what dies
+                self._keep_coordinator()
                 if self.chaos:
                     self.chaos.tick(
                         time.monotonic(), training=bool(detail.get("tokens_trained")), finishing=finish_sent
@@ -389,6 +382,16 @@ class LocalRun:
                 f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})"
             )
         return detail
+
+    def _keep_coordinator(self) -> None:
+        """A dead coordinator ends the job, or under chaos is restarted, as a supervisor would."""
+        coordinator = self.group.by_role("coordinator")[0]
+        if not coordinator.alive:
+            if not self.chaos:
+                raise DilocoError(
+                    f"coordinator died ({coordinator.how_it_ended()}):\n{self.group.tail(coordinator)}"
+                )
+            self.group.respawn(coordinator)
 
     def _wind_down(self, observer: CoordinatorClient) -> None:
         with contextlib.suppress(Exception):
