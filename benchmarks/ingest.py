@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     def rate(t: dict[str, float], arm: str) -> float:
         return t[f"{arm}_bytes"] / t[f"{arm}_s"]
 
-    ratios = sorted(rate(t, "ingest") / rate(t, "raw") for t in turns)
+    ratios = [rate(t, "ingest") / rate(t, "raw") for t in turns]  # in turn order
     result = {
         "learners": args.learners,
         "rounds": args.rounds,
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"coordinator ingest + merge: {result['ingest_mb_per_s']:8.1f} MB/s  ({result['merges']} merges)")
     print(
         f"ratio                     : {result['ratio']:.0%}  "
-        f"(turn by turn: {', '.join(f'{r:.0%}' for r in ratios)})"
+        f"(turn by turn: {', '.join(f'{r:.0%}' for r in ratios)}; worst {min(ratios):.0%})"
     )
     print(
         f"server CPU per MB pushed  : raw {result['raw_cpu_ms_per_mb']:.2f} ms, "
