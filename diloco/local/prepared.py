@@ -39,8 +39,9 @@ def wait_until_prepared(
             if ready:
                 return reading
         now = time.monotonic()
-        if not data_alive() or now >= deadline:
-            why = "no data worker is left" if not data_alive() else "the time budget ran out"
+        alive = data_alive()  # (asked once: it may also check the coordinator)
+        if not alive or now >= deadline:
+            why = "no data worker is left" if not alive else "the time budget ran out"
             say(f"[yellow]warning:[/] --prepare-first: {why} at {reading}; the learners start now")
             return reading
         if now - said >= 10:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from diloco.compute.heartbeats import Heartbeats
+from diloco.compute.heartbeats import ALLOWANCE_ASK_S, Heartbeats
 from diloco.compute.progress import Progress
 from diloco.compute.rows import RowBook
 from diloco.compute.schedule import budget_spent
@@ -66,6 +66,9 @@ def test_told_nothing_at_once_it_hands_in_and_asks_again_only_after_a_pause():
     learner._wait_for_allowance(0.0)  # no step since: no second ask at once (ALLOWANCE_ASK_S)
     assert (learner.client.asked, learner.hand_ins) == (2, 2)
     assert learner.progress.waiting_s > 0
+    learner._allowance_asked_at -= ALLOWANCE_ASK_S  # the pause has passed (moved, not slept)
+    learner._wait_for_allowance(0.0)
+    assert (learner.client.asked, learner.hand_ins) == (3, 3)
 
 
 def test_each_slice_trained_out_is_asked_about_once_at_once():
