@@ -38,7 +38,7 @@ from diloco.local.summary import (
     no_eval_split_warning,
     summarize,
 )
-from diloco.local.tls import SUPERVISOR, run_certificates, tls_args
+from diloco.local.tls import SUPERVISOR, job_certificates, tls_args
 from diloco.security.certs import TlsFiles
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
@@ -255,12 +255,7 @@ class LocalRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.options.tls:
             o = self.options
-            names = {"coordinator": "coordinator", "evaluator": "evaluator"}
-            names.update({f"data-{i}": "data" for i in range(o.data_workers)})
-            names.update({f"learner-{i}": "learner" for i in range(o.learners)})
-            self.certificates = run_certificates(
-                self.workdir, names, coordinator_hosts=(o.host,) if o.host != "127.0.0.1" else ()
-            )
+            self.certificates = job_certificates(self.workdir, o.learners, o.data_workers, o.host)
         started = time.monotonic()
         started_at = time.time()
         self.console.print(
@@ -301,19 +296,13 @@ class LocalRun:
             data_workers=o.data_workers, slow_learner=o.slow_learner, train_seconds=train_seconds,
             total_seconds=time.monotonic() - started,
         )  # fmt: skip
-        summary["ranks_per_learner"] = {f"learner-{i}": o.ranks_of(i) for i in range(o.learners)}
+        report = job_report(detail, summary, workdir=self.workdir, learners=o.learners,
+                            train_seconds=train_seconds, started_at=started_at)  # fmt: skip
         summary.update(
-            job_report(
-                detail,
-                summary,
-                workdir=self.workdir,
-                learners=o.learners,
-                train_seconds=train_seconds,
-                started_at=started_at,
-            ),  # fmt: skip
+            report,
+            ranks_per_learner={f"learner-{i}": o.ranks_of(i) for i in range(o.learners)},
             kills=self.chaos.kills if self.chaos else {},
-            # Every kill as it happened (wall clock, process, role): what a merge or a calibration
-            # is lined up against afterwards.
+            # Every kill as it happened (wall clock, process, role), to line merges up against.
             kill_log=self.chaos.kill_log if self.chaos else [],
             started_at=round(started_at, 3),  # wall clock, as kill_log's times
             # Where the machine's time went: learners' arithmetic, or the parts around it.

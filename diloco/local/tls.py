@@ -32,5 +32,14 @@ def run_certificates(
     return made
 
 
+def job_certificates(workdir: Path, learners: int, data_workers: int, host: str) -> dict[str, TlsFiles]:
+    """Every process of a `diloco run` job its certificate, by the name it runs under; the
+    coordinator's names `host` too when the job serves beyond loopback."""
+    names = {"coordinator": "coordinator", "evaluator": "evaluator"}
+    names.update({f"data-{i}": "data" for i in range(data_workers)})
+    names.update({f"learner-{i}": "learner" for i in range(learners)})
+    return run_certificates(workdir, names, coordinator_hosts=(host,) if host != "127.0.0.1" else ())
+
+
 def tls_args(files: TlsFiles) -> list[str]:
     return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]
