@@ -32,6 +32,7 @@ import time
 import uuid
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -208,6 +209,16 @@ def with_learners(running, learners: int, security: dict[str, Security] | None =
     return clients, params
 
 
+def coordinator_overrides(n_layer: int, n_embd: int) -> dict[str, Any]:
+    """One fragment merged at every push (quorum 1, no grace window), nothing stale or expired:
+    the coordinator ingests and merges as fast as pushes come."""
+    return {
+        "model.kwargs.n_layer": n_layer, "model.kwargs.n_embd": n_embd, "model.kwargs.n_head": 6,
+        "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--learners", type=int, default=4)
@@ -219,11 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
     args = p.parse_args(argv)
     turn_s = args.seconds / args.rounds
-    overrides = {
-        "model.kwargs.n_layer": args.n_layer, "model.kwargs.n_embd": args.n_embd, "model.kwargs.n_head": 6,
-        "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
-        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
-    }  # fmt: skip
+    overrides = coordinator_overrides(args.n_layer, args.n_embd)
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
         running = coordinator_with_shards(Path(tmp) / "plain", overrides)
