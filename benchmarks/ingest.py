@@ -209,6 +209,19 @@ def with_learners(running, learners: int, security: dict[str, Security] | None =
     return clients, params
 
 
+def mtls_coordinator(ca: Path, workdir: Path, overrides: dict[str, Any], learners: int):
+    """A coordinator on mutual TLS (the production path) with its shards ready, `learners` learner
+    clients joined on certificates of their own (signed by `ca`), its parameters, and each
+    learner's (certificate, key, CA) files for the pushing process's channels."""
+    files = {f"learner-{i}": issue(ca, "learner", f"learner-{i}") for i in range(learners)}
+    running = coordinator_with_shards(
+        workdir, overrides, Security(tls=issue(ca, "coordinator", "coordinator")),
+        Security(tls=issue(ca, "data", "data-0")),
+    )  # fmt: skip
+    clients, params = with_learners(running, learners, {n: Security(tls=f) for n, f in files.items()})
+    return running, clients, params, {n: (f.cert, f.key, f.ca) for n, f in files.items()}
+
+
 def coordinator_overrides(n_layer: int, n_embd: int) -> dict[str, Any]:
     """One fragment merged at every push (quorum 1, no grace window), nothing stale or expired:
     the coordinator ingests and merges as fast as pushes come."""
@@ -241,14 +254,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.tls:
             ca = Path(tmp) / "ca"
             init_ca(ca)
-            files = {f"learner-{i}": issue(ca, "learner", f"learner-{i}") for i in range(args.learners)}
-            tls_files = {n: (f.cert, f.key, f.ca) for n, f in files.items()}
-            secure = coordinator_with_shards(
-                Path(tmp) / "tls", overrides, Security(tls=issue(ca, "coordinator", "coordinator")),
-                Security(tls=issue(ca, "data", "data-0")),
-            )  # fmt: skip
-            secure_clients, _ = with_learners(
-                secure, args.learners, {n: Security(tls=f) for n, f in files.items()}
+            secure, secure_clients, _, tls_files = mtls_coordinator(
+                ca, Path(tmp) / "tls", overrides, args.learners
             )
             # gRPC's own ceiling over the same mutual TLS: what the transport's TLS costs alone.
             raw_tls = raw_server(cfg, Security(tls=issue(ca, "coordinator", "raw")))

@@ -29,9 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._local import coordinator_with_shards  # noqa: E402
-from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn, with_learners  # noqa: E402
-from diloco.security.certs import init_ca, issue  # noqa: E402
-from diloco.security.transport import Security  # noqa: E402
+from benchmarks.ingest import (  # noqa: E402
+    PUSH_METHOD,
+    Pusher,
+    coordinator_overrides,
+    ingest_turn,
+    mtls_coordinator,
+    with_learners,
+)
+from diloco.security.certs import init_ca  # noqa: E402
 
 WARM_UP_S = 2.0
 
@@ -53,20 +59,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     overrides = coordinator_overrides(n_layer=6, n_embd=384)  # ingest.py's defaults
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_profile_") as tmp:
-        tls, security = None, None
+        tls = None
         if args.arm == "tls":
             ca = Path(tmp) / "ca"
             init_ca(ca)
-            files = {f"learner-{i}": issue(ca, "learner", f"learner-{i}") for i in range(args.learners)}
-            tls = {n: (f.cert, f.key, f.ca) for n, f in files.items()}
-            security = {n: Security(tls=f) for n, f in files.items()}
-            running = coordinator_with_shards(
-                Path(tmp) / "c", overrides, Security(tls=issue(ca, "coordinator", "coordinator")),
-                Security(tls=issue(ca, "data", "data-0")),
-            )  # fmt: skip
+            running, clients, params, tls = mtls_coordinator(ca, Path(tmp) / "c", overrides, args.learners)
         else:
             running = coordinator_with_shards(Path(tmp) / "c", overrides)
-        clients, params = with_learners(running, args.learners, security)
+            clients, params = with_learners(running, args.learners)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         ids = [c.worker_id for c in clients]
         pusher = Pusher(f"127.0.0.1:{running.port}", PUSH_METHOD, ids, shapes, running.service.config,
@@ -141,8 +141,9 @@ def grouped_samples(perf_file: Path) -> dict[str, int]:
 
 
 def compare(base: Path, other: Path) -> None:
-    runs = [(f, json.loads(Path(f"{f}.json").read_text()), grouped_samples(f)) for f in (base, other)]
-    (_, a, ga), (_, b, gb) = runs
+    (a, ga), (b, gb) = [
+        (json.loads(Path(f"{f}.json").read_text()), grouped_samples(f)) for f in (base, other)
+    ]
     print(f"{'samples per MB pushed':34s} {a['arm']:>8s} {b['arm']:>8s}   difference")
     names = sorted(set(ga) | set(gb), key=lambda g: ga.get(g, 0) / a["mb"] - gb.get(g, 0) / b["mb"])
     for g in [*names, "total"]:
