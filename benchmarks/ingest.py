@@ -32,7 +32,7 @@ import time
 import uuid
 from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import torch
@@ -142,11 +142,30 @@ def _pusher_child(address, method, worker_ids, shapes, cfg_json, learners, comma
             return push_bytes
 
     while (seconds := commands.get()) is not None:
+        cpu0 = process_cpu_s()
         sent, elapsed = drive(send_one, learners, seconds)
-        out.put((sent, elapsed, push_bytes))
+        out.put(Turn(sent, elapsed, push_bytes, process_cpu_s() - cpu0))
     for c in (channel, *own):
         if c is not None:
             c.close()
+
+
+class Turn(NamedTuple):
+    """One turn of the pushing process: bytes sent, seconds it took, bytes per push, its CPU seconds."""
+
+    sent: int
+    seconds: float
+    push_bytes: int
+    cpu_s: float
+
+
+class Measured(NamedTuple):
+    """One arm's turn as measured: bytes, seconds (merges drained), the server's and the pushers' CPU s."""
+
+    sent: int
+    seconds: float
+    server_cpu_s: float
+    pusher_cpu_s: float
 
 
 class Pusher:
@@ -166,8 +185,8 @@ class Pusher:
         )
         self.child.start()
 
-    def turn(self, seconds: float) -> tuple[int, float, int]:
-        """One turn of pushing for `seconds`: (bytes sent, seconds it took, bytes per push)."""
+    def turn(self, seconds: float) -> Turn:
+        """One turn of pushing for `seconds`."""
         self.commands.put(seconds)
         return self.out.get(timeout=seconds + 300)
 
@@ -178,20 +197,22 @@ class Pusher:
             self.child.kill()
 
 
-def server_cpu_s() -> float:
-    """CPU seconds (user + system) of this process: the server side of both arms runs here."""
+def process_cpu_s() -> float:
+    """CPU seconds (user + system) of this process: in the benchmark's own, the server side of
+    every arm; in a pushing process, its pushes."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
 
-def ingest_turn(running, pusher: Pusher, seconds: float) -> tuple[int, float, float]:
-    """One turn of pushes to a real coordinator, its merges drained: (bytes, seconds, server CPU s)."""
-    cpu0 = server_cpu_s()
-    sent, elapsed, _ = pusher.turn(seconds)
+def ingest_turn(running, pusher: Pusher, seconds: float) -> Measured:
+    """One turn of pushes to a real coordinator, its merges drained."""
+    cpu0 = process_cpu_s()
+    turn = pusher.turn(seconds)
     # Accepted pushes still waiting for their merge or checkpoint count against ingest.
     drain_started = time.monotonic()
     assert running.service.wait_published(120), "merges did not catch up"
-    return sent, elapsed + time.monotonic() - drain_started, server_cpu_s() - cpu0
+    elapsed = turn.seconds + time.monotonic() - drain_started
+    return Measured(turn.sent, elapsed, process_cpu_s() - cpu0, turn.cpu_s)
 
 
 def with_learners(running, learners: int, security: dict[str, Security] | None = None):
@@ -279,12 +300,14 @@ def main(argv: list[str] | None = None) -> None:
                 turn: dict[str, float] = {}
                 for arm, pusher in pushers.items():
                     if arm.startswith("raw"):
-                        cpu0 = server_cpu_s()
-                        sent, secs, push_bytes = pusher.turn(turn_s)
-                        measured = (sent, secs, server_cpu_s() - cpu0)
+                        cpu0 = process_cpu_s()
+                        pushed = pusher.turn(turn_s)
+                        push_bytes = pushed.push_bytes
+                        measured = Measured(pushed.sent, pushed.seconds, process_cpu_s() - cpu0, pushed.cpu_s)
                     else:
                         measured = ingest_turn(running if arm == "ingest" else secure, pusher, turn_s)
-                    turn.update(zip((f"{arm}_bytes", f"{arm}_s", f"{arm}_cpu_s"), measured, strict=True))
+                    keys = (f"{arm}_bytes", f"{arm}_s", f"{arm}_cpu_s", f"{arm}_pusher_cpu_s")
+                    turn.update(zip(keys, measured, strict=True))
                 turns.append(turn)
         finally:
             for pusher in pushers.values():
@@ -356,6 +379,16 @@ def main(argv: list[str] | None = None) -> None:
             f"TLS / plaintext ingest    : {result['tls_ratio']:.0%}  "
             f"(turn by turn: {', '.join(f'{r:.0%}' for r in tls_ratios)}; worst {min(tls_ratios):.0%})"
         )
+    # The pushers share this machine's cores with the server: their CPU per MB, and how many
+    # cores both sides kept busy, say whether an arm was bound by the machine or by a wait.
+    for arm in pushers:
+        pusher_s = total(f"{arm}_pusher_cpu_s")
+        result[f"{arm}_pusher_cpu_ms_per_mb"] = pusher_s * 1e3 / (total(f"{arm}_bytes") / 1e6)
+        result[f"{arm}_cores_busy"] = (total(f"{arm}_cpu_s") + pusher_s) / total(f"{arm}_s")
+    busy = [
+        f"{a} {result[f'{a}_pusher_cpu_ms_per_mb']:.2f} ms, {result[f'{a}_cores_busy']:.2f}" for a in pushers
+    ]
+    print(f"pushers' CPU per MB, cores busy (server + pushers): {'; '.join(busy)}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 

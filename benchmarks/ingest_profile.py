@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                     ["perf", "record", "-q", "-g", "-F", "999", "-o", str(args.perf), "-p", str(os.getpid())]
                 )
             before = merges(running)
-            sent, seconds, cpu_s = ingest_turn(running, pusher, args.seconds)
+            sent, seconds, cpu_s, _ = ingest_turn(running, pusher, args.seconds)
             rounds = merges(running) - before
         finally:
             if perf is not None:

@@ -157,14 +157,11 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
     process, against the same coordinator with it off, in alternating turns (plaintext, as in
     benchmarks/ingest.py: the scraper's own TLS would be the scraper's cost)."""
     from benchmarks._local import coordinator_with_shards
-    from benchmarks.ingest import PUSH_METHOD, Pusher, ingest_turn, with_learners
+    from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn, with_learners
     from diloco.coordinator.server import ObservePorts, start_observers
     from diloco.security.transport import Security
 
-    overrides = {
-        "model.kwargs.n_layer": 6, "model.kwargs.n_embd": 384, "model.kwargs.n_head": 6, "sync.fragments": 1,
-        "sync.quorum": 1, "sync.grace_factor": 0.0, "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
-    }  # fmt: skip
+    overrides = coordinator_overrides(n_layer=6, n_embd=384)
     turns = []
     with tempfile.TemporaryDirectory(prefix="diloco-observe-ingest-") as tmp:
         running = coordinator_with_shards(Path(tmp), overrides)
@@ -191,7 +188,7 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
                             scraper.stdout is not None and scraper.stdout.readline()
                         )  # scraping before pushes start
                     try:
-                        sent, secs, cpu = ingest_turn(running, pusher, seconds)
+                        sent, secs, cpu, _ = ingest_turn(running, pusher, seconds)
                     finally:
                         if scraper is not None:
                             scraper.kill()
