@@ -9,8 +9,9 @@ messages (a GPT fragment's delta, fp32, in 1 MiB pieces) to (a) a bare gRPC clie
 handler that only reads them, and (b) the real coordinator, which validates, assembles, records
 the push in its ledger, merges (quorum 1) and checkpoints. The two take turns (--rounds), so a
 change in the machine's load falls on both. Printed: MB/s of push bytes each way, the ratio
-(target: ingest + merge >= 50% of raw streaming) over all turns and turn by turn, and the server's
-CPU time per MB pushed.
+(target: ingest + merge >= 50% of raw streaming) over all turns and turn by turn, the server's
+CPU time per MB pushed and, per arm, the pushing process's CPU per MB and the cores both sides
+kept busy (on a small machine the pushers' CPU is taken from the server's cores).
 
     python benchmarks/ingest.py --tls --out benchmarks/results/ingest_tls.json
 
