@@ -178,6 +178,7 @@ class Pusher:
     def __init__(self, address: str, method: str, worker_ids: list[str], shapes: dict[str, tuple[int, ...]],
                  cfg: RunConfig, learners: int, tls: dict[str, tuple[str, str, str]] | None = None):  # fmt: skip
         ctx = mp.get_context("spawn")
+        self.push_bytes = 0  # known after the first turn
         self.commands, self.out = ctx.Queue(), ctx.Queue()
         self.child = ctx.Process(
             target=_pusher_child,
@@ -189,7 +190,9 @@ class Pusher:
     def turn(self, seconds: float) -> Turn:
         """One turn of pushing for `seconds`."""
         self.commands.put(seconds)
-        return self.out.get(timeout=seconds + 300)
+        turn = self.out.get(timeout=seconds + 300)
+        self.push_bytes = turn.push_bytes  # one push's bytes, as the pushing process made them
+        return turn
 
     def close(self) -> None:
         self.commands.put(None)
@@ -206,13 +209,15 @@ def process_cpu_s() -> float:
 
 
 def ingest_turn(running, pusher: Pusher, seconds: float) -> Measured:
-    """One turn of pushes to a real coordinator, its merges drained."""
+    """One turn of pushes to a real coordinator, its merges drained (`running` None: to a raw
+    handler, nothing to drain)."""
     cpu0 = process_cpu_s()
     turn = pusher.turn(seconds)
-    # Accepted pushes still waiting for their merge or checkpoint count against ingest.
-    drain_started = time.monotonic()
-    assert running.service.wait_published(120), "merges did not catch up"
-    elapsed = turn.seconds + time.monotonic() - drain_started
+    elapsed = turn.seconds
+    if running is not None:  # accepted pushes still waiting for their merge or checkpoint count
+        drain_started = time.monotonic()
+        assert running.service.wait_published(120), "merges did not catch up"
+        elapsed += time.monotonic() - drain_started
     return Measured(turn.sent, elapsed, process_cpu_s() - cpu0, turn.cpu_s)
 
 
@@ -300,13 +305,8 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.rounds):
                 turn: dict[str, float] = {}
                 for arm, pusher in pushers.items():
-                    if arm.startswith("raw"):
-                        cpu0 = process_cpu_s()
-                        pushed = pusher.turn(turn_s)
-                        push_bytes = pushed.push_bytes
-                        measured = Measured(pushed.sent, pushed.seconds, process_cpu_s() - cpu0, pushed.cpu_s)
-                    else:
-                        measured = ingest_turn(running if arm == "ingest" else secure, pusher, turn_s)
+                    coordinator = {"ingest": running, "tls": secure}.get(arm)  # none for the raw arms
+                    measured = ingest_turn(coordinator, pusher, turn_s)
                     keys = (f"{arm}_bytes", f"{arm}_s", f"{arm}_cpu_s", f"{arm}_pusher_cpu_s")
                     turn.update(zip(keys, measured, strict=True))
                 turns.append(turn)
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         "learners": args.learners,
         "rounds": args.rounds,
         "params": sum(t.numel() for t in params.values()),
-        "push_mb": push_bytes / 1e6,
+        "push_mb": pushers["raw"].push_bytes / 1e6,
         "raw_mb_per_s": total("raw_bytes") / total("raw_s") / 1e6,
         "ingest_mb_per_s": total("ingest_bytes") / total("ingest_s") / 1e6,
         "merges": sum(versions),
