@@ -115,12 +115,15 @@ def _pusher_child(address, method, worker_ids, shapes, cfg_json, learners, comma
             channel = grpc.insecure_channel(address, options=grpc_options(cfg))
     # Each learner on a connection of its own, as learner processes are (with `tls`, on its own
     # certificate's channel: the coordinator checks the names), in both ingest arms alike.
+    # gRPC shares one connection among a process's channels of equal target and options: plaintext
+    # learners would all ride one, where TLS ones (each its own certificate) get one each.
+    own_options = [*grpc_options(cfg), ("grpc.use_local_subchannel_pool", 1)]
     own: list[grpc.Channel] = []
     if worker_ids:
         own = [
-            client_channel(address, Security(tls=TlsFiles(*tls[w])), grpc_options(cfg))
+            client_channel(address, Security(tls=TlsFiles(*tls[w])), own_options)
             if tls
-            else grpc.insecure_channel(address, options=grpc_options(cfg))
+            else grpc.insecure_channel(address, options=own_options)
             for w in worker_ids
         ]
     calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in own]
