@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._local import coordinator_with_shards, initial_parameters  # noqa: E402
 from diloco.client import CoordinatorClient  # noqa: E402
-from diloco.config import RunConfig  # noqa: E402
+from diloco.config import RunConfig, parse_assignments  # noqa: E402
 from diloco.coordinator.server import grpc_options  # noqa: E402
 from diloco.security.certs import TlsFiles, init_ca, issue  # noqa: E402
 from diloco.security.transport import Security, add_port, client_channel  # noqa: E402
@@ -109,23 +109,17 @@ def _pusher_child(address, method, worker_ids, shapes, cfg_json, learners, comma
     raw_tls = (tls or {}).get("raw")
     channel = None  # the raw arms' one connection; the ingest arms' learners have their own
     if not worker_ids:
-        if raw_tls:
-            channel = client_channel(address, Security(tls=TlsFiles(*raw_tls)), grpc_options(cfg))
-        else:
-            channel = grpc.insecure_channel(address, options=grpc_options(cfg))
+        channel = client_channel(
+            address, Security(tls=TlsFiles(*raw_tls) if raw_tls else None), grpc_options(cfg)
+        )
     # Each learner on a connection of its own, as learner processes are (with `tls`, on its own
-    # certificate's channel: the coordinator checks the names), in both ingest arms alike.
-    # gRPC shares one connection among a process's channels of equal target and options: plaintext
-    # learners would all ride one, where TLS ones (each its own certificate) get one each.
+    # certificate's channel: the coordinator checks the names), in both ingest arms alike. A local
+    # subchannel pool each: gRPC shares one connection among a process's equal channels otherwise.
     own_options = [*grpc_options(cfg), ("grpc.use_local_subchannel_pool", 1)]
-    own: list[grpc.Channel] = []
-    if worker_ids:
-        own = [
-            client_channel(address, Security(tls=TlsFiles(*tls[w])), own_options)
-            if tls
-            else grpc.insecure_channel(address, options=own_options)
-            for w in worker_ids
-        ]
+    own = [
+        client_channel(address, Security(tls=TlsFiles(*tls[w]) if tls else None), own_options)
+        for w in worker_ids
+    ]
     calls = [c.stream_unary(method, response_deserializer=pb.PushReply.FromString) for c in own]
     if channel is not None:  # the raw server: the very same bytes, nothing to say about them
         call = channel.stream_unary(method)
@@ -252,13 +246,13 @@ def mtls_coordinator(ca: Path, workdir: Path, overrides: dict[str, Any], learner
     return running, clients, params, {n: (f.cert, f.key, f.ca) for n, f in files.items()}
 
 
-def coordinator_overrides(n_layer: int, n_embd: int) -> dict[str, Any]:
+def coordinator_overrides(n_layer: int, n_embd: int, assignments: list[str] = ()) -> dict[str, Any]:
     """One fragment merged at every push (quorum 1, no grace window), nothing stale or expired:
-    the coordinator ingests and merges as fast as pushes come."""
+    the coordinator ingests and merges as fast as pushes come; then --set's `assignments`."""
     return {
         "model.kwargs.n_layer": n_layer, "model.kwargs.n_embd": n_embd, "model.kwargs.n_head": 6,
         "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
-        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
+        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600, **parse_assignments(list(assignments)),
     }  # fmt: skip
 
 
@@ -270,10 +264,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--n-embd", type=int, default=384)
     p.add_argument("--tls", action="store_true", help="a third arm: ingest by a coordinator on mutual TLS")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every arm, e.g. coordinator.stream_chunk_bytes=4194304")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
     args = p.parse_args(argv)
     turn_s = args.seconds / args.rounds
-    overrides = coordinator_overrides(args.n_layer, args.n_embd)
+    overrides = coordinator_overrides(args.n_layer, args.n_embd, args.assignments)
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
         running = coordinator_with_shards(Path(tmp) / "plain", overrides)
@@ -346,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
         "raw_cpu_ms_per_mb": total("raw_cpu_s") * 1e3 / (total("raw_bytes") / 1e6),
         "ingest_cpu_ms_per_mb": total("ingest_cpu_s") * 1e3 / (total("ingest_bytes") / 1e6),
     }
-    result["ratio"] = result["ingest_mb_per_s"] / result["raw_mb_per_s"]
+    result.update(ratio=result["ingest_mb_per_s"] / result["raw_mb_per_s"], overrides=args.assignments)
     print(
         f"push of {result['push_mb']:.1f} MB ({result['params']:,} params), {args.learners} concurrent learners, "
         f"{args.rounds} turns of {turn_s:.1f} s per arm"

@@ -52,12 +52,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--perf", type=Path, help="record `perf record -g` of this process into this file")
+    p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as ingest.py's --set")  # fmt: skip
     p.add_argument("--compare", type=Path, nargs=2, metavar=("BASE", "OTHER"), help="two --perf files")
     args = p.parse_args(argv)
     if args.compare:
         compare(*args.compare)
         return
-    overrides = coordinator_overrides(n_layer=6, n_embd=384)  # ingest.py's defaults
+    overrides = coordinator_overrides(6, 384, args.assignments)  # ingest.py's default model
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_profile_") as tmp:
         tls = None
         if args.arm == "tls":
