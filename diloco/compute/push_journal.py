@@ -111,7 +111,10 @@ def replay(state: LocalState, pushes: list[JournaledPush], *, keeps_overlap: boo
         f = state.fragments[p]
         if f.in_flight and not keeps_overlap:  # its merge was applied before this push left
             state.rows.overwritten(p)
-        state.rows.carry(p, len(state.fragments), state.busy_s)
+        # At time 0 of the resuming life's inner steps, as rows loaded from disk are: the dead
+        # life's time (state.busy_s) was its own, reported as kept in its heartbeats; carried here
+        # at that time, it counted again as the new life's kept work (goodput over 100% of it).
+        state.rows.carry(p, len(state.fragments), 0.0)
         f.in_flight = True
         f.push = (push.header, push.tensors)
         state.pushes[p] = f.push
