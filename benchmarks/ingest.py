@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -246,7 +247,9 @@ def mtls_coordinator(ca: Path, workdir: Path, overrides: dict[str, Any], learner
     return running, clients, params, {n: (f.cert, f.key, f.ca) for n, f in files.items()}
 
 
-def coordinator_overrides(n_layer: int, n_embd: int, assignments: list[str] = ()) -> dict[str, Any]:
+def coordinator_overrides(
+    n_layer: int = 6, n_embd: int = 384, assignments: Sequence[str] = ()
+) -> dict[str, Any]:
     """One fragment merged at every push (quorum 1, no grace window), nothing stale or expired:
     the coordinator ingests and merges as fast as pushes come; then --set's `assignments`."""
     return {
@@ -261,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--learners", type=int, default=4)
     p.add_argument("--seconds", type=float, default=20.0, help="per arm, over all rounds")
     p.add_argument("--rounds", type=int, default=4, help="raw and ingest take turns this many times")
-    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-layer", type=int, default=6)  # coordinator_overrides' model
     p.add_argument("--n-embd", type=int, default=384)
     p.add_argument("--tls", action="store_true", help="a third arm: ingest by a coordinator on mutual TLS")
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.compare:
         compare(*args.compare)
         return
-    overrides = coordinator_overrides(6, 384, args.assignments)  # ingest.py's default model
+    overrides = coordinator_overrides(assignments=args.assignments)
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_profile_") as tmp:
         tls = None
         if args.arm == "tls":

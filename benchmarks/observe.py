@@ -161,7 +161,7 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
     from diloco.coordinator.server import ObservePorts, start_observers
     from diloco.security.transport import Security
 
-    overrides = coordinator_overrides(n_layer=6, n_embd=384)
+    overrides = coordinator_overrides()
     turns = []
     with tempfile.TemporaryDirectory(prefix="diloco-observe-ingest-") as tmp:
         running = coordinator_with_shards(Path(tmp), overrides)

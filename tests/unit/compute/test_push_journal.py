@@ -80,12 +80,14 @@ def test_a_replay_with_keep_overlap_leaves_the_rows_waiting_for_the_next_push() 
 
 def test_a_replay_gives_the_resuming_life_none_of_the_dead_lifes_time() -> None:
     """Goodput's kept work is time in inner steps, per life: the dead life reported its own in its
-    heartbeats. The replayed groups start at the new life's time 0, so the new life's first push,
-    1 s into its steps, keeps at most that 1 s, not the 25 s the dead life had trained."""
+    heartbeats. Replayed, push 1 leaves rows (7, 16, 24) waiting for fragment 0 as made at the new
+    life's time 0, not at the 25 s the dead life had trained: the new life's own push of fragment
+    0, 1 s into its steps, completes them and keeps none of the dead life's 25 s as its own."""
     state, _ = a_state(tmp_steps=7)
     state.busy_s = 25.0  # the dead life's time in inner steps when the state was copied
-    push_journal.replay(state, [journaled(1, 1), journaled(2, 0)], keeps_overlap=True)
-    assert state.rows.kept_busy_s == 0.0 and all(g.busy_s == 0.0 for g in state.rows.awaiting)
-    state.rows.carry(1, len(state.fragments), 1.0)  # the resumed life's first push
-    state.rows.carry(0, len(state.fragments), 1.5)
-    assert state.rows.kept_busy_s <= 1.5
+    push_journal.replay(state, [journaled(1, 1)], keeps_overlap=True)
+    assert [(g.rows.spans, g.waiting, g.busy_s) for g in state.rows.awaiting] == [([(7, 16, 24)], {0}, 0.0)]
+    assert state.rows.kept_busy_s == 0.0
+    carried = state.rows.carry(0, len(state.fragments), 1.0)  # the resumed life's first push
+    assert carried.spans == [(7, 16, 24)] and state.rows.all_carried()
+    assert state.rows.kept_busy_s == 0.0
