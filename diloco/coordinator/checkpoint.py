@@ -5,9 +5,17 @@ under their names and the Nesterov momentum under `momentum/<name>`. The file is
 store before the ledger records its version, so the ledger never points at a missing file; the
 previous version's file is kept until the next one is recorded. Versions merged in one group get
 one file, that of the last.
+
+A coordinator killed mid-run leaves files its successor never recorded: the fallback it kept, a
+version written but not yet committed, a temporary file cut off by the kill. Each is a whole
+fragment with its momentum, so a restart clears them (`tidy_fragment`).
 """
 
 from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
 
 import torch
 from safetensors.torch import load as st_load
@@ -17,6 +25,10 @@ from safetensors.torch import save_file as st_save_file
 from diloco import store
 
 MOMENTUM = "momentum/"
+# A fragment's file, or the temporary sibling of one a kill cut off (diloco.store.atomic_local_path).
+_FILE = re.compile(r"fragment-(\d+)-v(\d+)\.safetensors(\.tmp-\w+)?$")
+
+log = logging.getLogger("diloco.checkpoint")
 
 
 def fragment_uri(root: str, fragment: int, version: int) -> str:
@@ -59,3 +71,34 @@ def load_model_params(root: str, versions: list[int]) -> dict[str, torch.Tensor]
         params, _ = load_fragment(root, fragment, version)
         out.update(params)
     return out
+
+
+def files_to_remove(found: Sequence[tuple[int, bool]], current: int) -> list[tuple[int, bool]]:
+    """Of one fragment's files on the store, as (version, partial), those a coordinator resuming
+    at `current` removes: every partial file, complete ones newer than `current` (written, never
+    committed: the merge is made again under the same name) and older ones but the newest of
+    them, the fallback a reader that looked at the ledger just before a commit may still open."""
+    older = [v for v, partial in found if not partial and v < current]
+    fallback = max(older, default=None)
+    return [(v, partial) for v, partial in found if partial or v > current or (v < current and v != fallback)]
+
+
+def tidy_fragment(root: str, fragment: int, current: int) -> list[int]:
+    """Remove the files of `fragment` that a resume at `current` leaves behind (files_to_remove);
+    returns the versions whose files stay, oldest first: the publisher removes them in turn."""
+    found: dict[tuple[int, bool], list[str]] = {}
+    for uri in store.list_files(store.join(root, f"fragment-{fragment}-v*")):
+        match = _FILE.search(uri)
+        if match and int(match.group(1)) == fragment:
+            found.setdefault((int(match.group(2)), match.group(3) is not None), []).append(uri)
+    removed = files_to_remove(list(found), current)
+    for key in removed:
+        for uri in found[key]:
+            store.remove(uri)
+    if removed:
+        log.info(
+            "fragment %d: removed %d file(s) a restart left behind",
+            fragment,
+            sum(len(found[k]) for k in removed),
+        )
+    return sorted(v for v, partial in set(found) - set(removed) if not partial)

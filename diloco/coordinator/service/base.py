@@ -134,7 +134,8 @@ class ServiceBase:
         for p, names in enumerate(self._fragment_names(specs)):
             version = self.ledger.fragment_version(p)
             params, momentum = checkpoint.load_fragment(self.checkpoint_root, p, version)
-            self.fragments.append(self._fragment_state(p, names, params, momentum, version))
+            files = checkpoint.tidy_fragment(self.checkpoint_root, p, version)
+            self.fragments.append(self._fragment_state(p, names, params, momentum, version, files))
         log.info("resumed fragments at versions %s", [f.version for f in self.fragments])
 
     def _install_specs(self, specs: list[pb.TensorSpec]) -> None:
@@ -151,6 +152,7 @@ class ServiceBase:
         params: dict[str, torch.Tensor],
         momentum: dict[str, torch.Tensor],
         version: int,
+        files: list[int] | None = None,
     ) -> FragmentState:
         round_ = syncer.RoundState(p, version, self.clock())
         # After a restart too, a push that opens the next round hears how late it was for the
@@ -161,7 +163,7 @@ class ServiceBase:
         awaited = self._dropped_by_restart.get(p, frozenset())
         return FragmentState(
             p, names, params, momentum, version, round_, self._new_sum(), published_version=version,
-            files=[version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
+            files=files or [version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
             awaited=awaited, awaited_until=self.clock() + RESEND_WAIT_HEARTBEATS * self.config.coordinator.heartbeat_s,
         )  # fmt: skip
 
