@@ -12,6 +12,7 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import grpc
 
@@ -21,7 +22,7 @@ from diloco.coordinator.ledger import Ledger, ledger_path
 from diloco.coordinator.memory import keep_freed_memory
 from diloco.coordinator.service import STREAMED_REQUEST_KINDS, CoordinatorService
 from diloco.coordinator.wirecount import CountRequestStreams
-from diloco.coordinator.workdir import check_same_dataset, dataset_files, store_root
+from diloco.coordinator.workdir import check_same_dataset, dataset_files, lock_workdir, store_root
 from diloco.data.chunks import mixed_order, partition_dataset
 from diloco.errors import DilocoError
 from diloco.observe.access import access_token
@@ -97,6 +98,7 @@ class RunningCoordinator:
     ledger: Ledger
     port: int
     observers: list[ObserveServer] = field(default_factory=list)
+    workdir_lock: IO[str] | None = None  # held while it runs: one coordinator per workdir
 
     def stop(self, grace_s: float = 2.0) -> None:
         for http in self.observers:
@@ -104,6 +106,8 @@ class RunningCoordinator:
         self.service.stop()
         self.server.stop(grace_s).wait()
         self.ledger.close()
+        if self.workdir_lock is not None:
+            self.workdir_lock.close()
 
 
 @dataclass(frozen=True)
@@ -222,6 +226,20 @@ def start_coordinator(
         check_listen(observe.host, security)  # the page too, before anything is written
     check_port_free(host, port)
     keep_freed_memory()
+    held = lock_workdir(workdir)
+    try:
+        running = _serve(config, workdir, host, port, observe, security)
+    except BaseException:
+        held.close()
+        raise
+    running.workdir_lock = held
+    return running
+
+
+def _serve(
+    config: RunConfig, workdir: str, host: str, port: int, observe: ObservePorts | None, security: Security
+) -> RunningCoordinator:
+    """start_coordinator's work once it holds the workdir: the ledger, the service, the ports."""
     ledger, config = open_ledger(config, workdir)
     try:
         fingerprint = tokenizer_hash(config, ledger)

@@ -4,7 +4,11 @@ inputs before it starts a process."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import time
 from pathlib import Path
+from typing import IO
 
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger, ledger_path
@@ -44,3 +48,39 @@ def check_same_dataset(recorded: str | None, config: RunConfig, workdir: str) ->
             f"workdir {workdir} holds a run on dataset {recorded!r}, not {given!r}: use a new --workdir "
             f"for another dataset (or --dataset {recorded} to resume that run)"
         )
+
+
+# How long a coordinator waits for the one before it on its workdir to let go: a holder killed
+# with -9 lets go as the kernel closes its files, within milliseconds of its death.
+LOCK_WAIT_S = 10.0
+
+
+def lock_workdir(workdir: str) -> IO[str]:
+    """This process's hold on <workdir>/state/coordinator.lock, for as long as the returned file is
+    open: one coordinator per workdir. A second one would share the ledger and the checkpoints, and
+    each would undo the other's merges and remove the other's files. The kernel lets go of the lock
+    when its holder dies, however it dies, so a restart only waits for the dead one's exit; a
+    coordinator still running there is refused, with its pid."""
+    path = ledger_path(workdir).parent / "coordinator.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = open(path, "a+")  # noqa: SIM115 (held open for the coordinator's life; closed by its stop)
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                held.seek(0)
+                holder = held.read().strip() or "?"
+                held.close()
+                raise DilocoError(
+                    f"another coordinator (pid {holder}) is running on the workdir {workdir}: one workdir "
+                    "holds one coordinator (stop it first, or give this one another --workdir)"
+                ) from None
+            time.sleep(0.1)
+    held.seek(0)
+    held.truncate()
+    held.write(str(os.getpid()))
+    held.flush()
+    return held
