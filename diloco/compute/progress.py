@@ -21,6 +21,7 @@ class Progress:
     first_loss: float = math.nan
     busy_s: float = 0.0  # time inside inner steps
     kept_busy_s: float = 0.0  # of it, the steps a kill would not lose (pushed, or saved locally)
+    resumed_kept_busy_s: float = 0.0  # the previous life's kept_busy_s in the state it resumed
     stall_s: float = 0.0  # time waiting for data
     sync_wait_s: float = 0.0  # time waiting for the syncer
     # Time with its allowance of the token budget spent (schedule.budget_spent), in two parts:
@@ -128,6 +129,7 @@ class Progress:
             last_loss=0.0 if math.isnan(self.last_loss) else self.last_loss,
             busy_seconds=self.busy_s,
             kept_busy_seconds=self.kept_busy_s,
+            resumed_kept_busy_seconds=self.resumed_kept_busy_s,
             wall_seconds=self.wall_s(),
             cpu_seconds=self.cpu_s(),
             data_stall_seconds=self.stall_s,

@@ -86,6 +86,9 @@ class KeepsLocalState:
         self.rows = state.rows
         self.progress.inner_steps = state.inner_steps
         self.progress.first_loss = state.first_loss
+        # The dead life's kept time at this copy, for the coordinator to count once: its last
+        # heartbeat may have come before the copy (this life's own time starts from 0).
+        self.progress.resumed_kept_busy_s = state.busy_s
         self.schedule_shift = state.schedule_shift
         for p, push in state.pushes.items():
             self.frags[p].push = push

@@ -45,7 +45,7 @@ def numbers_problem(values: Iterable[tuple[str, float]]) -> str:
 def heartbeat_problem(request: pb.HeartbeatRequest) -> str:
     fields = ("inner_steps", "tokens_trained", "busy_seconds", "kept_busy_seconds", "wall_seconds",
               "data_stall_seconds", "sync_wait_seconds", "tokens_unmerged", "pull_seconds",
-              "pulled_fragments", "cpu_seconds", "budget_wait_seconds")  # fmt: skip
+              "pulled_fragments", "cpu_seconds", "budget_wait_seconds", "resumed_kept_busy_seconds")  # fmt: skip
     problem = numbers_problem((f, float(getattr(request, f))) for f in fields)
     if problem:
         return problem

@@ -68,7 +68,7 @@ class JoinReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., config_json: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., needs_init: _Optional[bool] = ..., num_fragments: _Optional[int] = ..., run_state: _Optional[_Union[RunState, str]] = ..., heartbeat_s: _Optional[float] = ..., tokenizer_hash: _Optional[str] = ..., run_id: _Optional[str] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics", "device", "ranks", "mfu", "tokens_unmerged", "pull_seconds", "pulled_fragments", "cpu_seconds", "budget_wait_seconds")
+    __slots__ = ("worker_id", "chunk_leases", "shard_leases", "inner_steps", "tokens_trained", "last_loss", "busy_seconds", "wall_seconds", "data_stall_seconds", "sync_wait_seconds", "kept_busy_seconds", "train_metrics", "device", "ranks", "mfu", "tokens_unmerged", "pull_seconds", "pulled_fragments", "cpu_seconds", "budget_wait_seconds", "resumed_kept_busy_seconds")
     class TrainMetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class HeartbeatRequest(_message.Message):
     PULLED_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_KEPT_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     chunk_leases: _containers.RepeatedScalarFieldContainer[int]
     shard_leases: _containers.RepeatedScalarFieldContainer[int]
@@ -116,7 +117,8 @@ class HeartbeatRequest(_message.Message):
     pulled_fragments: int
     cpu_seconds: float
     budget_wait_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., ranks: _Optional[int] = ..., mfu: _Optional[float] = ..., tokens_unmerged: _Optional[int] = ..., pull_seconds: _Optional[float] = ..., pulled_fragments: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., budget_wait_seconds: _Optional[float] = ...) -> None: ...
+    resumed_kept_busy_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., chunk_leases: _Optional[_Iterable[int]] = ..., shard_leases: _Optional[_Iterable[int]] = ..., inner_steps: _Optional[int] = ..., tokens_trained: _Optional[int] = ..., last_loss: _Optional[float] = ..., busy_seconds: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., data_stall_seconds: _Optional[float] = ..., sync_wait_seconds: _Optional[float] = ..., kept_busy_seconds: _Optional[float] = ..., train_metrics: _Optional[_Mapping[str, float]] = ..., device: _Optional[str] = ..., ranks: _Optional[int] = ..., mfu: _Optional[float] = ..., tokens_unmerged: _Optional[int] = ..., pull_seconds: _Optional[float] = ..., pulled_fragments: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., budget_wait_seconds: _Optional[float] = ..., resumed_kept_busy_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("run_state", "coordinator_epoch", "lost_chunk_leases", "lost_shard_leases", "tokens_allowed")

@@ -40,7 +40,13 @@ class WorkersTable(LedgerBase):
                 # its time in inner steps, for goodput).
                 _bump(db, "tokens_trained_by_earlier_lives", before)
                 _bump(db, "busy_seconds_by_earlier_lives", float(previous.get("busy_seconds", 0.0)))
-                _bump(db, "kept_busy_seconds_by_earlier_lives", float(previous.get("kept_busy_seconds", 0.0)))
+                # Its kept time: as its last heartbeat told it, or as the new life's resumed state
+                # saved it later (steps after the last heartbeat, merged all the same).
+                kept = max(
+                    float(previous.get("kept_busy_seconds", 0.0)),
+                    float(stats.get("resumed_kept_busy_seconds", 0.0)),
+                )
+                _bump(db, "kept_busy_seconds_by_earlier_lives", kept)
             db.execute(
                 "UPDATE workers SET last_seen = ?, stats = ? WHERE id = ?",
                 (now, json.dumps(stats), worker_id),

@@ -90,6 +90,7 @@ class MembershipRPCs(ServiceBase):
             "last_loss": request.last_loss,
             "busy_seconds": request.busy_seconds,
             "kept_busy_seconds": request.kept_busy_seconds,
+            "resumed_kept_busy_seconds": request.resumed_kept_busy_seconds,
             "wall_seconds": request.wall_seconds,
             "cpu_seconds": request.cpu_seconds,
             "data_stall_seconds": request.data_stall_seconds,

@@ -1,5 +1,6 @@
 """Lease ranges and deadlines, chunks and workers in the ledger, under a fake clock."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -306,6 +307,25 @@ def test_a_restarted_worker_keeps_its_earlier_lives_tokens(ledger) -> None:
     # Its time in inner steps too, and how much of it a kill did not lose (for goodput).
     assert ledger.counter("busy_seconds_by_earlier_lives") == 30.0
     assert ledger.counter("kept_busy_seconds_by_earlier_lives") == 24.0
+
+
+@pytest.mark.parametrize(("resumed", "banked"), [(27.5, 27.5), (20.0, 24.0), (0.0, 24.0)])
+def test_a_resumed_life_tells_what_its_dead_life_kept_after_its_last_heartbeat(
+    ledger, resumed: float, banked: float
+) -> None:
+    """The dead life's last heartbeat said 24 s kept; its last local-state copy, taken after that
+    heartbeat, held 27.5 s (merged through the resume all the same). The new life says so at its
+    first heartbeat; an older copy (20 s) or none (0: not resumed) leaves the heartbeat's 24 s."""
+    ledger.join("L1", "compute", "h")
+    ledger.heartbeat("L1", {"tokens_trained": 900, "busy_seconds": 30.0, "kept_busy_seconds": 24.0})
+    ledger.join("L1", "compute", "h")
+    ledger.heartbeat(
+        "L1", {"tokens_trained": 10, "kept_busy_seconds": 0.0, "resumed_kept_busy_seconds": resumed}
+    )
+    ledger.heartbeat(
+        "L1", {"tokens_trained": 300, "kept_busy_seconds": 5.0, "resumed_kept_busy_seconds": resumed}
+    )
+    assert ledger.counter("kept_busy_seconds_by_earlier_lives") == banked
 
 
 def test_the_round_that_made_a_version_is_known_after_a_restart(ledger, clock) -> None:

@@ -22,7 +22,9 @@ def test_the_run_dir_gives_restarts_kills_losses_and_wire_costs(run_dir: Path) -
     assert cal.kill_units == (0,)
     assert cal.restart_total_s == pytest.approx(2.0) and cal.pull_s == pytest.approx(0.2)
     assert cal.lost_per_kill_s == pytest.approx(1.0, abs=0.01)  # 1.5 s old, resumed 0.5 s after the kill
-    assert cal.step_efficiency == pytest.approx((54 + 87) / (55 + 88), abs=1e-3)
+    assert cal.step_efficiency == pytest.approx(
+        (54 + 87) / (55.5 + 94.0), abs=1e-3
+    )  # busy over the loops' walls
     # learner-0's last life resumed at step 100: its done line's 200 steps count from 0, its busy
     # time from the resume.
     assert cal.step_s == pytest.approx((54 + 87) / (100 + 300))
@@ -60,6 +62,20 @@ def test_a_life_that_ends_before_its_first_step_keeps_its_end_to_itself(run_dir:
     after = read_calibration(run_dir)
     assert after.step_efficiency == pytest.approx(before.step_efficiency)
     assert after.step_s == pytest.approx(before.step_s)
+
+
+def test_the_final_flush_is_wind_down_not_a_loss_on_every_step(run_dir: Path) -> None:
+    """learner-1 steps from 10 s and its loop's own wall is 25 s, but its end line comes at 98 s:
+    63 s after its loop ended went to the run's last pushes and their merge. That time is the
+    run's end, once: it goes to the wind-down, and the share of a loop spent in steps stays busy
+    over the loop's wall."""
+    log = run_dir / "logs" / "learner-1.log"
+    log.write_text(log.read_text().replace("busy=87.0s wall=94.0s", "busy=24.5s wall=25.0s"))
+    cal = read_calibration(run_dir)
+    assert cal.step_efficiency == pytest.approx((54 + 24.5) / (55.5 + 25.0), abs=1e-3)
+    # Mean of the two lives' flushes (learner-0: 98 - 43 - 55.5 < 0, none; learner-1: 88 - 25 = 63 s),
+    # on top of the 2 s from the end lines to the run's end.
+    assert cal.wind_down_s == pytest.approx(2.0 + 63.0 / 2, abs=0.01)
 
 
 def test_the_replay_predicts_the_summarys_goodput_by_hand(run_dir: Path) -> None:
