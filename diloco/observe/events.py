@@ -108,19 +108,45 @@ class RunEvents:
 
 
 def read_events(path: Path, last: int | None = None) -> list[dict[str, Any]]:
-    """The events of a metrics.jsonl (the `last` ones); a line cut short by a kill is skipped."""
+    """The events of a metrics.jsonl (the `last` ones); a line cut short by a kill is skipped.
+
+    With `last`, only the file's tail is read: a week's log holds millions of events, and a
+    restarted coordinator reads them back before it serves."""
     if not path.exists():
         return []
-    lines: collections.deque[str] = collections.deque(maxlen=last)
-    with open(path, encoding="utf-8") as f:
-        lines.extend(f)
+    if last is None:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    else:
+        lines = _tail_lines(path, last)
     events = []
     for line in lines:
         try:
             events.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue
     return events
+
+
+def _tail_lines(path: Path, last: int, block: int = 1 << 20) -> list[bytes]:
+    """The file's last `last` lines, read backwards a block at a time."""
+    if last <= 0:
+        return []
+    blocks: list[bytes] = []
+    newlines = 0
+    with open(path, "rb") as f:
+        at = f.seek(0, 2)
+        # One line more than asked: the first one a block starts in may be cut by the block.
+        while at > 0 and newlines <= last:
+            step = min(at, block)
+            at -= step
+            f.seek(at)
+            blocks.append(f.read(step))
+            newlines += blocks[-1].count(b"\n")
+    lines = b"".join(reversed(blocks)).splitlines()
+    if at > 0:
+        lines = lines[1:]  # it began before the first block read
+    return lines[-last:]
 
 
 def _last_byte(path: Path) -> bytes:

@@ -48,11 +48,22 @@ CREATE TABLE IF NOT EXISTS spans (
 );
 CREATE INDEX IF NOT EXISTS spans_by_shard ON spans(shard_id);
 CREATE INDEX IF NOT EXISTS spans_by_push ON spans(push_id);
+-- A week's run holds millions of pushes, and a large dataset many chunks and shards: what
+-- Status, the ticker (4 times a second), a restart and a round's lookup ask of them goes through
+-- an index, never a scan of every row (benchmarks/ledger_scale.py).
+CREATE INDEX IF NOT EXISTS pushes_by_worker ON pushes(worker_id, received);
+CREATE INDEX IF NOT EXISTS pushes_pending ON pushes(fragment) WHERE state = 'pending';
+CREATE INDEX IF NOT EXISTS pushes_by_merge ON pushes(fragment, merged_version) WHERE state = 'merged';
+CREATE INDEX IF NOT EXISTS chunks_by_state ON chunks(state, lease_expires);
+CREATE INDEX IF NOT EXISTS shards_by_state ON shards(state, lease_expires);
+CREATE INDEX IF NOT EXISTS shards_by_split ON shards(split, state, tokens);
+CREATE INDEX IF NOT EXISTS chunks_by_split ON chunks(split, state);
 CREATE TABLE IF NOT EXISTS rounds (
   fragment INTEGER NOT NULL, version INTEGER NOT NULL, closed REAL NOT NULL,
   pushes INTEGER NOT NULL, tokens INTEGER NOT NULL, steps INTEGER NOT NULL,
   mean_loss REAL, reason TEXT, scale REAL NOT NULL DEFAULT 1.0, PRIMARY KEY (fragment, version)
 );
+CREATE INDEX IF NOT EXISTS rounds_by_close ON rounds(closed);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS evals (
   id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, worker_id TEXT NOT NULL,
@@ -80,6 +91,11 @@ class LedgerBase:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        # Reports (Status, the page, /metrics) read on a connection of their own: in WAL mode it
+        # sees the last commit while the service writes on, so counting a large dataset's chunks
+        # never holds up a push or a merge waiting for the ledger's lock.
+        self._reader: sqlite3.Connection | None = None
+        self._read_lock = threading.Lock()
         self._positions: dict[int, int] | None = None
         # Tokens of each worker's pushes merged since this process opened the ledger (it ages the
         # learners' claims on the token budget between their heartbeats; lost with a restart,
@@ -89,6 +105,9 @@ class LedgerBase:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        with self._read_lock:
+            if self._reader is not None:
+                self._reader.close()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -101,6 +120,21 @@ class LedgerBase:
 
     def _one(self, sql: str, args: Sequence[Any] = ()) -> Any:
         rows = self._q(sql, args)
+        return rows[0][0] if rows else None
+
+    def _read(self, sql: str, args: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        """A report's query, on the reader connection (the last commit, without the write lock)."""
+        if self.path == ":memory:":  # one connection is the whole database
+            return self._q(sql, args)
+        with self._read_lock:
+            if self._reader is None:
+                self._reader = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+                self._reader.row_factory = sqlite3.Row
+                self._reader.execute("PRAGMA query_only = ON")
+            return self._reader.execute(sql, args).fetchall()
+
+    def _read_one(self, sql: str, args: Sequence[Any] = ()) -> Any:
+        rows = self._read(sql, args)
         return rows[0][0] if rows else None
 
     # -- meta -----------------------------------------------------------------------------------

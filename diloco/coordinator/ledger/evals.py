@@ -40,7 +40,7 @@ class EvalsTable(LedgerBase):
     def evals(self, last: int | None = None) -> list[dict[str, Any]]:
         """Every evaluation (or the `last` ones), oldest first."""
         sql = "SELECT * FROM evals ORDER BY id DESC" + (" LIMIT ?" if last is not None else "")
-        rows = self._q(sql, (last,) if last is not None else ())
+        rows = self._read(sql, (last,) if last is not None else ())
         return [
             {
                 "at": r["at"],
@@ -59,7 +59,7 @@ class EvalsTable(LedgerBase):
         """The held-out split as an evaluator reads it: its shards in chunk order up to the first
         eval chunk not yet prepared (so the rows read are the same every time, and grow only at
         the end), and whether that covers the whole split (quarantined chunks never will)."""
-        chunks = self._q(
+        chunks = self._read(
             "SELECT c.id, c.state, s.uri, s.checksum, s.rows FROM chunks c "
             "LEFT JOIN shards s ON s.chunk_id = c.id WHERE c.split = 'eval' ORDER BY c.id"
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from diloco.coordinator.ledger.db import LedgerBase
@@ -12,47 +11,49 @@ class ReportTable(LedgerBase):
     def summary(self) -> dict[str, Any]:
         """Counts for status and summary.json."""
 
-        def count(sql: str, args: Sequence[Any] = ()) -> int:
-            return int(self._one(sql, args) or 0)
-
+        # A few passes over a large dataset's index entries, on the reader (see LedgerBase._read).
+        chunks_by_state = {
+            r[0]: r[1] for r in self._read("SELECT state, COUNT(*) FROM chunks GROUP BY state ORDER BY state")
+        }
+        shards_total, tokens_prepared = self._read("SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM shards")[0]
+        shards_consumed, tokens_leased = self._read(
+            "SELECT COUNT(*) FILTER (WHERE state = 'consumed'), COALESCE(SUM(tokens), 0) FROM shards "
+            "WHERE split = 'train' AND state IN ('leased', 'consumed')"
+        )[0]
         return {
-            "chunks_total": count("SELECT COUNT(*) FROM chunks"),
-            "chunks_done": count("SELECT COUNT(*) FROM chunks WHERE state = 'done'"),
-            "chunks_quarantined": count("SELECT COUNT(*) FROM chunks WHERE state = 'quarantined'"),
-            "shards_total": count("SELECT COUNT(*) FROM shards"),
-            "shards_consumed": count(
-                "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state = 'consumed'"
-            ),
-            "tokens_prepared": count("SELECT COALESCE(SUM(tokens), 0) FROM shards"),
-            "tokens_leased": count(
-                "SELECT COALESCE(SUM(tokens), 0) FROM shards WHERE split = 'train' AND state IN ('leased', 'consumed')"
-            ),
-            "chunks_by_state": {
-                r[0]: r[1]
-                for r in self._q("SELECT state, COUNT(*) FROM chunks GROUP BY state ORDER BY state")
-            },
-            "rounds": count("SELECT COUNT(*) FROM rounds"),
+            "chunks_total": sum(chunks_by_state.values()),
+            "chunks_done": chunks_by_state.get("done", 0),
+            "chunks_quarantined": chunks_by_state.get("quarantined", 0),
+            "shards_total": shards_total,
+            "shards_consumed": shards_consumed,
+            "tokens_prepared": tokens_prepared,
+            "tokens_leased": tokens_leased,
+            "chunks_by_state": chunks_by_state,
+            # The merge's own counter: COUNT(*) walks every round a long run made.
+            "rounds": int(self.counter("rounds")),
             "quarantined": [
                 {"chunk": r["id"], "error": r["error"]}
-                for r in self._q("SELECT id, error FROM chunks WHERE state = 'quarantined' ORDER BY id")
+                for r in self._read("SELECT id, error FROM chunks WHERE state = 'quarantined' ORDER BY id")
             ],
             "eval_shards": [
                 {"uri": r["uri"], "checksum": r["checksum"], "rows": r["rows"]}
-                for r in self._q(
+                for r in self._read(
                     "SELECT uri, checksum, rows FROM shards WHERE split = 'eval' ORDER BY chunk_id"
                 )
             ],
-            "first_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed LIMIT 1"),
-            "last_round_loss": self._one("SELECT mean_loss FROM rounds ORDER BY closed DESC LIMIT 1"),
+            "first_round_loss": self._read_one("SELECT mean_loss FROM rounds ORDER BY closed LIMIT 1"),
+            "last_round_loss": self._read_one("SELECT mean_loss FROM rounds ORDER BY closed DESC LIMIT 1"),
             "counters": self.counters(),
         }
 
     def last_pushes(self) -> dict[str, tuple[float, int, int]]:
         """Each worker's latest push: when it arrived (the ledger's clock), its fragment and the
         version it was based on."""
-        # One pass: with MAX(), SQLite takes the other bare columns from the row holding the max.
-        rows = self._q(
-            "SELECT worker_id, MAX(received), fragment, base_version FROM pushes GROUP BY worker_id"
+        # Per known worker, its newest push by the (worker_id, received) index: a scan of every
+        # push ever made took Status (and every call waiting on the ledger) seconds in a long run.
+        rows = self._read(
+            "SELECT w.id, p.received, p.fragment, p.base_version FROM workers w JOIN pushes p "
+            "ON p.rowid = (SELECT rowid FROM pushes WHERE worker_id = w.id ORDER BY received DESC LIMIT 1)"
         )
         return {r[0]: (r[1], r[2], r[3]) for r in rows}
 

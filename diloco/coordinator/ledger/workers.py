@@ -100,7 +100,7 @@ class WorkersTable(LedgerBase):
         return {r["id"]: json.loads(r["stats"]) for r in rows if leases.is_live(r["last_seen"], now, ttl_s)}
 
     def workers(self) -> list[sqlite3.Row]:
-        return self._q("SELECT * FROM workers ORDER BY joined")
+        return self._read("SELECT * FROM workers ORDER BY joined")  # for reports: off the write lock
 
     def reclaim_expired(self, ttl_s: float, max_chunk_attempts: int = 0) -> dict[str, int]:
         """Expired leases back to the pool; silent workers marked lost (and their leases freed).

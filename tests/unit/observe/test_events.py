@@ -71,3 +71,22 @@ def test_curves_are_downsampled_keeping_both_ends_and_the_timeline_holds_restart
     h = history(events, max_points=100)
     assert len(h["learner_loss"]) == 64 and all(len(p) <= 100 for p in h["learner_loss"].values())
     assert [(e["kind"], e.get("chunk")) for e in h["timeline"]] == [("start", None), ("chunk_failed", 4)]
+
+
+def test_the_tail_is_read_backwards_and_matches_the_whole_file(tmp_path) -> None:
+    # A restarted coordinator reads only the tail of a week's log; blocks of 7 bytes cut lines
+    # anywhere, and what comes back must be the same last lines a full read gives.
+    from diloco.observe.events import _tail_lines
+
+    path = tmp_path / METRICS_LOG
+    lines = [json.dumps({"kind": "merge", "at": i, "pad": "x" * (i % 5)}) for i in range(40)]
+    path.write_text("\n".join(lines) + "\n" + '{"kind": "merge", "cut')  # a kill mid-line last
+    whole = path.read_bytes().splitlines()
+    for last in (0, 1, 2, 5, 40, 41, 100):
+        for block in (1, 7, 64, 1 << 20):
+            assert _tail_lines(path, last, block) == whole[len(whole) - min(last, len(whole)) :], (
+                last,
+                block,
+            )
+    assert [e["at"] for e in read_events(path, last=3)] == [38, 39]  # the cut line counts, then is skipped
+    assert len(read_events(path)) == 40
