@@ -61,6 +61,10 @@ class LocalState:
     # one noted after it means the copy still holds that push's steps as unpushed.
     push_count: int = 0
     written_at: float = field(default_factory=time.time)
+    # What a row of each shard the state names counts for (tokens). Without it a resumed learner
+    # claimed 0 tokens for its last life's unmerged rows until it stepped on a shard of its own,
+    # and the budget's allowances overshot (a chaos run merged 1.028 M of a 1.0 M budget).
+    row_tokens: dict[int, int] = field(default_factory=dict)
 
     def row_spans(self) -> list[tuple[int, int, int]]:
         """Every row trained on that no merge has counted: they ride on the resumed learner's pushes."""
@@ -218,6 +222,7 @@ def save(path: Path, state: LocalState) -> None:
         "held_shards": state.held_shards,
         "push_count": state.push_count,
         "written_at": state.written_at,
+        "row_tokens": {str(sid): n for sid, n in state.row_tokens.items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -293,4 +298,5 @@ def _from_file(meta: dict[str, Any], tensors: dict[str, torch.Tensor], names: li
         held_shards=[int(s) for s in meta["held_shards"]],
         push_count=int(meta["push_count"]),
         written_at=float(meta["written_at"]),
+        row_tokens={int(sid): int(n) for sid, n in meta.get("row_tokens", {}).items()},
     )

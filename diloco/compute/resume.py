@@ -20,7 +20,7 @@ from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
 from diloco.compute.replicas import Replicated, Sharded
-from diloco.compute.rows import RowBook
+from diloco.compute.rows import RowBook, span_tokens
 from diloco.compute.state_writer import StateWriter
 from diloco.compute.sync_channel import SyncChannel
 from diloco.config import RunConfig
@@ -40,6 +40,7 @@ class KeepsLocalState:
     frags: list[HeldFragment]
     residual: dict[str, torch.Tensor]
     rows: RowBook
+    row_tokens: dict[int, int]  # shard id -> what one of its rows counts for
     progress: Progress
     schedule_shift: int
     run_id: str
@@ -84,6 +85,7 @@ class KeepsLocalState:
         self.frags = state.fragments
         self.residual = state.residual
         self.rows = state.rows
+        self.row_tokens.update(state.row_tokens)  # the rows it resumes count in its claims at once
         self.progress.inner_steps = state.inner_steps
         self.progress.first_loss = state.first_loss
         # The dead life's kept time at this copy, for the coordinator to count once: its last
@@ -94,6 +96,10 @@ class KeepsLocalState:
             self.frags[p].push = push
         if pushed:  # their steps went with the journaled pushes: they start over from the run's
             self._start_over(self.client.pull(sorted(pushed), None), cfg)
+        log.info(
+            "local state: the last life's unmerged rows count %d tokens in this life's claim on the budget",
+            span_tokens(self.rows.spans(), self.row_tokens),
+        )
         return state
 
     def _start_over(
@@ -152,6 +158,10 @@ class KeepsLocalState:
         optimizer = dp.optimizer_copy(self.params) if dp else local_state.copy_optimizer(self.optimizer)
         # The tensors in bases and pushes are replaced, never changed in place: the dicts are copied.
         frags = [dataclasses.replace(f, base=dict(f.base), at_push=dict(f.at_push)) for f in self.frags]
+        rows, held = self.rows.copy(), self.prefetcher.held_shards()
+        pushes = {p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None}
+        named = {sid for sid, _, _ in rows.spans()} | set(held)
+        named |= {s.shard_id for header, _ in pushes.values() for s in header.spans}
         state = LocalState(
             run_id=self.run_id,
             worker_id=self.client.worker_id,
@@ -162,11 +172,12 @@ class KeepsLocalState:
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
             optimizer=optimizer,
             fragments=frags,
-            pushes={p: f.push for p, f in enumerate(self.frags) if f.in_flight and f.push is not None},
+            pushes=pushes,
             residual=dict(self.residual),
-            rows=self.rows.copy(),
-            held_shards=self.prefetcher.held_shards(),
+            rows=rows,
+            held_shards=held,
             push_count=writer.push_count,
+            row_tokens={sid: n for sid in named if (n := self.row_tokens.get(sid)) is not None},
         )
         writer.offer(state, copy_s=time.monotonic() - started)
 

@@ -72,8 +72,14 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
                 break
             freeze(learner, signal.SIGCONT)
             time.sleep(0.05)
+        kept = local_state.load(path, [[]] * 8)  # the copy the resume reads (the learner is frozen)
         group.signal(learner, signal.SIGKILL)
         assert group.wait([learner], 10)
+        # The copy knows what each row it holds counts for, so the resumed life's first heartbeat
+        # claims them on the token budget (counted 0 before: the run's allowances overshot).
+        assert kept is not None and {s for s, _, _ in kept.row_spans()} <= set(kept.row_tokens), (
+            kept.row_tokens
+        )
         learner = group.respawn(learner)
         assert group.wait([learner], 150) and learner.proc.returncode == 0, group.tail(learner, 40)
         log = learner.log_path.read_text()
@@ -82,6 +88,8 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
         assert int(resumed[-1].split("resuming at step ")[1].split()[0]) >= saved
         assert "from the journal" in resumed[-1], resumed[-1]
         this_life = log[log.index(resumed[-1]) :]
+        claimed = re.search(r"unmerged rows count (\d+) tokens", this_life)
+        assert claimed and (int(claimed.group(1)) > 0) == bool(kept.row_spans()), this_life[:2000]
         assert "start-up:" in this_life, this_life[-3000:]
         before_first_step = this_life[: this_life.index("start-up:")]
         assert "handing in" not in before_first_step, before_first_step

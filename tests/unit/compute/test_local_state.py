@@ -57,6 +57,7 @@ def a_state(tmp_steps: int = 7) -> tuple[LocalState, torch.optim.Optimizer]:
         residual={names[0]: torch.full((2,), 0.25)},
         rows=RowBook(unpushed, [AwaitingCover(Unpushed([(5, 0, 8)]), {1})], Unpushed()),
         held_shards=[5, 7],
+        row_tokens={4: 129, 5: 129, 7: 130},
     )
     return state, optimizer
 
@@ -83,6 +84,7 @@ def test_the_file_round_trips_everything_but_released_shards(tmp_path: Path) -> 
     assert back.row_spans() == [(7, 16, 24), (5, 0, 8)]
     assert back.rows.unpushed.released == []  # the old leases are given back at resume, not by a push
     assert back.held_shards == [5, 7]
+    assert back.row_tokens == {4: 129, 5: 129, 7: 130}  # a resumed learner's claim counts its rows at once
     # The optimizer state loads into a fresh optimizer of the same model.
     optimizer.load_state_dict(back.optimizer)
     assert not list(tmp_path.glob("*.tmp"))
