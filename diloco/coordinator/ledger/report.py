@@ -20,6 +20,7 @@ class ReportTable(LedgerBase):
             "SELECT COUNT(*) FILTER (WHERE state = 'consumed'), COALESCE(SUM(tokens), 0) FROM shards "
             "WHERE split = 'train' AND state IN ('leased', 'consumed')"
         )[0]
+        counters = self.counters()
         return {
             "chunks_total": sum(chunks_by_state.values()),
             "chunks_done": chunks_by_state.get("done", 0),
@@ -30,7 +31,7 @@ class ReportTable(LedgerBase):
             "tokens_leased": tokens_leased,
             "chunks_by_state": chunks_by_state,
             # The merge's own counter: COUNT(*) walks every round a long run made.
-            "rounds": int(self.counter("rounds")),
+            "rounds": int(counters.get("rounds", 0)),
             "quarantined": [
                 {"chunk": r["id"], "error": r["error"]}
                 for r in self._read("SELECT id, error FROM chunks WHERE state = 'quarantined' ORDER BY id")
@@ -43,7 +44,7 @@ class ReportTable(LedgerBase):
             ],
             "first_round_loss": self._read_one("SELECT mean_loss FROM rounds ORDER BY closed LIMIT 1"),
             "last_round_loss": self._read_one("SELECT mean_loss FROM rounds ORDER BY closed DESC LIMIT 1"),
-            "counters": self.counters(),
+            "counters": counters,
         }
 
     def last_pushes(self) -> dict[str, tuple[float, int, int]]:

@@ -13,13 +13,18 @@ from tests.unit.coordinator.ledger_setup import TTL, push, with_train_shard
 
 
 def executed(ledger, call) -> list[str]:
-    """The SQL statements `call` made the ledger run, with their values bound."""
+    """The SQL statements `call` made the ledger run, with their values bound, on its write
+    connection and on the reader that reports use."""
+    ledger._read("SELECT 1")  # the reader opens on first use: open it to trace it
+    connections = (ledger._db, ledger._reader)
     seen: list[str] = []
-    ledger._db.set_trace_callback(seen.append)
+    for db in connections:
+        db.set_trace_callback(seen.append)
     try:
         call()
     finally:
-        ledger._db.set_trace_callback(None)
+        for db in connections:
+            db.set_trace_callback(None)
     return [s for s in seen if s.split(None, 1)[0].upper() in ("SELECT", "UPDATE", "DELETE")]
 
 
@@ -63,8 +68,10 @@ def test_status_restart_and_rounds_lookups_use_indexes_and_answer_the_same(ledge
         ledger.round_pushers(0, 1)
         ledger.next_epoch()
 
-    statements = [*executed(ledger, status), *executed(ledger, restart)]
-    assert any("FROM pushes" in s for s in statements)  # the capture saw them
+    reported = executed(ledger, status)
+    assert any("FROM workers w JOIN pushes" in s for s in reported)  # the capture saw the reader's
+    statements = [*reported, *executed(ledger, restart)]
+    assert any("state = 'pending'" in s for s in statements)  # ... and the write connection's
     assert {s: found for s in statements if (found := scans(ledger._db, s))} == {}
     # The ticker's lease expiry, 4 times a second: by state, not through every chunk and shard.
     ticks = executed(ledger, lambda: ledger.reclaim_expired(TTL, 3))
