@@ -36,6 +36,8 @@ class RoundState:
     version: int
     opened_at: float
     arrivals: list[Arrival] = field(default_factory=list)
+    # The learners live when its first delta came: the ones whose share of the work the merge is.
+    members: frozenset[str] = frozenset()
 
     def pushed_by(self) -> set[str]:
         return {a.worker_id for a in self.arrivals}

@@ -284,10 +284,15 @@ class PushRPCs(ServiceBase):
         now = self.clock()
         missed = 0.0
         others = [a for a in frag.round.arrivals if a.tokens and a.worker_id != header.worker_id]
+        opens = not any(a.tokens for a in frag.round.arrivals)
+        if opens:
+            # Whose share the merge is: a learner that leaves before the round closes (its run
+            # finishing, its heartbeats gone) does not make the others' pushes a larger share.
+            frag.round.members = frozenset(self._live_learners()) | {header.worker_id}
         if others:  # joining a round another learner opened: late for it?
             first = min(others, key=lambda a: a.arrived_at)
             missed = syncer.late_in_round_by(now, first, header.step_time_s, self.config.sync.gather_steps)
-        elif frag.previous_round is not None and not any(a.tokens for a in frag.round.arrivals):
+        elif frag.previous_round is not None and opens:
             missed = syncer.missed_round_by(
                 now,
                 *frag.previous_round,
