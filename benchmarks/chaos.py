@@ -11,6 +11,10 @@ audit result, and the final eval loss next to the fault-free run's.
 
 `--null` runs each seed's fault-free twin twice and prints the second against the first: a
 Decoupled run's rounds depend on timing, so that spread is the floor under any chaos figure.
+
+`--history` keeps every checkpoint of both runs and compares their losses after every merge at
+matched merged tokens over the last half of the run (benchmarks/merge_evals.py): the final losses
+alone differ by where each run's last merges fell as well as by what the chaos cost.
 """
 
 from __future__ import annotations
@@ -91,6 +95,19 @@ def pair_row(
     }
 
 
+def matched_history(
+    folder: Path, twin: str, run: str, histories: dict[str, list[dict[str, Any]]]
+) -> dict[str, float]:
+    """`run` against `twin` after every merge, at matched merged tokens (merge_evals.matched_gap)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.merge_evals import matched_gap, merge_history
+
+    for name in (twin, run):
+        if name not in histories:
+            histories[name] = merge_history(folder / name)
+    return matched_gap(histories[twin], histories[run])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=3_000_000)
@@ -110,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         "(which Decoupled round a push lands in depends on timing, so one seed's runs differ)",
     )
     p.add_argument("--keep", type=Path, default=None, help="keep the runs' workdirs under this folder")
+    p.add_argument(
+        "--history",
+        action="store_true",
+        help="keep every checkpoint and compare the runs after every merge at matched tokens (merge_evals.py)",
+    )
     p.add_argument("--max-minutes", type=float, default=60.0, help="safety bound per run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chaos.json")
     args = p.parse_args(argv)
@@ -122,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
             pairs.append((int(seed), float(interval), roles[0].replace("+", ",") if roles else ""))
     timeout = args.max_minutes * 60 + 600
     rows, runs, nulls = [], [], []
+    histories: dict[str, list[dict[str, Any]]] = {}
     calms: dict[int, dict[str, Any]] = {}
     with keep_or_temp(args.keep, "diloco_chaos_") as tmp:
         for i, (seed, interval, roles) in enumerate(pairs):
@@ -129,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                       "--learners", str(args.learners), "--seed", str(seed)]  # fmt: skip
             for item in args.overrides:
                 common += ["--set", item]
+            if args.history:
+                common += ["--set", "coordinator.keep_versions=0"]
             if seed not in calms:  # the fault-free twin of a seed is the same run for every interval
                 print(f"== fault-free, seed {seed}", file=sys.stderr, flush=True)
                 calms[seed] = diloco_run(f"fault-free-{seed}", Path(tmp), common, timeout)
@@ -149,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
             r = rows[-1]
             print(f"   eval {r['eval_fault_free']:.4f} -> {r['eval_chaos']:.4f} ({r['eval_ratio']:+.2%}), "
                   f"kills {sum(r['kills'].values())}, audit {r['audit_ok']}", file=sys.stderr, flush=True)  # fmt: skip
+            if args.history:
+                r["matched"] = matched_history(Path(tmp), f"fault-free-{seed}", f"chaos-{i}", histories)
+                print(f"   matched over the last half: mean {r['matched']['mean']:+.2%}, worst "
+                      f"{r['matched']['worst']:+.2%}", file=sys.stderr, flush=True)  # fmt: skip
 
     print(
         f"{'seed':>5}{'every':>7}{'roles':>22}{'kills':>7}{'fault-free':>12}{'chaos':>9}{'ratio':>9}{'audit':>7}"
@@ -169,6 +198,12 @@ def main(argv: list[str] | None = None) -> None:
             within = sum((x if worst_of else abs(x)) <= 0.02 for x in ratios)
             print(f"{label} over {len(ratios)} pair(s): mean {mean:+.2%}, sd {spread:.2%}, worst {worst:+.2%}; "
                   f"within 2%: {within}/{len(ratios)}")  # fmt: skip
+    matched = [r["matched"] for r in rows if "matched" in r]
+    if matched:
+        means = [m["mean"] for m in matched]
+        print(f"matched over the last half, {len(matched)} pair(s): mean gap {sum(means) / len(means):+.2%} "
+              f"(pairs {min(means):+.2%} to {max(means):+.2%}), worst point {max(m['worst'] for m in matched):+.2%}; "
+              f"pairs whose every point is within 2%: {sum(m['worst'] <= 0.02 for m in matched)}/{len(matched)}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "pairs": rows,

@@ -243,6 +243,11 @@ class CoordinatorConfig:
     push_min_bytes_per_s: float = float(1 << 20)
     # Checkpoints are written at most this often; merges in between are published together.
     min_publish_interval_s: float = 0.25
+    # Checkpoint files kept per fragment: the published version and the ones before it (at least
+    # 2: the one before is the fallback of a reader that read the ledger just before a commit). 0
+    # keeps every version, a fragment's size (and its momentum) per publish: the run's history,
+    # for `benchmarks/merge_evals.py` to evaluate the model after every merge.
+    keep_versions: int = 2
     # Live workers of one role at most: a join beyond is refused. Fake learners that join and
     # heartbeat would otherwise each shrink every honest round's coverage (and fill the ledger).
     max_workers_per_role: int = 1024

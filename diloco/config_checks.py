@@ -91,5 +91,7 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("eval.every_s and eval.every_merges must be >= 0 (both 0: no evaluator)")
     if cfg.eval.max_batches < 1 or cfg.eval.threads < 1:
         raise ConfigError("eval.max_batches and eval.threads must be >= 1")
+    if cfg.coordinator.keep_versions == 1 or cfg.coordinator.keep_versions < 0:
+        raise ConfigError("coordinator.keep_versions must be 0 (every version) or at least 2")
     if cfg.coordinator.min_publish_interval_s < 0:
         raise ConfigError("coordinator.min_publish_interval_s must be >= 0")

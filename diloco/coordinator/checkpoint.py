@@ -73,17 +73,18 @@ def load_model_params(root: str, versions: list[int]) -> dict[str, torch.Tensor]
     return out
 
 
-def files_to_remove(found: Sequence[tuple[int, bool]], current: int) -> list[tuple[int, bool]]:
+def files_to_remove(found: Sequence[tuple[int, bool]], current: int, keep: int = 2) -> list[tuple[int, bool]]:
     """Of one fragment's files on the store, as (version, partial), those a coordinator resuming
     at `current` removes: every partial file, complete ones newer than `current` (written, never
-    committed: the merge is made again under the same name) and older ones but the newest of
-    them, the fallback a reader that looked at the ledger just before a commit may still open."""
-    older = [v for v, partial in found if not partial and v < current]
-    fallback = max(older, default=None)
-    return [(v, partial) for v, partial in found if partial or v > current or (v < current and v != fallback)]
+    committed: the merge is made again under the same name) and older ones but the newest keep − 1
+    of them (the newest is the fallback a reader that looked at the ledger just before a commit
+    may still open; keep = 0: none, every version stays)."""
+    older = sorted(v for v, partial in found if not partial and v < current)
+    kept = set(older if keep <= 0 else older[len(older) - (keep - 1) :])
+    return [(v, partial) for v, partial in found if partial or v > current or (v < current and v not in kept)]
 
 
-def tidy_fragment(root: str, fragment: int, current: int) -> list[int]:
+def tidy_fragment(root: str, fragment: int, current: int, keep: int = 2) -> list[int]:
     """Remove the files of `fragment` that a resume at `current` leaves behind (files_to_remove);
     returns the versions whose files stay, oldest first: the publisher removes them in turn."""
     found: dict[tuple[int, bool], list[str]] = {}
@@ -91,7 +92,7 @@ def tidy_fragment(root: str, fragment: int, current: int) -> list[int]:
         match = _FILE.search(uri)
         if match and int(match.group(1)) == fragment:
             found.setdefault((int(match.group(2)), match.group(3) is not None), []).append(uri)
-    removed = files_to_remove(list(found), current)
+    removed = files_to_remove(list(found), current, keep)
     for key in removed:
         for uri in found[key]:
             store.remove(uri)

@@ -148,6 +148,12 @@ def test_a_negative_publish_interval_is_refused():
     assert RunConfig().with_overrides({"coordinator.min_publish_interval_s": 0}).validate()
     with pytest.raises(ConfigError, match="min_publish_interval_s"):
         RunConfig().with_overrides({"coordinator.min_publish_interval_s": -1}).validate()
+    # 1 would leave no fallback for a reader that read the ledger just before a commit.
+    for keep in (0, 2, 5):
+        assert RunConfig().with_overrides({"coordinator.keep_versions": keep}).validate()
+    for keep in (1, -1):
+        with pytest.raises(ConfigError, match="keep_versions"):
+            RunConfig().with_overrides({"coordinator.keep_versions": keep}).validate()
 
 
 def test_with_overrides_coerces_strings():

@@ -134,7 +134,9 @@ class ServiceBase:
         for p, names in enumerate(self._fragment_names(specs)):
             version = self.ledger.fragment_version(p)
             params, momentum = checkpoint.load_fragment(self.checkpoint_root, p, version)
-            files = checkpoint.tidy_fragment(self.checkpoint_root, p, version)
+            files = checkpoint.tidy_fragment(
+                self.checkpoint_root, p, version, self.config.coordinator.keep_versions
+            )
             self.fragments.append(self._fragment_state(p, names, params, momentum, version, files))
         log.info("resumed fragments at versions %s", [f.version for f in self.fragments])
 

@@ -86,8 +86,9 @@ class Publisher(ServiceBase):
             self._extend_broadcast(frag, params, version)
             frag.published_version = version
             frag.files.append(version)
-            # The version before the published one stays as a fallback.
-            obsolete, frag.files = frag.files[:-2], frag.files[-2:]
+            # The version before the published one stays as a fallback (keep_versions: 0 keeps all).
+            keep = self.config.coordinator.keep_versions
+            obsolete, frag.files = (frag.files[:-keep], frag.files[-keep:]) if keep else ([], frag.files)
             self.cond.notify_all()
         merged = int(self.ledger.counter("tokens_merged"))
         for m in merges:

@@ -73,3 +73,43 @@ def test_a_restarted_coordinator_removes_what_a_dead_one_left(tiny_corpus: Path,
         assert all(torch.equal(params[n], t) for n, t in frag.params.items())
     finally:
         resumed.stop()
+
+
+def test_keep_versions_keeps_that_many_before_a_resume_and_zero_keeps_every_one() -> None:
+    found = [(v, False) for v in range(1, 6)] + [(6, False), (6, True)]
+    assert sorted(files_to_remove(found, current=5, keep=3)) == [
+        (1, False),
+        (2, False),
+        (6, False),
+        (6, True),
+    ]
+    # Every committed version stays; what was never committed (or cut off) still goes.
+    assert sorted(files_to_remove(found, current=5, keep=0)) == [(6, False), (6, True)]
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_told_to_keep_every_version_keeps_them_across_a_restart(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    # The run's history, for benchmarks/merge_evals.py: the model after every merge.
+    with tiny_coordinator(tiny_corpus, tmp_path, {"coordinator.keep_versions": 0}) as (
+        running,
+        learner,
+        init,
+    ):
+        frag = running.service.fragments[0]
+        for version in range(3):
+            header = delta_header(learner, "fp32", f"push-{version}")
+            header.version = version
+            assert learner.push(header, {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}).accepted
+            wait_for(
+                lambda v=version: frag.published_version > v, 20, f"version {version + 1} published", 0.02
+            )
+        config, root = running.service.config, running.service.checkpoint_root
+    resumed = start_coordinator(config, str(tmp_path))
+    try:
+        names = sorted(p.name for p in Path(root).iterdir())
+        assert names == [f"fragment-0-v0000000{v}.safetensors" for v in range(4)]
+        assert resumed.service.fragments[0].files == [0, 1, 2, 3]
+    finally:
+        resumed.stop()

@@ -1,0 +1,131 @@
+"""The global model's held-out loss after every merge of a finished `diloco run`, and against a twin
+run at matched merged tokens: which merge made the model worse, and how far apart two runs are
+over their last part rather than at their last merge alone.
+
+    python benchmarks/merge_evals.py RUN_DIR [--twin FAULT_FREE_DIR] [--from-share 0.5]
+
+The run must keep every checkpoint (`--set coordinator.keep_versions=0`); `chaos.py --history`
+does that for both runs of each pair. The global model is a staircase in merged tokens: it only
+changes at a merge, and a merge of the fragment that carries most of the loss can move it by as
+much as 2% at once. Two runs' last merges land at different points of that staircase, so their
+final losses differ by where their last merges fell as well as by what the runs learned;
+`--twin` compares the two staircases at every matched token count from `--from-share` of the run
+to its end (mean, worst and best gap) next to the gap at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import re
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco import store
+from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator.workdir import store_root
+from diloco.data.shard import concat_columns, read_shard
+from diloco.evaluate import evaluate
+from diloco.export import global_model
+from diloco.local.evaluation import EVAL_MAX_BATCHES
+from diloco.results import held_out_shards
+
+_FILE = re.compile(r"fragment-(\d+)-v(\d+)\.safetensors$")
+
+
+def merge_history(workdir: str | Path) -> list[dict[str, Any]]:
+    """Every merge in the order it closed, with the held-out loss of the global model it made
+    (None where a version's file is gone: merges published together share the last one's file).
+    `tokens`: merged tokens so far, the mean over fragments (every token is merged once into each)."""
+    workdir = Path(workdir)
+    cfg, model, final = global_model(workdir)
+    root = store.join(store_root(cfg, str(workdir)), "checkpoints")
+    kept = {
+        (int(m[1]), int(m[2]))
+        for f in store.list_files(store.join(root, "fragment-*"))
+        if (m := _FILE.search(f))
+    }
+    columns = concat_columns([read_shard(s["uri"], s["checksum"]) for s in held_out_shards(workdir)])
+    with sqlite3.connect(workdir / "state" / "ledger.sqlite") as db:
+        rounds = db.execute(
+            "SELECT fragment, version, closed, pushes, tokens, steps, reason, scale FROM rounds ORDER BY closed"
+        ).fetchall()
+    versions, merged, history = [0] * len(final), 0, []
+    for fragment, version, closed, pushes, tokens, steps, reason, scale in rounds:
+        versions[fragment] = version
+        merged += tokens
+        loss = None
+        if all((p, v) in kept for p, v in enumerate(versions)):
+            params = load_model_params(root, versions)
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(params[name])
+            loss = evaluate(model, columns, cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES).loss
+        history.append({
+            "at_s": closed - rounds[0][2], "fragment": fragment, "version": version, "pushes": pushes,
+            "steps": steps, "scale": scale, "reason": reason, "tokens": merged / len(final), "loss": loss,
+        })  # fmt: skip
+    return history
+
+
+def _loss_at(steps: list[tuple[float, float]], tokens: float) -> float:
+    """The staircase's value at `tokens`: the loss after the last merge at or before it."""
+    i = bisect.bisect_right([t for t, _ in steps], tokens) - 1
+    return steps[max(i, 0)][1]
+
+
+def matched_gap(
+    twin: list[dict[str, Any]], run: list[dict[str, Any]], from_share: float = 0.5
+) -> dict[str, float]:
+    """`run` over `twin`, loss ratio − 1 at 200 matched token counts from `from_share` of the
+    shorter run to its end: their mean, worst and best, and the ratio of the final losses."""
+    a = [(h["tokens"], h["loss"]) for h in twin if h["loss"] is not None]
+    b = [(h["tokens"], h["loss"]) for h in run if h["loss"] is not None]
+    if not (a and b):
+        raise ValueError("a run without evaluated merges: was it run with coordinator.keep_versions=0?")
+    end = min(a[-1][0], b[-1][0])
+    points = [end * (from_share + (1 - from_share) * k / 200) for k in range(201)]
+    gaps = [_loss_at(b, t) / _loss_at(a, t) - 1 for t in points]
+    return {
+        "from_share": from_share,
+        "mean": sum(gaps) / len(gaps),
+        "worst": max(gaps),
+        "best": min(gaps),
+        "final": b[-1][1] / a[-1][1] - 1,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("run", type=Path)
+    p.add_argument("--twin", type=Path, default=None, help="a run to compare with at matched merged tokens")
+    p.add_argument("--from-share", type=float, default=0.5)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    history = merge_history(args.run)
+    previous = None
+    print(
+        f"{'at s':>6} {'frag':>4} {'ver':>4} {'pushes':>6} {'steps':>5} {'scale':>5} {'tokens':>9} {'loss':>7} {'change':>8}"
+    )
+    for h in history:
+        loss = "" if h["loss"] is None else f"{h['loss']:.4f}"
+        change = "" if h["loss"] is None or previous is None else f"{h['loss'] - previous:+.4f}"
+        print(f"{h['at_s']:6.1f} {h['fragment']:>4} {h['version']:>4} {h['pushes']:>6} {h['steps']:>5} "
+              f"{h['scale']:5.2f} {h['tokens']:9.0f} {loss:>7} {change:>8}  {h['reason']}")  # fmt: skip
+        previous = h["loss"] if h["loss"] is not None else previous
+    payload: dict[str, Any] = {"run": str(args.run), "history": history}
+    if args.twin is not None:
+        gap = matched_gap(merge_history(args.twin), history, args.from_share)
+        payload["gap"] = gap
+        print(f"against {args.twin.name} from {gap['from_share']:.0%} of the run: mean {gap['mean']:+.2%}, "
+              f"worst {gap['worst']:+.2%}, best {gap['best']:+.2%}; final {gap['final']:+.2%}")  # fmt: skip
+    if args.out is not None:
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
