@@ -223,6 +223,11 @@ def tiny_coordinator(
         running.stop()
 
 
+def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """How far a merge moved the parameters (the L2 norm over every tensor)."""
+    return sum(float((after[n] - before[n]).norm() ** 2) for n in before) ** 0.5
+
+
 def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
     shard = learner.lease_shard()
     # H steps (the default): a whole round's work, so its merge is a whole outer step.

@@ -11,11 +11,7 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import delta_header, tiny_coordinator
-
-
-def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
-    return sum(float((after[n] - before[n]).norm() ** 2) for n in before) ** 0.5
+from tests.support import delta_header, moved, tiny_coordinator
 
 
 @pytest.mark.timeout(120)

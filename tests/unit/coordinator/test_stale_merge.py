@@ -9,11 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import delta_header, tiny_coordinator
-
-
-def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
-    return sum(float((after[n] - before[n]).norm() ** 2) for n in before) ** 0.5
+from tests.support import delta_header, moved, tiny_coordinator
 
 
 @pytest.mark.timeout(120)
