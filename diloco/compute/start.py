@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import sys
 import threading
+from typing import NoReturn
 
 from diloco.compute import group as ranks
 from diloco.compute.learner import Learner
@@ -18,6 +21,29 @@ def run_learner(
     address: str, overrides: LocalOverrides | None = None, stop: threading.Event | None = None
 ) -> int:
     group = ranks.Group.from_env()  # under torchrun with N > 1: one rank of an N-rank learner
+    code = _run_rank(address, overrides, stop, group)
+    if group is not None and not group.leader:
+        leave_rank(code)  # rank 0 exits as any learner: its writer and pusher threads finish first
+    return code
+
+
+def leave_rank(code: int) -> NoReturn:
+    """A follower rank whose work is done (rank 0 said stop) leaves without the interpreter's teardown:
+    gloo's threads can abort it ("terminate called without an active exception", SIGABRT), and
+    torchrun then reports a group that finished as failed (seen once in CI: rank 1 of a 2-rank
+    learner, after "learner done"; a supervisor would restart it)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_rank(
+    address: str,
+    overrides: LocalOverrides | None,
+    stop: threading.Event | None,
+    group: ranks.Group | None,
+) -> int:
     if group is not None and not group.leader:
         o = overrides or LocalOverrides()
         from diloco.compute.follower import run_follower
