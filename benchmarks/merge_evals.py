@@ -37,37 +37,52 @@ from diloco.results import held_out_shards
 _FILE = re.compile(r"fragment-(\d+)-v(\d+)\.safetensors$")
 
 
+class RunModel:
+    """A finished run's model, its checkpoints and its held-out split: the loss of any
+    combination of fragment versions (`loss_of`)."""
+
+    def __init__(self, workdir: str | Path) -> None:
+        self.workdir = Path(workdir)
+        self.cfg, self.model, self.final = global_model(self.workdir)
+        self.root = store.join(store_root(self.cfg, str(self.workdir)), "checkpoints")
+        shards = [read_shard(s["uri"], s["checksum"]) for s in held_out_shards(self.workdir)]
+        self.columns = concat_columns(shards)
+
+    def kept(self) -> set[tuple[int, int]]:
+        """(fragment, version) of every checkpoint file on the store."""
+        files = store.list_files(store.join(self.root, "fragment-*"))
+        return {(int(m[1]), int(m[2])) for f in files if (m := _FILE.search(f))}
+
+    def loss_of(self, versions: list[int], replace: dict[str, torch.Tensor] | None = None) -> float:
+        """The held-out loss at these versions, with `replace`'s tensors in place of theirs."""
+        params = {**load_model_params(self.root, versions), **(replace or {})}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(params[name])
+        return evaluate(self.model, self.columns, self.cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES).loss
+
+    def rounds(self) -> list[tuple[Any, ...]]:
+        """(fragment, version, closed, pushes, tokens, steps, reason, scale) of every merge, in order."""
+        with sqlite3.connect(self.workdir / "state" / "ledger.sqlite") as db:
+            return db.execute(
+                "SELECT fragment, version, closed, pushes, tokens, steps, reason, scale FROM rounds ORDER BY closed"
+            ).fetchall()
+
+
 def merge_history(workdir: str | Path) -> list[dict[str, Any]]:
     """Every merge in the order it closed, with the held-out loss of the global model it made
     (None where a version's file is gone: merges published together share the last one's file).
     `tokens`: merged tokens so far, the mean over fragments (every token is merged once into each)."""
-    workdir = Path(workdir)
-    cfg, model, final = global_model(workdir)
-    root = store.join(store_root(cfg, str(workdir)), "checkpoints")
-    kept = {
-        (int(m[1]), int(m[2]))
-        for f in store.list_files(store.join(root, "fragment-*"))
-        if (m := _FILE.search(f))
-    }
-    columns = concat_columns([read_shard(s["uri"], s["checksum"]) for s in held_out_shards(workdir)])
-    with sqlite3.connect(workdir / "state" / "ledger.sqlite") as db:
-        rounds = db.execute(
-            "SELECT fragment, version, closed, pushes, tokens, steps, reason, scale FROM rounds ORDER BY closed"
-        ).fetchall()
-    versions, merged, history = [0] * len(final), 0, []
+    run = RunModel(workdir)
+    kept, rounds = run.kept(), run.rounds()
+    versions, merged, history = [0] * len(run.final), 0, []
     for fragment, version, closed, pushes, tokens, steps, reason, scale in rounds:
         versions[fragment] = version
         merged += tokens
-        loss = None
-        if all((p, v) in kept for p, v in enumerate(versions)):
-            params = load_model_params(root, versions)
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    p.copy_(params[name])
-            loss = evaluate(model, columns, cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES).loss
+        loss = run.loss_of(versions) if all((p, v) in kept for p, v in enumerate(versions)) else None
         history.append({
             "at_s": closed - rounds[0][2], "fragment": fragment, "version": version, "pushes": pushes,
-            "steps": steps, "scale": scale, "reason": reason, "tokens": merged / len(final), "loss": loss,
+            "steps": steps, "scale": scale, "reason": reason, "tokens": merged / len(run.final), "loss": loss,
         })  # fmt: skip
     return history
 
