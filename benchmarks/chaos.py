@@ -99,7 +99,8 @@ def matched_history(
     folder: Path, twin: str, run: str, histories: dict[str, list[dict[str, Any]]]
 ) -> dict[str, float]:
     """`run` against `twin` after every merge, at matched merged tokens (merge_evals.matched_gap)."""
-    sys.path.insert(0, str(ROOT))
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from benchmarks.merge_evals import matched_gap, merge_history
 
     for name in (twin, run):

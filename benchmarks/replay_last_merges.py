@@ -35,6 +35,7 @@ def replay(workdir: Path) -> list[dict[str, Any]]:
     run = RunModel(workdir)
     cfg, kept = run.cfg, run.kept()
     last = {fragment: row for fragment, *row in run.rounds()}  # each fragment's last round
+    as_merged = run.loss_of(run.final)
     out = []
     for fragment, version in enumerate(run.final):
         if fragment not in last or (fragment, version - 1) not in kept or (fragment, version) not in kept:
@@ -55,7 +56,7 @@ def replay(workdir: Path) -> list[dict[str, Any]]:
                 f"{workdir.name} fragment {fragment}: the replay does not give the stored merge ({error:.1e})"
             )
             continue
-        losses = {"as merged": run.loss_of(run.final)}
+        losses = {"as merged": as_merged}
         for label, scale in SCALINGS.items():
             k = scale(work)
             params, _ = syncer.outer_step(

@@ -223,6 +223,16 @@ def tiny_coordinator(
         running.stop()
 
 
+# A plain outer step (lr 1, no momentum, no warm-up): a merge moves the model by its outer
+# gradient; epochs enough for the pushes a test makes.
+PLAIN_OUTER_STEP = {
+    "sync.outer_lr": 1.0,
+    "sync.outer_momentum": 0.0,
+    "sync.outer_warmup_rounds": 0,
+    "data.epochs": 4,
+}
+
+
 def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
     """How far a merge moved the parameters (the L2 norm over every tensor)."""
     return sum(float((after[n] - before[n]).norm() ** 2) for n in before) ** 0.5

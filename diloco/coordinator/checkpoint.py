@@ -80,7 +80,7 @@ def files_to_remove(found: Sequence[tuple[int, bool]], current: int, keep: int =
     of them (the newest is the fallback a reader that looked at the ledger just before a commit
     may still open; keep = 0: none, every version stays)."""
     older = sorted(v for v, partial in found if not partial and v < current)
-    kept = set(older if keep <= 0 else older[len(older) - (keep - 1) :])
+    kept = set(older if keep <= 0 else older[-(keep - 1) :])
     return [(v, partial) for v, partial in found if partial or v > current or (v < current and v not in kept)]
 
 

@@ -11,22 +11,16 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import delta_header, moved, tiny_coordinator
+from tests.support import PLAIN_OUTER_STEP, delta_header, moved, tiny_coordinator
 
 
 @pytest.mark.timeout(120)
 def test_a_learner_leaving_mid_round_does_not_make_the_others_push_a_whole_step(
     tiny_corpus: Path, tmp_path: Path
 ) -> None:
-    # A plain outer step (lr 1, no momentum): a merge moves the model by its outer gradient. Quorum
-    # 0 (every live learner): the round waits for the second learner until it leaves.
-    overrides = {
-        "sync.quorum": 0,
-        "sync.outer_lr": 1.0,
-        "sync.outer_momentum": 0.0,
-        "sync.outer_warmup_rounds": 0,
-        "data.epochs": 4,
-    }
+    # A merge moves the model by its outer gradient. Quorum 0 (every live learner): the round waits
+    # for the second learner until it leaves.
+    overrides = {**PLAIN_OUTER_STEP, "sync.quorum": 0}
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
         frag = running.service.fragments[0]
         second = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import delta_header, moved, tiny_coordinator
+from tests.support import PLAIN_OUTER_STEP, delta_header, moved, tiny_coordinator
 
 
 @pytest.mark.timeout(120)
@@ -17,14 +17,8 @@ from tests.support import delta_header, moved, tiny_coordinator
 def test_a_push_one_version_behind_moves_the_model_by_the_decay(
     tiny_corpus: Path, tmp_path: Path, stale_decay: float
 ) -> None:
-    # A plain outer step (lr 1, no momentum, no warm-up): a merge moves the model by its delta.
-    overrides = {
-        "sync.stale_decay": stale_decay,
-        "sync.outer_lr": 1.0,
-        "sync.outer_momentum": 0.0,
-        "sync.outer_warmup_rounds": 0,
-        "data.epochs": 4,
-    }
+    # A merge moves the model by its delta.
+    overrides = {**PLAIN_OUTER_STEP, "sync.stale_decay": stale_decay}
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
         frag = running.service.fragments[0]
         delta = {n: torch.full_like(t, 1e-3) for n, t in init.items()}
