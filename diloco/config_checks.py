@@ -20,6 +20,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 # each its id on the wire; this module stays free of torch).
 CODECS = ("fp32", "bf16", "int8", "int4")
 MERGES = ("mean", "token", "rda")
+SHORT_PUSH_SCALES = ("balanced", "none")
 
 
 def is_device_spec(spec: str) -> bool:
@@ -51,6 +52,10 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(
             "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.grace_steps and "
             "sync.outer_warmup_rounds must be >= 0, and sync.mix_alpha in [0, 1)"
+        )
+    if s.short_push_scale not in SHORT_PUSH_SCALES:
+        raise ConfigError(
+            f"sync.short_push_scale must be one of {', '.join(SHORT_PUSH_SCALES)}, not {s.short_push_scale!r}"
         )
     if not 0.0 < s.stale_decay <= 1.0:
         raise ConfigError(f"sync.stale_decay must be in (0, 1], got {s.stale_decay}")

@@ -201,7 +201,9 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
         acc = syncer.MergeAccumulator(cfg.sync.merge)
         for d, t, s in zip(deltas, tokens, steps, strict=True):
             acc.add(d, syncer.merge_weight(t, s, cfg.sync.merge))
-        grad = acc.result(scales[version])
+        # A round of short pushes is scaled down too (never a fragment's first merge).
+        short = syncer.short_push_scale(steps, cfg.train.inner_steps, cfg.sync.short_push_scale)
+        grad = acc.result(scales[version] * (short if version > 1 else 1.0))
         # The momentum moves by the round's work: its steps over every live learner's H (the
         # live learners are the round's pushers over its coverage).
         live = round(len(deltas) / scales[version])

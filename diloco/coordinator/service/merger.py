@@ -100,6 +100,15 @@ class Merger(ServiceBase):
         live = len(contributors | set(self._live_learners()) | frag.round.members)
         scale = syncer.coverage_scale(len(contributors), live)
         steps = sum(q.arrival.steps for q in pending)
+        # Short pushes are mostly the inner loop's fluctuation (syncer.short_push_scale). A
+        # fragment's first merge is plain averaging, every learner's start made one: never scaled.
+        short = 1.0
+        if frag.version > 0:
+            short = syncer.short_push_scale(
+                [q.arrival.steps for q in pending],
+                self.config.train.inner_steps,
+                self.policy.short_push_scale,
+            )
         work = syncer.work_fraction(steps, live, self.config.train.inner_steps)
         hyper = syncer.outer_hyper(
             self.policy.outer_lr, self.policy.outer_momentum, self.policy.outer_warmup_rounds, frag.version
@@ -110,7 +119,7 @@ class Merger(ServiceBase):
         # seal keeps this round's pushes, sum and the head as they are: only this thread moves them.
         with self._lock_released():
             try:
-                outer_grad = summed.acc.result(scale)
+                outer_grad = summed.acc.result(scale * short)
                 params, momentum = syncer.outer_step(
                     frag.params, frag.momentum, outer_grad, *hyper, self.policy.nesterov, fraction=work, consume=True
                 )  # fmt: skip
@@ -146,7 +155,7 @@ class Merger(ServiceBase):
         elapsed = time.monotonic() - started
         self.sync_time_s = moving_average(self.sync_time_s, elapsed)
         log.info(
-            "merge fragment=%d version=%d pushes=%d steps=%d tokens=%d coverage=%.2f work=%.2f loss=%s (%s) in %.3fs",
+            "merge fragment=%d version=%d pushes=%d steps=%d tokens=%d coverage=%.2f work=%.2f short=%.2f loss=%s (%s) in %.3fs",
             p,
             version,
             len(pending),
@@ -154,6 +163,7 @@ class Merger(ServiceBase):
             tokens,
             scale,
             work,
+            short,
             f"{mean_loss:.4f}" if mean_loss else "-",
             reason,
             elapsed,
