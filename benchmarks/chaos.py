@@ -14,7 +14,8 @@ Decoupled run's rounds depend on timing, so that spread is the floor under any c
 
 `--history` keeps every checkpoint of both runs and compares their losses after every merge at
 matched merged tokens over the last half of the run (benchmarks/merge_evals.py): the final losses
-alone differ by where each run's last merges fell as well as by what the chaos cost.
+alone differ by where each run's last merges fell as well as by what the chaos cost. Every merge's
+loss of both runs goes into the results (`runs[i].merges`).
 """
 
 from __future__ import annotations
@@ -177,6 +178,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"kills {sum(r['kills'].values())}, audit {r['audit_ok']}", file=sys.stderr, flush=True)  # fmt: skip
             if args.history:
                 r["matched"] = matched_history(Path(tmp), f"fault-free-{seed}", f"chaos-{i}", histories)
+                # Every merge's loss, kept with the results: which merge did it, after the workdirs are gone.
+                runs[-1]["merges"] = {
+                    "fault_free": histories[f"fault-free-{seed}"],
+                    "chaos": histories[f"chaos-{i}"],
+                }
                 print(f"   matched over the last half: mean {r['matched']['mean']:+.2%}, worst "
                       f"{r['matched']['worst']:+.2%}", file=sys.stderr, flush=True)  # fmt: skip
 
