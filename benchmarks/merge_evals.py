@@ -21,12 +21,13 @@ import json
 import re
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from diloco import store
-from diloco.coordinator.checkpoint import load_model_params
+from diloco.coordinator import syncer
+from diloco.coordinator.checkpoint import load_fragment, load_model_params
 from diloco.coordinator.workdir import store_root
 from diloco.data.shard import concat_columns, read_shard
 from diloco.evaluate import evaluate
@@ -35,6 +36,28 @@ from diloco.local.evaluation import EVAL_MAX_BATCHES
 from diloco.results import held_out_shards
 
 _FILE = re.compile(r"fragment-(\d+)-v(\d+)\.safetensors$")
+
+
+class MergeStep(NamedTuple):
+    """One merge of a kept run, ready to be taken again: the fragment before it, the outer
+    gradient it applied (scaled as the run scaled it), its hyper-parameters, and how far taking
+    it again from the stored v − 1 lands from the stored v (0 up to float error: the same rule)."""
+
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    grad: dict[str, torch.Tensor]
+    lr: float
+    mu: float
+    nesterov: bool
+    work: float
+    error: float
+
+    def take(
+        self, params: dict[str, torch.Tensor], momentum: dict[str, torch.Tensor], scale: float = 1.0
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The outer step of this merge, its gradient times `scale`, from (params, momentum)."""
+        grad = {n: g * scale for n, g in self.grad.items()}
+        return syncer.outer_step(params, momentum, grad, self.lr, self.mu, self.nesterov, fraction=self.work)
 
 
 class RunModel:
@@ -60,6 +83,23 @@ class RunModel:
             for name, p in self.model.named_parameters():
                 p.copy_(params[name])
         return evaluate(self.model, self.columns, self.cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES).loss
+
+    def merge_step(self, fragment: int, version: int, pushes: int, steps: int, coverage: float) -> MergeStep:
+        """The merge that made `version` of `fragment` (its round's pushes, steps and coverage as
+        `rounds` gives them): its outer gradient comes back exactly from the two checkpoints around
+        it, m_v = g + μ^f · m_{v−1}. Needs versions v − 1 and v kept."""
+        cfg = self.cfg
+        before, m_before = load_fragment(self.root, fragment, version - 1)
+        after, m_after = load_fragment(self.root, fragment, version)
+        live = round(pushes / coverage) if coverage > 0 else pushes
+        work = syncer.work_fraction(steps, live, cfg.train.inner_steps)
+        lr, mu = syncer.outer_hyper(
+            cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.outer_warmup_rounds, version - 1
+        )
+        grad = {n: m_after[n] - mu**work * m_before[n] for n in m_before}
+        step = MergeStep(before, m_before, grad, lr, mu, cfg.sync.nesterov, work, 0.0)
+        check, _ = step.take(before, m_before)
+        return step._replace(error=max(float((check[n] - after[n]).abs().max()) for n in after))
 
     def rounds(self) -> list[tuple[Any, ...]]:
         """(fragment, version, closed, pushes, tokens, steps, reason, scale) of every merge, in order."""

@@ -25,15 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.merge_evals import RunModel  # noqa: E402
-from diloco.coordinator import syncer  # noqa: E402
-from diloco.coordinator.checkpoint import load_fragment  # noqa: E402
 
 SCALINGS = {"sqrt(work)": math.sqrt, "work": lambda f: f}
 
 
 def replay(workdir: Path) -> list[dict[str, Any]]:
     run = RunModel(workdir)
-    cfg, kept = run.cfg, run.kept()
+    kept = run.kept()
     last = {fragment: row for fragment, *row in run.rounds()}  # each fragment's last round
     as_merged = run.loss_of(run.final)
     out = []
@@ -41,37 +39,19 @@ def replay(workdir: Path) -> list[dict[str, Any]]:
         if fragment not in last or (fragment, version - 1) not in kept or (fragment, version) not in kept:
             continue
         _, _, pushes, _, steps, _, coverage = last[fragment]
-        live = round(pushes / coverage) if coverage > 0 else pushes
-        work = syncer.work_fraction(steps, live, cfg.train.inner_steps)
-        before, m_before = load_fragment(run.root, fragment, version - 1)
-        after, m_after = load_fragment(run.root, fragment, version)
-        lr, mu = syncer.outer_hyper(
-            cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.outer_warmup_rounds, version - 1
-        )
-        grad = {n: m_after[n] - mu**work * m_before[n] for n in m_before}  # already times the coverage
-        check, _ = syncer.outer_step(before, m_before, grad, lr, mu, cfg.sync.nesterov, fraction=work)
-        error = max(float((check[n] - after[n]).abs().max()) for n in after)
-        if error > 1e-4:
+        step = run.merge_step(fragment, version, pushes, steps, coverage)
+        if step.error > 1e-4:
             print(
-                f"{workdir.name} fragment {fragment}: the replay does not give the stored merge ({error:.1e})"
+                f"{workdir.name} fragment {fragment}: the replay does not give the stored merge ({step.error:.1e})"
             )
             continue
         losses = {"as merged": as_merged}
         for label, scale in SCALINGS.items():
-            k = scale(work)
-            params, _ = syncer.outer_step(
-                before,
-                m_before,
-                {n: g * k for n, g in grad.items()},
-                lr,
-                mu,
-                cfg.sync.nesterov,
-                fraction=work,
-            )
+            params, _ = step.take(step.params, step.momentum, scale(step.work))
             losses[label] = run.loss_of(run.final, params)
         out.append({"run": str(workdir), "fragment": fragment, "version": version, "steps": steps,
-                    "work": work, "losses": losses})  # fmt: skip
-        print(f"{workdir.parent.name}/{workdir.name} fragment {fragment} v{version} steps {steps} work {work:.2f}: "
+                    "work": step.work, "losses": losses})  # fmt: skip
+        print(f"{workdir.parent.name}/{workdir.name} fragment {fragment} v{version} steps {steps} work {step.work:.2f}: "
               + " ".join(f"{k} {v:.4f}" for k, v in losses.items()), flush=True)  # fmt: skip
     return out
 

@@ -28,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.merge_evals import RunModel  # noqa: E402
 from diloco.coordinator import syncer  # noqa: E402
-from diloco.coordinator.checkpoint import load_fragment  # noqa: E402
 
 
 def push_steps(workdir: Path) -> dict[tuple[int, int], list[int]]:
@@ -43,11 +42,11 @@ def push_steps(workdir: Path) -> dict[tuple[int, int], list[int]]:
 
 def replay(workdir: Path, mode: str, below: float) -> dict[str, Any]:
     run = RunModel(workdir)
-    cfg, kept, steps = run.cfg, run.kept(), push_steps(workdir)
-    h, replaced, merges = cfg.train.inner_steps, {}, []
+    kept, steps, rounds = run.kept(), push_steps(workdir), run.rounds()
+    h, replaced, merges = run.cfg.train.inner_steps, {}, []
     for fragment in range(len(run.final)):
         params = momentum = None
-        for f, version, _, pushes, _, total, _, coverage in run.rounds():
+        for f, version, _, pushes, _, total, _, coverage in rounds:
             if f != fragment or version <= 1:  # a fragment's first merge is never scaled
                 continue
             factor = syncer.short_push_scale(steps.get((f, version), []), h, mode)
@@ -57,25 +56,14 @@ def replay(workdir: Path, mode: str, below: float) -> dict[str, Any]:
                 raise SystemExit(
                     f"{workdir}: fragment {f} v{version - 1}..{version} not kept (keep_versions=0?)"
                 )
-            before, m_before = load_fragment(run.root, f, version - 1)
-            after, m_after = load_fragment(run.root, f, version)
-            live = round(pushes / coverage) if coverage > 0 else pushes
-            work = syncer.work_fraction(total, live, h)
-            lr, mu = syncer.outer_hyper(
-                cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.outer_warmup_rounds, version - 1
-            )
-            grad = {n: m_after[n] - mu**work * m_before[n] for n in m_before}
-            check, _ = syncer.outer_step(before, m_before, grad, lr, mu, cfg.sync.nesterov, fraction=work)
-            if (error := max(float((check[n] - after[n]).abs().max()) for n in after)) > 1e-4:
+            step = run.merge_step(f, version, pushes, total, coverage)
+            if step.error > 1e-4:
                 raise SystemExit(
-                    f"{workdir}: fragment {f} v{version} does not replay ({error:.1e}): another rule?"
+                    f"{workdir}: fragment {f} v{version} does not replay ({step.error:.1e}): another rule?"
                 )
             if params is None:
-                params, momentum = before, m_before
-            scaled = {n: g * factor for n, g in grad.items()}
-            params, momentum = syncer.outer_step(
-                params, momentum, scaled, lr, mu, cfg.sync.nesterov, fraction=work
-            )
+                params, momentum = step.params, step.momentum
+            params, momentum = step.take(params, momentum, factor)
             merges.append(
                 {"fragment": f, "version": version, "steps": steps.get((f, version)), "factor": factor}
             )

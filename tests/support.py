@@ -238,6 +238,26 @@ def moved(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> fl
     return sum(float((after[n] - before[n]).norm() ** 2) for n in before) ** 0.5
 
 
+def uniform_delta(init: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+    """A delta of 1e-3 in every entry, and how far one whole plain outer step on it moves the model."""
+    delta = {n: torch.full_like(t, 1e-3) for n, t in init.items()}
+    return delta, moved({n: torch.zeros_like(t) for n, t in delta.items()}, delta)
+
+
+def push_and_merge(
+    learner: CoordinatorClient, fragment: Any, header: pb.TensorHeader, delta: dict[str, torch.Tensor]
+) -> float:
+    """Push `delta` (quorum 1: its round closes on it) and wait for the merge: how far it moved
+    `fragment` (a coordinator's FragmentState)."""
+    before, version = {n: t.clone() for n, t in fragment.params.items()}, fragment.version
+    assert learner.push(header, delta).accepted
+    deadline = time.monotonic() + 20
+    while fragment.version == version:
+        assert time.monotonic() < deadline, "the merge did not come"
+        time.sleep(0.02)
+    return moved(before, fragment.params)
+
+
 def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
     shard = learner.lease_shard()
     # H steps (the default): a whole round's work, so its merge is a whole outer step.

@@ -7,11 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from diloco.client import CoordinatorClient
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import PLAIN_OUTER_STEP, delta_header, moved, tiny_coordinator
+from tests.support import PLAIN_OUTER_STEP, delta_header, moved, tiny_coordinator, uniform_delta
 
 
 @pytest.mark.timeout(120)
@@ -25,8 +24,7 @@ def test_a_learner_leaving_mid_round_does_not_make_the_others_push_a_whole_step(
         frag = running.service.fragments[0]
         second = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE)
         second.join()
-        delta = {n: torch.full_like(t, 1e-3) for n, t in init.items()}
-        whole = moved({n: torch.zeros_like(t) for n, t in delta.items()}, delta)
+        delta, whole = uniform_delta(init)
         before = {n: t.clone() for n, t in frag.params.items()}
         assert first.push(delta_header(first, "fp32", "first"), delta).accepted
         time.sleep(0.3)

@@ -3,16 +3,14 @@ a real coordinator applying it to the merge of one learner's short push."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from diloco.config import RunConfig
 from diloco.config_parse import ConfigError
 from diloco.coordinator import syncer
-from tests.support import PLAIN_OUTER_STEP, delta_header, moved, tiny_coordinator
+from tests.support import PLAIN_OUTER_STEP, delta_header, push_and_merge, tiny_coordinator, uniform_delta
 
 
 def balanced(rho: float) -> float:
@@ -54,26 +52,15 @@ def test_a_coordinator_scales_a_short_push_after_the_first_merge(
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
         frag = running.service.fragments[0]
         h = running.service.config.train.inner_steps
-        delta = {n: torch.full_like(t, 1e-3) for n, t in init.items()}
-        whole = moved({n: torch.zeros_like(t) for n, t in delta.items()}, delta)
+        delta, whole = uniform_delta(init)
 
-        def merge(steps: int, push_id: str, row_start: int) -> float:
-            header = delta_header(learner, "fp32", push_id)
+        def merge(steps: int, push_id: str) -> float:
+            header = delta_header(learner, "fp32", push_id)  # rows of a shard of its own
             header.version, header.inner_steps = frag.version, steps
-            del header.spans[:]
-            header.spans.add(
-                shard_id=learner.lease_shard().shard_id, row_start=row_start, row_end=row_start + 2
-            )
-            before, version = {n: t.clone() for n, t in frag.params.items()}, frag.version
-            assert learner.push(header, delta).accepted
-            deadline = time.monotonic() + 20
-            while frag.version == version:
-                assert time.monotonic() < deadline, "the round did not close"
-                time.sleep(0.02)
-            return moved(before, frag.params)
+            return push_and_merge(learner, frag, header, delta)
 
         # The first merge is plain averaging, a short push or not: never scaled.
-        assert merge(h // 5, "first", 0) == pytest.approx(whole, rel=1e-4)
+        assert merge(h // 5, "first") == pytest.approx(whole, rel=1e-4)
         expected = balanced(0.2) if mode == "balanced" else 1.0
-        assert merge(h // 5, "short", 10) == pytest.approx(expected * whole, rel=1e-4)
-        assert merge(h, "whole", 20) == pytest.approx(whole, rel=1e-4)
+        assert merge(h // 5, "short") == pytest.approx(expected * whole, rel=1e-4)
+        assert merge(h, "whole") == pytest.approx(whole, rel=1e-4)
