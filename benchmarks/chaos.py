@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+# The readers of a finished run (merge_evals, round_timeline), imported when used.
+sys.path.insert(0, str(ROOT))
 
 
 @contextlib.contextmanager
@@ -39,6 +41,10 @@ def keep_or_temp(keep: Path | None, prefix: str) -> Iterator[str]:
     """Where a benchmark's runs go: `keep` (left for reading afterwards), else a temp folder."""
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
+        # A run started in an earlier run's workdir resumes it (measured: four "chaos" runs with
+        # no kill, each going on from a finished run of an earlier session).
+        if old := sorted(p.name for p in keep.iterdir() if (p / "summary.json").exists()):
+            raise SystemExit(f"{keep} holds finished runs ({', '.join(old)}): keep the runs in a new folder")
         yield str(keep)
         return
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
@@ -69,7 +75,19 @@ def diloco_run(
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads((workdir / name / "summary.json").read_text())
+    summary = json.loads((workdir / name / "summary.json").read_text())
+    summary["push_spread_s"] = push_spread_s(workdir / name)
+    return summary
+
+
+def push_spread_s(workdir: Path) -> float | None:
+    """Seconds from a round's first push to its last, averaged over the rounds of two or more:
+    how long the first pusher trained on past its push before the merge could come (a learner
+    resumed behind the others stretches it; schedule.resume_lag_steps)."""
+    from benchmarks.round_timeline import timeline
+
+    spreads = [r["spread_s"] for r in timeline(workdir, 0.0) if r["pushes"] > 1]
+    return sum(spreads) / len(spreads) if spreads else None
 
 
 def pair_row(
@@ -93,6 +111,7 @@ def pair_row(
         "audit_ok": chaos.get("audit_ok"),
         "goodput": [calm.get("goodput"), chaos.get("goodput")],
         "longest_merge_gap_s": chaos.get("longest_merge_gap_s"),
+        "push_spread_s": [calm.get("push_spread_s"), chaos.get("push_spread_s")],
     }
 
 
@@ -100,8 +119,6 @@ def matched_history(
     folder: Path, twin: str, run: str, histories: dict[str, list[dict[str, Any]]]
 ) -> dict[str, float]:
     """`run` against `twin` after every merge, at matched merged tokens (merge_evals.matched_gap)."""
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
     from benchmarks.merge_evals import matched_gap, merge_history
 
     for name in (twin, run):
@@ -174,8 +191,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(pair_row(calms[seed], chaos, seed, interval, roles or "all"))
             runs.append({"fault_free": calms[seed], "chaos": chaos})
             r = rows[-1]
+            spread = " -> ".join(f"{x:.2f}" if x is not None else "-" for x in r["push_spread_s"])
             print(f"   eval {r['eval_fault_free']:.4f} -> {r['eval_chaos']:.4f} ({r['eval_ratio']:+.2%}), "
-                  f"kills {sum(r['kills'].values())}, audit {r['audit_ok']}", file=sys.stderr, flush=True)  # fmt: skip
+                  f"kills {sum(r['kills'].values())}, audit {r['audit_ok']}, a round's pushes {spread} s apart",
+                  file=sys.stderr, flush=True)  # fmt: skip
             if args.history:
                 r["matched"] = matched_history(Path(tmp), f"fault-free-{seed}", f"chaos-{i}", histories)
                 # Every merge's loss, kept with the results: which merge did it, after the workdirs are gone.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import uuid
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +49,7 @@ class SyncsFragments:
     data_parallel: replicas.Replicated | replicas.Sharded | None
     schedule_shift: int
     shifted_after: int
+    _catch_up_after_resume: Callable[[], None]  # a resumed life's lag made up (resume.py)
 
     def _apply(self, merged: Merged) -> None:
         """Take a merged fragment: θ_p ← α·θ_p + (1−α)·Θ_p, and Θ_p becomes the new base."""
@@ -150,6 +152,7 @@ class SyncsFragments:
         return carried
 
     def _push_due(self) -> None:
+        self._catch_up_after_resume()
         p = schedule.fragment_due(
             self.progress.inner_steps + self.schedule_shift, self.cfg.train.inner_steps, len(self.frags)
         )

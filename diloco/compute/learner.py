@@ -36,7 +36,7 @@ from diloco.compute.mfu import peak_flops
 from diloco.compute.overrides import LocalOverrides
 from diloco.compute.prefetch import DONE, ShardPrefetcher
 from diloco.compute.progress import Progress
-from diloco.compute.resume import KeepsLocalState
+from diloco.compute.resume import KeepsLocalState, ResumeLag
 from diloco.compute.rows import RowBook
 from diloco.compute.startup import StartupClock, breakdown, describe
 from diloco.compute.state_writer import StateWriter
@@ -89,6 +89,7 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         self.resumed: LocalState | None = None
         self.resume_reason = ""  # why the local state was resumed or not ("" when none is kept)
         self.shifted_after = 0  # pushes up to this number were made before the last move
+        self.resume_lag: ResumeLag | None = None  # a resumed life's push schedule to bring forward
         # A user's own model and optimizer (own_loop.connect); None: built from model.factory.
         self.own: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None
 

@@ -65,6 +65,9 @@ class LocalState:
     # claimed 0 tokens for its last life's unmerged rows until it stepped on a shard of its own,
     # and the budget's allowances overshot (a chaos run merged 1.028 M of a 1.0 M budget).
     row_tokens: dict[int, int] = field(default_factory=dict)
+    # The life's time per inner step at the copy: a resumed life measures how far behind the
+    # others it is with it, before its own first (slow) steps give one (0: not known).
+    step_time_s: float = 0.0
 
     def row_spans(self) -> list[tuple[int, int, int]]:
         """Every row trained on that no merge has counted: they ride on the resumed learner's pushes."""
@@ -223,6 +226,7 @@ def save(path: Path, state: LocalState) -> None:
         "push_count": state.push_count,
         "written_at": state.written_at,
         "row_tokens": {str(sid): n for sid, n in state.row_tokens.items()},
+        "step_time_s": state.step_time_s,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -299,4 +303,5 @@ def _from_file(meta: dict[str, Any], tensors: dict[str, torch.Tensor], names: li
         push_count=int(meta["push_count"]),
         written_at=float(meta["written_at"]),
         row_tokens={int(sid): int(n) for sid, n in meta.get("row_tokens", {}).items()},
+        step_time_s=float(meta.get("step_time_s", 0.0)),
     )

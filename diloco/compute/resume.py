@@ -13,7 +13,7 @@ import time
 import torch
 
 from diloco.client import CoordinatorClient
-from diloco.compute import local_state, push_journal
+from diloco.compute import local_state, push_journal, schedule
 from diloco.compute.held import HeldFragment
 from diloco.compute.local_state import LocalState, state_path
 from diloco.compute.overrides import LocalOverrides
@@ -27,6 +27,20 @@ from diloco.config import RunConfig
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.learner")
+
+# A resumed life's steps before its lag is measured with its own step time, when its state has
+# none (an older file): the first step is slow (warm-up), and the lag in steps comes out short.
+RESUME_LAG_AFTER_STEPS = 3
+
+
+@dataclasses.dataclass
+class ResumeLag:
+    """What a resumed life's push schedule still has to make up (_catch_up_after_resume)."""
+
+    copied_at: float  # the wall clock of the copy it resumed
+    step_time_s: float  # the dead life's at the copy (0: unknown; this life's own is used)
+    made: int  # steps the schedule moved past the push points of the journal's pushes
+    behind: int | None = None  # the steps still to move, once measured
 
 
 class KeepsLocalState:
@@ -50,6 +64,8 @@ class KeepsLocalState:
     state_writer: StateWriter | None
     stop: threading.Event
     data_parallel: Replicated | Sharded | None  # a torchrun group's (None: one process)
+    shifted_after: int
+    resume_lag: ResumeLag | None  # a resumed life's push schedule still to bring forward (None: none)
 
     def _resume_decision(self, cfg: RunConfig, reply: pb.JoinReply) -> LocalState | None:
         """This learner's state from its last life, restored, when the run still accepts it; else None."""
@@ -91,7 +107,16 @@ class KeepsLocalState:
         # The dead life's kept time at this copy, for the coordinator to count once: its last
         # heartbeat may have come before the copy (this life's own time starts from 0).
         self.progress.resumed_kept_busy_s = state.busy_s
-        self.schedule_shift = state.schedule_shift
+        # The push points the journal's pushes were made at are behind this life too.
+        jump = schedule.past_replayed_pushes(
+            state.inner_steps + state.schedule_shift,
+            [push.header.fragment for push in journal],
+            cfg.train.inner_steps,
+            len(self.frags),
+        )
+        self.schedule_shift = state.schedule_shift + jump
+        if not cfg.sync.synchronous:  # synchronous rounds line learners up by themselves
+            self.resume_lag = ResumeLag(state.written_at, state.step_time_s, jump)
         for p, push in state.pushes.items():
             self.frags[p].push = push
         if pushed:  # their steps went with the journaled pushes: they start over from the run's
@@ -123,6 +148,37 @@ class KeepsLocalState:
             for n in f.names:  # what the codec left out was sent on with the journaled push
                 self.residual.pop(n, None)
 
+    def _catch_up_after_resume(self) -> None:
+        """Before each push check of a resumed life: bring the push schedule forward by the steps
+        that died with the last life (schedule.resume_lag_steps), measured at its first check, and
+        moved without skipping a push due (schedule.advance_now)."""
+        lag = self.resume_lag
+        if lag is None:
+            return
+        step_time = lag.step_time_s or self.progress.step_time_s()
+        if self.progress.life_steps < (1 if lag.step_time_s else RESUME_LAG_AFTER_STEPS):
+            return
+        interval = schedule.push_interval(self.cfg.train.inner_steps, len(self.frags))
+        if lag.behind is None:
+            since = time.time() - lag.copied_at
+            made = self.progress.life_steps + lag.made
+            lag.behind = schedule.resume_lag_steps(since, made, step_time, interval)
+            if lag.behind:
+                log.info(
+                    "resumed %d step(s) behind the other learners (state copied %.1fs ago): "
+                    "pushing that much earlier from now on",
+                    lag.behind,
+                    since,
+                )
+        take = schedule.advance_now(lag.behind, self.progress.inner_steps + self.schedule_shift, interval)
+        if take:
+            self.schedule_shift += take
+            lag.behind -= take
+            # What the coordinator says of pushes made before the move measured the old schedule.
+            self.shifted_after = self.channel.submitted
+        if not lag.behind:
+            self.resume_lag = None
+
     def _saved(self, state: LocalState) -> None:
         """(writer thread) The steps up to this state survive a kill now."""
         self.progress.kept_busy_s = max(self.progress.kept_busy_s, state.busy_s)
@@ -132,6 +188,16 @@ class KeepsLocalState:
         unmerged ride on our pushes; the prefetcher never cuts them again), and each push that was
         in flight is sent again with its own push_id, for the ledger to answer."""
         self.prefetcher.skip(state.row_spans())
+        # The pushes first, the leases after: the channel sends in order, so a shard given back is
+        # leased again only once these pushes' rows are recorded, and its rows still to train leave
+        # them out. The other way round, a resumed life re-leased its shard between the two and
+        # trained a replayed push's rows again (its state no longer lists them), and its next two
+        # pushes were refused as re-sent work (a chaos run: two rounds of one push).
+        for f in self.frags:
+            if f.in_flight and f.push is not None:
+                self.channel.submit(*f.push)
+            elif f.in_flight:  # nothing to ask about: take the fragment's next version as it comes
+                f.in_flight = False
         if state.held_shards:
             # release_only: an empty push would say "nothing from me this round", and the round
             # would close on the other learners' pushes alone (measured: a chaos run's round of
@@ -141,11 +207,6 @@ class KeepsLocalState:
             )
             header.released_shards.extend(state.held_shards)
             self.channel.submit(header, {})
-        for f in self.frags:
-            if f.in_flight and f.push is not None:
-                self.channel.submit(*f.push)
-            elif f.in_flight:  # nothing to ask about: take the fragment's next version as it comes
-                f.in_flight = False
 
     def _keep_local_state(self) -> None:
         """A copy of what this learner holds, for the writer thread to save (local_state)."""
@@ -169,6 +230,7 @@ class KeepsLocalState:
             busy_s=self.progress.busy_s,
             first_loss=self.progress.first_loss,
             schedule_shift=self.schedule_shift,
+            step_time_s=self.progress.step_time_s(),
             params={n: p.detach().to("cpu", copy=True) for n, p in self.params.items()},
             optimizer=optimizer,
             fragments=frags,

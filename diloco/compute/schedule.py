@@ -42,6 +42,47 @@ def catch_up_steps(missed_by_s: float, step_time_s: float, interval: int) -> int
     return min(interval // 2, round(missed_by_s / step_time_s))
 
 
+def resume_lag_steps(since_copy_s: float, steps_made: int, step_time_s: float, interval: int) -> int:
+    """Steps a resumed learner's push schedule runs behind the others': what they stepped since
+    its local state was copied, less what it made up since (its steps since resuming, and the
+    schedule moved past the pushes its journal replayed); at most half an interval (its pushes
+    keep at least half their steps; the coordinator's late reports do the rest).
+
+    Its last life was in step with them at the copy; the steps after the copy died with it, and
+    so did the restart's seconds. Left as it is, every round it pushes to waits seconds for it
+    while the other learners train on an old base (syncer.late_in_round_by), for the rounds the
+    halving catch-up takes to close the gap, and a kill every few seconds never lets it close."""
+    if since_copy_s <= 0 or step_time_s <= 0 or interval <= 1:
+        return 0
+    return max(0, min(interval // 2, round(since_copy_s / step_time_s) - steps_made))
+
+
+def past_replayed_pushes(
+    position: int, fragments_pushed: Sequence[int], inner_steps: int, fragments: int
+) -> int:
+    """Steps to move a push schedule at `position` (steps + shift, a local state's) past the
+    pushes its dead life made after the copy, in order: each at the first push point of its
+    fragment from the last one on (the first may be at `position` itself: a copy and a push at
+    the same step come in either order). Without it the resumed life pushes those fragments again
+    at the same points, with only the steps since it resumed, early for the others' next round."""
+    interval = push_interval(inner_steps, fragments)
+    at, first = position, True
+    for p in fragments_pushed:
+        k = -(-at // interval) if first else at // interval + 1  # the first point at / after `at`
+        k = max(k, 1)
+        while (k - 1) % fragments != p % fragments:
+            k += 1
+        at, first = k * interval, False
+    return at - position
+
+
+def advance_now(behind: int, position: int, interval: int) -> int:
+    """How many of `behind` steps the push schedule (at `position` = steps + shift) moves forward
+    now: never past the next push due, so that none is skipped (a push due at this very step
+    comes first, and the move waits for the next call)."""
+    return max(0, min(behind, (-position) % interval))
+
+
 def apply_due(step: int, apply_at: int) -> bool:
     """A merged fragment that has arrived is applied once the learner reached step `apply_at`."""
     return step >= apply_at
