@@ -181,6 +181,10 @@ def shard_adamw(rank: int, port: int, out: dict) -> None:
         assert group.recv_op()[0] == OP_STOP
         local = held.optimizer.state_dict()["state"]
         out[rank] = {"parts": [tuple(local[i]["exp_avg"].to_local().shape) for i in sorted(local)]}
+    # Both ranks done before either tears its side down: once (a CI run on 2026-12-06, under the suite's
+    # load) rank 1 aborted in gloo ("terminate called without an active exception") as rank 0's
+    # process went away first.
+    dist.barrier()
     group.close()
 
 
