@@ -81,13 +81,10 @@ def diloco_run(
 
 
 def push_spread_s(workdir: Path) -> float | None:
-    """Seconds from a round's first push to its last, averaged over the rounds of two or more:
-    how long the first pusher trained on past its push before the merge could come (a learner
-    resumed behind the others stretches it; schedule.resume_lag_steps)."""
-    from benchmarks.round_timeline import timeline
+    """A finished run's mean seconds from a round's first push to its last (round_timeline)."""
+    from benchmarks.round_timeline import mean_spread_s, timeline
 
-    spreads = [r["spread_s"] for r in timeline(workdir, 0.0) if r["pushes"] > 1]
-    return sum(spreads) / len(spreads) if spreads else None
+    return mean_spread_s(timeline(workdir, 0.0))
 
 
 def pair_row(

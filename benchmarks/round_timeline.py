@@ -52,6 +52,15 @@ def timeline(workdir: Path, window_s: float) -> list[dict]:
     return out
 
 
+def mean_spread_s(rows: list[dict]) -> float | None:
+    """Seconds from a round's first push to its last, averaged over the rounds of two or more
+    (None: none): how long the first pusher trained on past its push before the merge could come.
+    Learners that meet in every round can still push seconds apart (syncer.late_in_round_by; a
+    resumed learner behind the others, schedule.resume_lag_steps)."""
+    met = [r["spread_s"] for r in rows if r["pushes"] > 1]
+    return sum(met) / len(met) if met else None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("workdir", type=Path)
@@ -75,11 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     after_kill = [r for r in single if r["kills_before"]]
     print(f"single-push rounds: {len(single)} of {len(rows)}; after a kill: {len(after_kill)}; "
           f"with no kill in the window: {len(single) - len(after_kill)}")  # fmt: skip
-    met = [r["spread_s"] for r in rows if r["pushes"] > 1]
-    if met:  # learners that meet in every round can still push seconds apart (late_in_round_by)
-        print(
-            f"rounds of 2+ pushes: first to last push {sum(met) / len(met):.2f} s on average, at most {max(met):.2f} s"
-        )
+    if (spread := mean_spread_s(rows)) is not None:
+        widest = max(r["spread_s"] for r in rows if r["pushes"] > 1)
+        print(f"rounds of 2+ pushes: first to last push {spread:.2f} s on average, at most {widest:.2f} s")
 
 
 if __name__ == "__main__":

@@ -68,10 +68,8 @@ def past_replayed_pushes(
     interval = push_interval(inner_steps, fragments)
     at, first = position, True
     for p in fragments_pushed:
-        k = -(-at // interval) if first else at // interval + 1  # the first point at / after `at`
-        k = max(k, 1)
-        while (k - 1) % fragments != p % fragments:
-            k += 1
+        k = max(1, -(-at // interval) if first else at // interval + 1)  # the first point at / after `at`
+        k += (p - (k - 1)) % fragments  # point k is fragment (k - 1) mod P's (fragment_due)
         at, first = k * interval, False
     return at - position
 
