@@ -12,6 +12,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+# gRPC core logs each failed TLS handshake ("I1206 ... Handshake failed") to stderr, into
+# `diloco status` and every role's output; the CLI says what failed itself. Set before grpc is
+# first imported (this module, in the CLI), which is when gRPC reads it; the user's value wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import grpc
 import typer
 
@@ -33,7 +38,21 @@ ModelOpt = Annotated[
     str | None,
     typer.Option("--model", help='model factory "package.module:function" (default: the built-in GPT)'),
 ]
-CoordinatorOpt = Annotated[str, typer.Option("--coordinator", help="the coordinator's HOST:PORT")]
+
+
+def coordinator_address(address: str) -> str:
+    """--coordinator checked at parse time (HOST:PORT), before a role imports torch or waits."""
+    from diloco.client import check_address
+
+    try:
+        return check_address(address)
+    except DilocoError as e:
+        raise typer.BadParameter(str(e).removeprefix(f"--coordinator {address!r}: ")) from None
+
+
+CoordinatorOpt = Annotated[
+    str, typer.Option("--coordinator", help="the coordinator's HOST:PORT", callback=coordinator_address)
+]
 WorkerIdOpt = Annotated[
     str | None, typer.Option("--worker-id", help="a stable identity for this worker (default: generated)")
 ]
@@ -92,10 +111,19 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+# What --insecure does, by command: only a server has plaintext to allow. Elsewhere it is
+# accepted (one set of flags may serve every role) but hidden: it would change nothing.
+INSECURE_HELP = {
+    "coordinator": "serve plaintext (no TLS, no token) on a --host beyond loopback, "
+    "gRPC and the status page: anyone who reaches the port drives the run",
+}
+
+
 def with_security(fn: F) -> F:
     """Give a command the identity flags every role takes (--tls-cert/--tls-key/--tls-ca,
     --token-file, --insecure); given, they go into the environment, where every client and the
     coordinator of this process find them (diloco.security.transport)."""
+    insecure_help = INSECURE_HELP.get(fn.__name__)
     extra = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         for name, annotation, default in (
@@ -117,7 +145,12 @@ def with_security(fn: F) -> F:
             ),
             (
                 "insecure",
-                Annotated[bool, typer.Option(help="coordinator: allow plaintext beyond loopback")],
+                Annotated[
+                    bool,
+                    typer.Option(
+                        help=insecure_help or "no effect for this command", hidden=insecure_help is None
+                    ),
+                ],
                 False,
             ),
         )

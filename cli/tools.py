@@ -23,10 +23,14 @@ def status(
     audit: Annotated[
         bool, typer.Option("--audit", help="check the ledger's invariants; exit 1 on a violation")
     ] = False,
-    workdir: Annotated[Path | None, typer.Option(help="a coordinator's state dir (for --audit)")] = None,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(help="a coordinator's state dir (for --audit), or a live `diloco run` job's workdir"),
+    ] = None,
     watch: Annotated[float, typer.Option(help="refresh every SECONDS until Ctrl-C (0: once)")] = 0.0,
 ) -> None:
-    """Show a running coordinator's state, or (--audit --workdir DIR) prove its ledger's promises."""
+    """Show a running coordinator's state (--coordinator, or a live `diloco run` job's --workdir), or
+    (--audit --workdir DIR) prove its ledger's promises."""
     from diloco.client import CoordinatorClient
     from diloco.v1 import coordinator_pb2 as pb
     from diloco.views import status_tables
@@ -43,9 +47,19 @@ def status(
             else ("audit ok" if report.ok else "audit FAILED:\n  " + "\n  ".join(report.violations))
         )
         raise typer.Exit(0 if report.ok else 1)
+    security = None  # this process's flags
+    if coordinator is None and workdir is not None:
+        from diloco.local.tls import job_address
+        from diloco.security.transport import Security
+
+        coordinator, job_security = job_address(workdir)
+        if Security.from_env().mode == "none":  # no identity given: the job's own
+            security = job_security
     if coordinator is None:
-        raise DilocoError("give --coordinator HOST:PORT (or --audit --workdir DIR)")
-    client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5)
+        raise DilocoError(
+            "give --coordinator HOST:PORT, or --workdir of a live `diloco run` (or --audit --workdir DIR)"
+        )
+    client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5, security=security)
     client.wait_ready(5)
     from rich.console import Console
 
@@ -65,6 +79,17 @@ def status(
     console.print(status_tables(detail))
 
 
+# The run's weights may be another model's than its config names (a user's own training loop on a
+# coordinator started without --model): this names the factory that fits them.
+RunModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help='the factory of the model the weights are, "package.module:function" (default: the run\'s)',
+    ),
+]
+
+
 @clear_errors
 def export(
     out: Annotated[Path, typer.Option(help="directory to write the model to")],
@@ -77,6 +102,7 @@ def export(
     format_: Annotated[
         str, typer.Option("--format", help="hf (from_pretrained loads it) | safetensors (any model)")
     ] = "safetensors",
+    model: RunModelOpt = None,
 ) -> None:
     """Write the run's global model: a Hugging Face directory, or safetensors with its config."""
     from diloco.export import export_run, write_model
@@ -84,10 +110,10 @@ def export(
     if coordinator is not None and run is None:
         from diloco.results import load_model
 
-        loaded = load_model(None, coordinator)
+        loaded = load_model(None, coordinator, model)
         written = write_model(loaded.cfg, loaded.model, loaded.versions, out, format_)
     elif run is not None and coordinator is None:
-        written = export_run(run, out, format_)
+        written = export_run(run, out, format_, model)
     else:
         raise DilocoError("give a run directory or --coordinator HOST:PORT")
     for path in written:
@@ -116,11 +142,12 @@ def eval_(
     max_batches: Annotated[int, typer.Option(help="batches of train.batch_size rows at most (0: all)")] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     device: DeviceOpt = "auto",
+    model: RunModelOpt = None,
 ) -> None:
     """The model's loss (and metrics) on the run's held-out split or on your data."""
     from diloco.results import evaluate_loaded, load_model
 
-    result = evaluate_loaded(load_model(run, coordinator), dataset, max_batches or None, device)
+    result = evaluate_loaded(load_model(run, coordinator, model), dataset, max_batches or None, device)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -144,11 +171,13 @@ def generate(
         int, typer.Option(help="sampling seed: the same seed gives the same text on one device")
     ] = 0,
     device: DeviceOpt = "auto",
+    model: RunModelOpt = None,
 ) -> None:
     """A token model continues the prompt."""
     from diloco.results import generate_text, load_model
 
-    typer.echo(generate_text(load_model(run, coordinator), prompt, tokens, temperature, seed, device))
+    loaded = load_model(run, coordinator, model)
+    typer.echo(generate_text(loaded, prompt, tokens, temperature, seed, device))
 
 
 @clear_errors

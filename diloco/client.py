@@ -26,6 +26,7 @@ from diloco.errors import DilocoError
 from diloco.security.transport import (
     Security,
     client_channel,
+    connect_cause,
     give_up_on_handshake,
     handshake_problem,
     http2_frame_bytes,
@@ -52,6 +53,26 @@ WORKER_OUTAGE_TOLERANCE_S = 600.0
 # restart listened again on average, 0.3 s with these (benchmarks/reconnect.py). The floor of a
 # connection attempt (grpc.min_reconnect_backoff_ms, 20 s) stays: lower, it cuts slow handshakes.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000)]
+# A worker started before its coordinator says once, after this long, what it waits for; a
+# coordinator that comes up (or restarts) within it goes unmentioned.
+WAIT_NOTICE_S = 2.0
+# gRPC's own target schemes, passed through as they are.
+TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")
+
+
+def check_address(address: str) -> str:
+    """The coordinator's address if it is HOST:PORT ([IPv6]:PORT, or a gRPC target such as
+    unix:PATH); else a clear error, not what gRPC does with it (no port: 443; 99999: 34463)."""
+    if address.startswith(TARGET_SCHEMES):
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise DilocoError(f"--coordinator {address!r}: expected HOST:PORT, such as 127.0.0.1:7777")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise DilocoError(f"--coordinator {address!r}: write an IPv6 address in brackets: [{host}]:{port}")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise DilocoError(f"--coordinator {address!r}: the port must be a number from 1 to 65535")
+    return address
 
 
 class PullClock:
@@ -101,7 +122,7 @@ class CoordinatorClient:
         worker_id: str | None = None,
         security: Security | None = None,
     ):
-        self.address = address
+        self.address = check_address(address)
         self.role = role
         self.retry_deadline_s = retry_deadline_s
         # mTLS, a token, or neither: given, else this process's (its flags put them in the environment).
@@ -141,8 +162,10 @@ class CoordinatorClient:
 
     def wait_ready(self, timeout_s: float) -> None:
         """Until the channel is up. A coordinator whose handshake keeps failing (its security and
-        ours do not match) is named at once, with what to change, not after the whole timeout."""
+        ours do not match) is named at once, with what to change, not after the whole timeout;
+        one that does not answer is named once after WAIT_NOTICE_S, not only at the end."""
         ready = grpc.channel_ready_future(self.channel)
+        notice_at = time.monotonic() + WAIT_NOTICE_S
         deadline = time.monotonic() + timeout_s
         failing_since: float | None = None
         try:
@@ -157,8 +180,14 @@ class CoordinatorClient:
                 failing_since, give_up = give_up_on_handshake(problem, failing_since, time.monotonic())
                 if give_up:
                     raise DilocoError(f"cannot connect to the coordinator at {self.address}: {problem}")
+                said = connect_cause(last_error)
+                if not problem and time.monotonic() >= notice_at:
+                    notice_at = float("inf")  # once
+                    cause = said[:1].lower() + said[1:] if said else "no answer yet"
+                    log.warning(
+                        "waiting for the coordinator at %s (%s); up to %.0fs", self.address, cause, timeout_s
+                    )
                 if time.monotonic() >= deadline:
-                    said = last_error.rsplit(": ", 1)[-1][:200]
                     raise DilocoError(
                         f"cannot reach the coordinator at {self.address} (waited {timeout_s:.0f}s"
                         + (f"; last error: {said})" if said else ")")

@@ -27,6 +27,32 @@ def is_device_spec(spec: str) -> bool:
     return _DEVICE.fullmatch(spec.strip().lower()) is not None
 
 
+def check_numbers(cfg: RunConfig) -> None:
+    """The optimizers' settings and the budgets: a value out of range would otherwise surface only
+    in every learner's log, as a traceback from torch (AdamW refuses lr = -1), after the set-up."""
+    t, s = cfg.train, cfg.sync
+    non_negative = {
+        "train.lr": t.lr,
+        "train.weight_decay": t.weight_decay,
+        "train.warmup_steps": t.warmup_steps,
+        "train.grad_clip": t.grad_clip,
+        "train.max_tokens": t.max_tokens,
+        "train.threads": t.threads,
+        "train.step_delay_s": t.step_delay_s,
+        "sync.outer_lr": s.outer_lr,
+    }
+    for key, value in non_negative.items():
+        if not value >= 0:  # (not <: NaN is refused too)
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    for key, value in {
+        "train.beta1": t.beta1,
+        "train.beta2": t.beta2,
+        "sync.outer_momentum": s.outer_momentum,
+    }.items():
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key} must be in [0, 1), got {value}")
+
+
 def check(cfg: RunConfig) -> None:
     m, t, s = cfg.model, cfg.train, cfg.sync
     named = {"model.factory": m.factory}
@@ -41,6 +67,7 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError(f"train.local_state_max_share must be in (0, 1], got {t.local_state_max_share}")
     if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
         raise ConfigError("train.inner_steps, train.batch_size must be >= 1 and model.seq_len >= 2")
+    check_numbers(cfg)
     if t.precision not in PRECISIONS:
         raise ConfigError(f"train.precision must be one of {', '.join(PRECISIONS)}, got {t.precision!r}")
     if s.fragments < 1 or s.quorum < 0:

@@ -28,6 +28,7 @@ from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig
 from diloco.data.shard import concat_columns, read_shard
 from diloco.evaluate import evaluate
+from diloco.export import load_parameters
 from diloco.model.factory import build_model
 from diloco.role import heartbeat_thread, refusing
 from diloco.v1 import coordinator_pb2 as pb
@@ -196,9 +197,7 @@ class Evaluator:
         started = time.monotonic()
         self._pull(cfg.sync.fragments)
         tensors = {n: t for _, held in self.held.values() for n, t in held.items()}
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(tensors[name])
+        load_parameters(model, tensors, "the run's published model", cfg.model.factory)
         result = evaluate(model, columns, cfg.train.batch_size, device, where=cfg.model.factory)
         versions = [self.held[p][0] for p in range(cfg.sync.fragments)]
         seconds = time.monotonic() - started

@@ -5,12 +5,15 @@
     diloco export --coordinator HOST:PORT --out DIR   a live run's latest published model
 
 RUN is the run's directory (the coordinator's workdir). The model is built by the run's factory,
-so the machine that exports needs the model's code installed, like a learner.
+so the machine that exports needs the model's code installed, like a learner. Weights that are
+not that model's (a run whose learners brought their own model, diloco.connect, while its
+coordinator named another) are refused in one line: `--model` names the factory that fits them.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -22,34 +25,63 @@ from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.report import stored_run
 from diloco.coordinator.workdir import store_root
 from diloco.errors import DilocoError
+from diloco.model.contract import layout_difference
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
 
 FORMATS = ("hf", "safetensors")
 
 
-def global_model(workdir: str | Path) -> tuple[RunConfig, nn.Module, list[int]]:
-    """The run's config, its model holding the latest published parameters, and their versions."""
+def with_factory(cfg: RunConfig, factory: str | None) -> RunConfig:
+    """The run's config with the model built by `factory` instead (None: the run's own). The
+    run's model.kwargs were written for its factory, so another one is called without them."""
+    if not factory or factory == cfg.model.factory:
+        return cfg
+    return cfg.with_overrides({"model.factory": factory, "model.kwargs": {}}).validate()
+
+
+def load_parameters(
+    model: nn.Module, params: Mapping[str, torch.Tensor], source: str, factory: str
+) -> nn.Module:
+    """Copy `params` into `model` (cast to its dtypes). Weights of another model are refused in one
+    line naming the tensors that differ: copying them would fail on the first missing name."""
+    diff = layout_difference(
+        {n: (tuple(p.shape), "") for n, p in model.named_parameters()},
+        {n: (tuple(t.shape), "") for n, t in params.items()},
+    )
+    if diff:
+        raise DilocoError(
+            f"{source} holds the weights of another model than model.factory {factory} builds ({diff}): "
+            "give the factory of the model that made them with --model package.module:function"
+        )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
+    return model
+
+
+def global_model(workdir: str | Path, factory: str | None = None) -> tuple[RunConfig, nn.Module, list[int]]:
+    """The run's config, its model (or `factory`'s) holding the latest published parameters, and
+    their versions."""
     try:
         config_json, versions = stored_run(workdir)
     except FileNotFoundError as e:
         raise DilocoError(str(e)) from e
-    cfg = RunConfig.from_json(config_json)
+    cfg = with_factory(RunConfig.from_json(config_json), factory)
     if not versions or min(versions) < 0:
         raise DilocoError(f"{workdir}: the run has no published parameters yet")
     params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
     model = build_model(cfg.model, seed=cfg.train.seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(params[name])
+    load_parameters(model, params, str(workdir), cfg.model.factory)
     return cfg, model.eval(), versions
 
 
-def export_run(workdir: str | Path, out: str | Path, fmt: str) -> list[Path]:
-    """Write the run's global model to `out` in format `fmt`; the files written."""
+def export_run(workdir: str | Path, out: str | Path, fmt: str, factory: str | None = None) -> list[Path]:
+    """Write the run's global model (built by `factory`, when given) to `out` in format `fmt`;
+    the files written."""
     if fmt not in FORMATS:
         raise DilocoError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    return write_model(*global_model(workdir), out, fmt)
+    return write_model(*global_model(workdir, factory), out, fmt)
 
 
 def write_model(

@@ -5,9 +5,10 @@
     diloco generate RUN --prompt TEXT          a token model continues the prompt
 
 RUN is a run's directory (the coordinator's workdir), or a weights file inside one (e.g. its
-`model.safetensors`). The model is built by the run's factory, so the machine needs the model's
-code installed, like a learner. Data given with --dataset goes through the run's own data path
-(its tokenizer and packing, or its preprocess), into shards in a temporary directory.
+`model.safetensors`). The model is built by the run's factory (or the one --model names), so the
+machine needs the model's code installed, like a learner. Data given with --dataset goes through
+the run's own data path (its tokenizer and packing, or its preprocess), into shards in a
+temporary directory.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from diloco.data.makers import shard_maker
 from diloco.data.shard import UNIT_TOKENS, concat_columns, read_shard
 from diloco.errors import DilocoError
 from diloco.evaluate import EvalResult, can_sample, evaluate, sample_text, unigram_entropy
-from diloco.export import global_model
+from diloco.export import global_model, load_parameters, with_factory
 from diloco.model.factory import build_model
-from diloco.model.weights import check_matches, load_weights
+from diloco.model.weights import load_weights
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -47,27 +48,25 @@ class LoadedModel:
     versions: list[int]  # the published versions it holds ([] for a weights file)
 
 
-def load_model(run: str | Path | None, coordinator: str | None) -> LoadedModel:
+def load_model(run: str | Path | None, coordinator: str | None, factory: str | None = None) -> LoadedModel:
+    """The run's model with its parameters; `factory`: build this model instead of the run's."""
     if (run is None) == (coordinator is None):
         raise DilocoError("give a run directory (or a weights file in one), or --coordinator HOST:PORT")
-    return _from_coordinator(coordinator) if coordinator else _from_run(Path(run))  # type: ignore[arg-type]
+    if coordinator:
+        return _from_coordinator(coordinator, factory)
+    return _from_run(Path(run), factory)  # type: ignore[arg-type]
 
 
-def _from_run(path: Path) -> LoadedModel:
+def _from_run(path: Path, factory: str | None) -> LoadedModel:
     if path.is_file():  # weights of the run's model, e.g. <run>/model.safetensors
         workdir = path.parent
-        cfg = RunConfig.from_json(_stored_config(workdir))
+        cfg = with_factory(RunConfig.from_json(_stored_config(workdir)), factory)
         model = build_model(cfg.model, seed=cfg.train.seed)
-        mine = {n: p.detach() for n, p in model.named_parameters()}
-        loaded = load_weights(str(path))
-        check_matches(mine, loaded, str(path))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(loaded[name])
+        load_parameters(model, load_weights(str(path)), str(path), cfg.model.factory)
         source, versions = str(path), []
     else:
         workdir = path
-        cfg, model, versions = global_model(path)
+        cfg, model, versions = global_model(path, factory)
         source = f"{path} at versions {versions}"
     return LoadedModel(cfg, model.eval(), source, held_out_shards(workdir), versions)
 
@@ -88,20 +87,18 @@ def _stored_config(workdir: Path) -> str:
         raise DilocoError(f"{e}: a weights file is read beside its run's ledger") from e
 
 
-def _from_coordinator(address: str) -> LoadedModel:
+def _from_coordinator(address: str, factory: str | None) -> LoadedModel:
     """The live run's latest published model, pulled as an evaluator would."""
     client = CoordinatorClient(address, pb.ROLE_EVALUATOR, retry_deadline_s=10)
     try:
         reply = client.join(10)
-        cfg = client.config
-        assert cfg is not None
+        assert client.config is not None
+        cfg = with_factory(client.config, factory)
         if not reply.fragment_versions:
             raise DilocoError(f"{address}: the run has no parameters yet")
         model = build_model(cfg.model, seed=cfg.train.seed)
         pulled = {n: t for _, ts in client.pull(list(range(reply.num_fragments))) for n, t in ts.items()}
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(pulled[name])
+        load_parameters(model, pulled, address, cfg.model.factory)
         split = client.status().get("eval_split", {}).get("shards", [])
         versions = list(reply.fragment_versions)
     finally:

@@ -65,6 +65,14 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     return table
 
 
+def than_ddp(ddp: float, ours: float) -> str:
+    """What DDP sends against ours, said the right way round: "1,633× more", or "2.5× less" when
+    ours is the larger (a run whose pushes carried few tokens: a short one, or int4 at H = 1)."""
+    if ddp >= ours:
+        return f"{ddp / ours:,.0f}× more"
+    return f"{ours / ddp:,.1f}× less"
+
+
 def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
     table = Table(title="result", show_header=False)
     unit = summary.get("unit", "tokens")  # or samples, for a preprocess's data
@@ -81,15 +89,12 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
     ddp = summary.get("ddp_wire_bytes_per_token") or 0.0
-    ratio = (
-        f" (DDP: {ddp:,.0f}, {ddp / summary['wire_bytes_per_token']:,.0f}× more)"
-        if ddp and summary["wire_bytes_per_token"]
-        else ""
-    )
-    table.add_row(f"wire bytes per {unit[:-1]}", f"{summary['wire_bytes_per_token']:.1f}{ratio}")
+    wire = summary["wire_bytes_per_token"]
+    ratio = f" (DDP: {ddp:,.0f}, {than_ddp(ddp, wire)})" if ddp and wire else ""
+    table.add_row(f"wire bytes per {unit[:-1]}", f"{wire:.1f}{ratio}")
     steady = summary.get("steady_wire_bytes_per_token") or 0.0
     if steady:
-        more = f" (DDP: {ddp / steady:,.0f}× more)" if ddp else ""
+        more = f" (DDP: {than_ddp(ddp, steady)})" if ddp else ""
         table.add_row("  after each learner's join", f"{steady:.1f}{more}")
     waited = [
         f"{summary[key]:.1%} {why}"

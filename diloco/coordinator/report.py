@@ -37,15 +37,6 @@ def rounds_by_pushes(workdir: str | Path) -> dict[str, int]:
     return {str(pushes): count for pushes, count in rows}
 
 
-def split_sizes(workdir: str | Path) -> tuple[int, int]:
-    """The run's chunks, and how many of them are held out for evaluation."""
-    with read_only(workdir) as db:
-        total, held_out = db.execute(
-            "SELECT COUNT(*), COUNT(*) FILTER (WHERE split = 'eval') FROM chunks"
-        ).fetchone()
-    return total, held_out
-
-
 def stored_run(workdir: str | Path) -> tuple[str, list[int]]:
     """The run's config (JSON, as the coordinator stored it: vocab_size filled in) and every
     fragment's published version: what names the global model."""

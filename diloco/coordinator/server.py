@@ -28,7 +28,14 @@ from diloco.errors import DilocoError
 from diloco.observe.access import access_token
 from diloco.observe.events import RunEvents
 from diloco.observe.http import ObserveServer
-from diloco.security.transport import Guard, Security, add_port, check_listen, http2_frame_bytes
+from diloco.security.transport import (
+    Guard,
+    Security,
+    add_port,
+    check_listen,
+    check_serving,
+    http2_frame_bytes,
+)
 from diloco.tokenizer import Tokenizer, load_tokenizer
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from diloco.wire.tensors import parse_stream_message
@@ -220,6 +227,7 @@ def start_coordinator(
     config.validate()
     # mTLS, a token, or neither: given, else this process's (its flags put them in the environment).
     security = security if security is not None else Security.from_env()
+    check_serving(security)  # a learner's certificate, say: refused here, not by every client
     if warning := check_listen(host, security):
         log.warning("%s", warning)
     if observe is not None and (observe.http_port is not None or observe.metrics_port is not None):

@@ -13,6 +13,7 @@ from typing import IO
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger, ledger_path
 from diloco.corpus import dataset_key, resolve_dataset
+from diloco.data.fields import check_dataset_field
 from diloco.errors import DilocoError
 
 
@@ -21,11 +22,15 @@ def store_root(config: RunConfig, workdir: str) -> str:
 
 
 def dataset_files(config: RunConfig) -> list[str]:
-    """The dataset's readable files; a missing or unreadable dataset is a clear error."""
+    """The dataset's readable files; a missing or unreadable dataset is a clear error, and so is
+    one whose every record lacks data.text_field (a preprocess reads records whole: not checked)."""
     try:
-        return resolve_dataset(config.data.dataset, samples=bool(config.data.preprocess))
+        files = resolve_dataset(config.data.dataset, samples=bool(config.data.preprocess))
     except (OSError, ValueError) as e:
         raise DilocoError(f"cannot read dataset {config.data.dataset!r}: {e}") from e
+    if not config.data.preprocess:
+        check_dataset_field(files, config.data.text_field)
+    return files
 
 
 def recorded_dataset(workdir: str) -> str | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from diloco.data.chunks import ChunkSpec
+from diloco.data.fields import check_chunk_field
 from diloco.data.packing import pack_rows
 from diloco.data.records import DEFAULT_MAX_RECORD_BYTES, RecordStats, iter_documents
 from diloco.data.shard import token_dtype
@@ -40,6 +41,8 @@ def process_chunk(
             # Held as arrays, not lists of ints: a whole compressed file can be one chunk.
             # fromiter refuses ids that do not fit the dtype (OverflowError).
             documents.append(np.fromiter(ids, dtype, len(ids)))
+    # A misnamed text field trains nothing: the chunk fails with the fields its records do have.
+    check_chunk_field(chunk.segments, stats, text_field)
     tokens_in = sum(len(d) for d in documents)
     rows, dropped = pack_rows(documents, seq_len, dtype)
     # Shuffle rows once, here, with a seed fixed by the chunk: learners then read contiguous row

@@ -17,6 +17,7 @@ import uuid
 from diloco import store
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.data.chunks import UNIT_ROW_GROUPS, ChunkSpec, Segment
+from diloco.data.fields import MissingTextField
 from diloco.data.makers import ShardMaker, shard_maker
 from diloco.role import heartbeat_thread, refusing
 from diloco.security.transport import Security
@@ -120,6 +121,11 @@ class DataWorker:
             return
         try:
             made = maker.make(chunk, lease.shard_uri)
+        except MissingTextField as e:  # the data's own fault: one line, no traceback
+            log.error("chunk %d failed: %s", lease.chunk_id, e)
+            self.client.fail_chunk(lease.chunk_id, str(e))
+            self.current_chunk = None
+            return
         except Exception as e:  # any failure of this chunk is reported, never fatal to the worker
             log.warning("chunk %d failed: %s", lease.chunk_id, e)
             self.client.fail_chunk(

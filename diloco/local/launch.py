@@ -23,42 +23,38 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from diloco.client import CoordinatorClient
-from diloco.config import RunConfig
+from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset
 from diloco.errors import DilocoError
 from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
+from diloco.local.options import LocalRunOptions, default_run_config
+from diloco.local.outcome import (
+    RecordedRun,
+    cause_lines,
+    failure_causes,
+    finished_run_refusal,
+    job_counts,
+    recorded_run,
+    run_failure,
+)
 from diloco.local.prepared import wait_until_prepared
 from diloco.local.procs import Child, ProcessGroup
-from diloco.local.summary import (
-    cold_start_warning,
-    few_outer_steps_warning,
-    job_report,
-    no_eval_split_warning,
-    summarize,
-)
+from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
 from diloco.local.tls import SUPERVISOR, job_certificates, tls_args
 from diloco.security.certs import TlsFiles
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.views import print_summary, progress_line, progress_table
 
+# The CLI and the benchmarks take the options and the default config from here, with the job.
+__all__ = ["LocalRun", "LocalRunOptions", "default_run_config", "run_local"]
+
 # How long a child may take to stop on SIGTERM before it is killed.
 STOP_GRACE_S = 15.0
 FINAL_STATUS_WAIT_S = 30.0
-
-
-def default_run_config() -> RunConfig:
-    """The embedded default: the stdlib corpus, a small GPT, Decoupled DiLoCo (K = 1, P = 2, H = 50).
-
-    Chunks are small (256 KiB) so that ~45 chunks spread over the data workers and a few are held
-    out for evaluation.
-    """
-    cfg = RunConfig()
-    cfg.data.chunk_bytes = 256 * 1024
-    cfg.coordinator.lease_ttl_s = 15.0
-    return cfg
 
 
 # DILOCO_FORK_SERVER=0: every process of the job starts its own interpreter (diloco.local.forkserver).
@@ -72,47 +68,6 @@ def observe_ports(info: dict[str, Any]) -> list[str]:
         if info.get(key):
             flags += [f"--{key.replace('_', '-')}", str(info[key])]
     return flags
-
-
-@dataclass
-class LocalRunOptions:
-    config: RunConfig = field(default_factory=default_run_config)
-    minutes: float = 5.0
-    tokens: int = 0
-    learners: int = 2
-    # Ranks per learner: each learner a torchrun group of this many processes (DDP or FSDP inside); one
-    # figure per learner (the last repeats: (1,) is every learner one process, (2, 1) a 2-rank
-    # learner beside 1-rank ones).
-    learner_ranks: tuple[int, ...] = (1,)
-    # How a learner of several ranks holds its model: "ddp" or "fsdp" (diloco.compute.replicas).
-    data_parallel: str = "ddp"
-    data_workers: int = 2
-    workdir: str | None = None
-    name: str | None = None
-    # One learner made FACTOR× slower by an injected delay per inner step (1.0: none).
-    slow_learner: float = 1.0
-    show_progress: bool = True
-    # Mean seconds between SIGKILLs of random processes, coordinator included (0: no chaos).
-    chaos_interval: float = 0.0
-    # The roles chaos may kill (empty: coordinator, data and learner alike).
-    chaos_roles: tuple[str, ...] = ()
-    # The coordinator's status page and Prometheus /metrics, on loopback (0: a free port; None: off).
-    http_port: int | None = 0
-    metrics_port: int | None = None
-    # Mutual TLS between every process (certificates made in <workdir>/tls); False: plaintext.
-    tls: bool = True
-    # The address the coordinator listens on and every process dials: another than loopback when
-    # learners run elsewhere (with learner_prefix: another network namespace, a container).
-    host: str = "127.0.0.1"
-    # A command each learner runs under, "{i}" its index: e.g. "taskset -c {i}" to give each its
-    # core, or "ip netns exec ns{i}" to put each on its own (emulated) machine.
-    learner_prefix: str = ""
-    # Every chunk made into a shard before the first learner starts (no bound on ready shards):
-    # on one machine the learners then have its cores to themselves (diloco.local.prepared).
-    prepare_first: bool = False
-
-    def ranks_of(self, learner: int) -> int:
-        return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1
 
 
 @dataclass
@@ -139,6 +94,7 @@ class LocalRun:
             cfg = cfg.with_overrides({"data.max_ready_shards": 2 * o.learners})
         self.config = cfg.with_overrides({"name": self.name}).validate()
         self.certificates: dict[str, TlsFiles] = {}  # made at start when options.tls
+        self.before: RecordedRun | None = None  # the workdir's run as the job found it
         self.group = ProcessGroup(
             self.workdir / "logs",
             env={"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"},
@@ -194,6 +150,9 @@ class LocalRun:
                 coordinator.args = [*args, "--port", str(info["port"]), *observe_ports(info)]
                 if info.get("page_url"):
                     self.console.print(f"status page: {info['page_url']}", highlight=False, soft_wrap=True)
+                self.console.print(
+                    f"status: diloco status --workdir {self.workdir}", highlight=False, soft_wrap=True
+                )
                 return info["address"]
             if not coordinator.alive:
                 raise DilocoError(f"coordinator exited early: {self._reason(coordinator)}")
@@ -247,8 +206,21 @@ class LocalRun:
     def _check_inputs(self) -> None:
         """Refuse bad input here, in one line, before a child starts or the workdir is made: the
         coordinator would refuse it too, but only after the job's set-up."""
+        self.before = recorded_run(self.workdir)  # a resumed run's counts: this job's are on top
+        if refusal := finished_run_refusal(self.before, self.workdir):
+            raise DilocoError(refusal)
         check_same_dataset(recorded_dataset(str(self.workdir)), self.config, str(self.workdir))
         dataset_files(self.config)
+
+    def _check_outcome(self, causes: dict[str, str], detail: dict[str, Any], seconds: float) -> None:
+        """A job that merged nothing ends in its causes, not in a table of zeros; one that did
+        still says what failed."""
+        if problem := run_failure(causes, job_counts(detail, self.before), seconds, self.workdir / "logs"):
+            raise DilocoError(problem)
+        if causes:
+            lines = escape("\n".join(cause_lines(causes)))  # a cause may hold [brackets]
+            self.console.print(f"[yellow]warning:[/] processes that failed (logs in {self.workdir / 'logs'}):\n"
+                               f"{lines}", highlight=False, soft_wrap=True)  # fmt: skip
 
     def run(self) -> dict[str, Any]:
         self._check_inputs()
@@ -288,8 +260,10 @@ class LocalRun:
             self._wind_down(observer)
             detail = self._final_status(observer, detail)
             observer.close()
+            causes = failure_causes(self.group)
         finally:
             self._stop_children()
+        self._check_outcome(causes, detail, train_seconds)
         o = self.options
         summary = summarize(
             detail, self.config, name=self.name, workdir=self.workdir, learners=o.learners,
@@ -365,11 +339,6 @@ class LocalRun:
                 time.sleep(0.5)
             if self.options.show_progress:
                 live.update(progress_table(detail, started, self.name, self.options.minutes))
-        failed = [c.name for c in self.group.by_role("learner") if c.proc.returncode not in (0, None)]
-        if failed:
-            self.console.print(
-                f"[yellow]learners that failed: {', '.join(failed)} (logs in {self.workdir / 'logs'})"
-            )
         return detail
 
     def _keep_coordinator(self) -> None:

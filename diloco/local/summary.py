@@ -9,7 +9,7 @@ from typing import Any
 
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
-from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes, split_sizes
+from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
 from diloco.observe.events import METRICS_LOG, TENSORBOARD_DIR
 from diloco.tokenizer import load_tokenizer
 
@@ -96,17 +96,6 @@ def cold_start_warning(cfg: RunConfig) -> str | None:
         f"H = {cfg.train.inner_steps} from a random init: the first merges average models that moved far "
         f"apart, and such runs have ended above where they began. Train a few thousand steps at H <= "
         f"{COLD_START_MAX_H} first and start from that model (--set model.init_from=runs/<name>/model.safetensors)."
-    )
-
-
-def no_eval_split_warning(workdir: Path, cfg: RunConfig) -> str | None:
-    """Why eval_loss will stay null (the coordinator split the dataset with nothing held out), or None."""
-    chunks, held_out = split_sizes(workdir)
-    if not chunks or held_out:
-        return None
-    return (
-        f"no held-out split: the dataset made {chunks} chunk(s) and none is held out (data.eval_fraction = "
-        f"{cfg.data.eval_fraction}), so eval_loss stays null; give more data or a smaller data.chunk_bytes"
     )
 
 

@@ -4,9 +4,12 @@ Made once; a run started again in the same workdir (or a restarted process) reus
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from diloco.errors import DilocoError
 from diloco.security.certs import TlsFiles, init_ca, issue
+from diloco.security.transport import Security
 
 # The supervisor itself: it reads status and asks the run to finish.
 SUPERVISOR = "supervisor"
@@ -43,3 +46,23 @@ def job_certificates(workdir: Path, learners: int, data_workers: int, host: str)
 
 def tls_args(files: TlsFiles) -> list[str]:
     return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]
+
+
+# The identity `diloco status --workdir` reads a job's status with: an observer, which may read
+# and do nothing else (the supervisor's certificate may finish the run).
+WATCHER = "status"
+
+
+def job_address(workdir: Path) -> tuple[str, Security]:
+    """A live `diloco run` job's coordinator address (its coordinator.json) and the identity to ask
+    it with: an observer's certificate from the job's CA (made once), when the job runs mutual TLS."""
+    info = workdir / "coordinator.json"
+    try:
+        address = json.loads(info.read_text())["address"]
+    except (OSError, ValueError, KeyError):
+        raise DilocoError(
+            f"{workdir} has no running coordinator (no {info.name}): is the job started?"
+        ) from None
+    if not (workdir / "tls" / "ca.key").exists():  # --no-tls: plaintext on loopback
+        return address, Security()
+    return address, Security(tls=run_certificates(workdir, {WATCHER: "observer"})[WATCHER])

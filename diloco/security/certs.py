@@ -6,7 +6,7 @@
 Each certificate's subject carries the worker's name (common name) and its role (organizational
 unit); the coordinator's also names the addresses it serves (subject alternative names). With a
 CA set, the coordinator requires a client certificate signed by it on every connection and takes
-the caller's role and name from it (diloco.security.identity). Keys are EC P-256, written 0600.
+the caller's role and name from it (diloco.security.transport). Keys are EC P-256, written 0600.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from diloco.errors import DilocoError
+from diloco.plugins import a_or_an
 
 ROLES = ("coordinator", "learner", "data", "evaluator", "observer", "operator")
 VALID_DAYS = 365
@@ -137,6 +138,25 @@ def issue(
     _write_key(out / f"{name}.key", key)
     (out / f"{name}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return TlsFiles(str(out / f"{name}.crt"), str(out / f"{name}.key"), str(ca_dir / "ca.crt"))
+
+
+def serving_problem(pem: bytes) -> str:
+    """Why a certificate cannot be a TLS server's ("" when it can): clients check its extended
+    key usage, and only a coordinator's is issued with serverAuth. Without the check, the
+    coordinator would start and every client would fail "unsupported certificate purpose"."""
+    try:
+        cert = x509.load_pem_x509_certificate(pem)
+    except ValueError:
+        return "is not a PEM certificate"
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return ""  # no restriction: any purpose (a certificate from another PKI, say)
+    if ExtendedKeyUsageOID.SERVER_AUTH in usage:
+        return ""
+    role, name = subject_of(pem)
+    whose = f"{a_or_an(role)}'s certificate ({name})" if role else f"a client's certificate ({name})"
+    return f"is {whose}, not a server's: clients refuse it (unsupported certificate purpose)"
 
 
 def subject_of(pem: bytes) -> tuple[str, str]:

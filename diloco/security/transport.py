@@ -28,7 +28,8 @@ import grpc
 
 from diloco.clock import lasting
 from diloco.errors import DilocoError
-from diloco.security.certs import TlsFiles, subject_of
+from diloco.plugins import a_or_an
+from diloco.security.certs import TlsFiles, serving_problem, subject_of
 from diloco.v1 import coordinator_pb2 as pb
 
 ENV = {"cert": "DILOCO_TLS_CERT", "key": "DILOCO_TLS_KEY", "ca": "DILOCO_TLS_CA"}
@@ -121,6 +122,20 @@ def check_listen(host: str, security: Security) -> str:
     )
 
 
+def check_serving(security: Security) -> None:
+    """Refuse, at start, a certificate that clients would refuse from a server (a learner's, say):
+    otherwise the coordinator listens and every client fails its handshake."""
+    if not security.tls:
+        return
+    cert, _, _ = security.tls.read()
+    if problem := serving_problem(cert):
+        ca_dir = Path(security.tls.ca).parent
+        raise DilocoError(
+            f"--tls-cert {security.tls.cert} {problem}; give the coordinator its own: "
+            f"diloco certs issue --out {ca_dir} --role coordinator --name coordinator --host <its address>"
+        )
+
+
 # -- the client's side -------------------------------------------------------------------------
 
 # How long a connection must keep failing its handshake before a client stops waiting: a
@@ -136,6 +151,11 @@ def handshake_problem(last_error: str, security: Security) -> str:
     if "Tls handshake failed" in last_error or "Ssl handshake failed" in last_error:
         if "WRONG_VERSION_NUMBER" in last_error:
             return "the coordinator does not speak TLS: drop --tls-cert/--tls-key/--tls-ca, or start it with them"
+        if "unsupported certificate purpose" in last_error:
+            return (
+                "the coordinator's certificate is not a server's (unsupported certificate purpose): "
+                "restart it with one from `diloco certs issue --role coordinator`"
+            )
         return (
             "the TLS handshake failed (is the coordinator's certificate signed by your --tls-ca?): "
             + last_error.rsplit("handshake failed", 1)[-1].removesuffix(": OK").strip(" :")[:200]
@@ -151,6 +171,12 @@ def handshake_problem(last_error: str, security: Security) -> str:
             "--tls-cert/--tls-key/--tls-ca (a certificate from its CA: diloco certs issue)"
         )
     return ""
+
+
+def connect_cause(last_error: str) -> str:
+    """The end of gRPC's last connection error, what a person can act on: "Connection refused",
+    "Domain name not found" (without the brackets gRPC nests resolver errors in)."""
+    return last_error.rsplit(": ", 1)[-1].strip(" []")[:200]
 
 
 def give_up_on_handshake(problem: str, failing_since: float | None, now: float) -> tuple[float | None, bool]:
@@ -225,13 +251,20 @@ def caller_problem(method: str, role: str, name: str, request: Any) -> str:
     """Why this caller may not make this call ("" when it may): its role, and in the request the
     worker id it acts as (its certificate's name) and, at join, the role it joins as."""
     if role not in ALLOWED.get(method, ()):
-        return f"a {role or 'certificate without a role'} may not call {method}"
+        return f"{a_or_an(role) if role else 'a certificate without a role'} may not call {method}"
     worker_id = getattr(request, "worker_id", None)
     if worker_id and worker_id != name:
         return f"{name} ({role}) may not act as {worker_id!r}"
     if method == "Join" and role not in JOIN_ROLE.get(request.role, ()):
-        return f"a {role} certificate may not join as {pb.Role.Name(request.role)}"
+        return f"{a_or_an(role)} certificate may not join as {pb.Role.Name(request.role)}"
     return ""
+
+
+# What a caller refused in token mode is told, by whether it sent a token at all.
+TOKEN_REFUSALS = {
+    True: "this coordinator needs its token: give --token-file (the run's token)",
+    False: "the token does not match this coordinator's: is --token-file the run's token?",
+}
 
 
 class Guard(grpc.ServerInterceptor):
@@ -247,12 +280,13 @@ class Guard(grpc.ServerInterceptor):
         if self.security.mode == "token":
             sent = dict(details.invocation_metadata or ()).get("authorization", "")
             handler = continuation(details)
-            if handler is not None and not hmac.compare_digest(
-                sent.encode(), f"Bearer {self.security.token}".encode()
-            ):
-                self.on_refused(method, "no valid token")
-                return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "this coordinator needs its token")
-            return handler
+            expected = f"Bearer {self.security.token}".encode()
+            if handler is None or hmac.compare_digest(sent.encode(), expected):
+                return handler
+            # Whether a token came says nothing of the right one; the comparison stays constant-time.
+            missing = not sent.removeprefix("Bearer").strip()
+            self.on_refused(method, "no token" if missing else "a wrong token")
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSALS[missing])
         handler = continuation(details)
         if self.security.mode != "mtls" or handler is None:
             return handler

@@ -1,17 +1,22 @@
 """Your own training loop with diloco: a Hugging Face Llama, your optimizer, your schedule.
 
-    diloco coordinator --workdir runs/own --dataset stdlib &
+    export PYTHONPATH=examples/own-loop    # own_model.py: the model, for every diloco command too
+    diloco coordinator --workdir runs/own --dataset stdlib --model own_model:llama \
+        --set data.chunk_bytes=262144 &   # stdlib as many chunks: several data workers, a held-out split
     diloco data --coordinator 127.0.0.1:PORT &
     python examples/own-loop/train.py --coordinator 127.0.0.1:PORT    # on each learner machine
+    diloco eval runs/own    # (and generate, export --format hf): the coordinator named the model
 
 diloco pushes fragments, applies merges, sends heartbeats and keeps error feedback in the
-background; the loop below is all yours.
+background; the loop below is all yours. The model comes from own_model.py, the factory the
+coordinator names (--model): the run's weights are this model's, and every tool that reads them
+builds it.
 """
 
 import argparse
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from own_model import llama  # beside this script: Python puts its directory on the path
 
 import diloco
 
@@ -23,16 +28,7 @@ parser.add_argument("--lr", type=float, default=3e-3)
 args = parser.parse_args()
 
 torch.manual_seed(0)  # the first learner to join offers its init; the others get the global model
-config = LlamaConfig(
-    vocab_size=257,  # diloco's byte tokens: 256 bytes and end-of-text
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=129,  # a shard row: seq_len + 1 tokens
-)
-model = LlamaForCausalLM(config)
+model = llama()  # a LlamaForCausalLM: 257 byte tokens, rows of 128 + 1
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 with diloco.connect(

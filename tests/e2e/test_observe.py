@@ -143,6 +143,11 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
             return len(learners) == 2 and d["rounds"] >= 2 and bool(d["evals"])
 
         wait_for(ready, 150, "two learners training, two merges and an evaluation")
+        # `diloco status --workdir` finds the live job and asks as an observer from the job's CA.
+        seen = run_cli(["status", "--workdir", str(workdir), "--json"], timeout=60)
+        assert seen.returncode == 0, seen.stderr
+        assert json.loads(seen.stdout)["rounds"] >= 2 and (tls_dir / "status.crt").exists()
+        assert "status: diloco status --workdir" in "".join(output)
 
         # The live run's latest model, from the command line: evaluated and exported. The job
         # runs mutual TLS (certificates in <workdir>/tls): a user's own tools get one from its CA.

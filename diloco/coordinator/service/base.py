@@ -14,6 +14,7 @@ import torch
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, syncer
 from diloco.coordinator.callers import Callers, caller_of
+from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.service.state import (
     RUN_STATES,
@@ -60,6 +61,7 @@ class ServiceBase:
         # What happened, for metrics.jsonl, TensorBoard and the page; Prometheus reads status.
         self.events = events or RunEvents(None)
         self.metrics = CoordinatorMetrics(self.status_detail, workdir)
+        self.workdir = workdir
         self._progress_at: tuple[float, int, int] | None = None  # (monotonic, merged, wire) sampled last
         self.security_mode = "none"  # how callers are told apart (the server sets it)
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
@@ -97,6 +99,9 @@ class ServiceBase:
 
     def start(self) -> None:
         self.events.record("start", epoch=self.epoch, run_state=self.run_state)
+        # Nothing fails without a held-out split: said at every start, or first seen as no evals.
+        if self.workdir is not None and (warning := no_eval_split_warning(self.workdir, self.config)):
+            log.warning("%s", warning)
         self._ticker.start()
         self._merger.start()
         self._publisher.start()

@@ -26,7 +26,7 @@ from diloco.local.summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.views import STATUS_COLUMNS, print_summary, worker_cells
+from diloco.views import STATUS_COLUMNS, print_summary, than_ddp, worker_cells
 from tests.support import commit_merge
 
 
@@ -204,3 +204,9 @@ def test_the_result_table_says_what_learners_waited_for() -> None:
     assert "93.5% (waited 3.0% on the syncer)" in line and "budget" not in line
     both = row({"sync_wait_share": 0.03, "budget_wait_share": 0.052})
     assert "(waited 3.0% on the syncer, 5.2% at the token budget's end)" in both
+
+
+def test_the_ddp_comparison_reads_the_right_way_round() -> None:
+    assert than_ddp(1633.0, 1.0) == "1,633× more"
+    # A run whose pushes carried few tokens sends more per token than DDP would: not "0× more".
+    assert than_ddp(1633.0, 19561.0) == "12.0× less"

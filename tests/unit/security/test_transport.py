@@ -68,10 +68,14 @@ def test_who_may_call_what() -> None:
     assert "may not call LeaseChunk" in caller_problem(
         "LeaseChunk", "learner", "learner-0", pb.LeaseChunkRequest()
     )
-    assert "may not call Finish" in caller_problem("Finish", "observer", "o", pb.FinishRequest())
+    assert "an observer may not call Finish" in caller_problem("Finish", "observer", "o", pb.FinishRequest())
     assert caller_problem("Finish", "operator", "ops", pb.FinishRequest()) == ""
     join = pb.JoinRequest(role=pb.ROLE_DATA, worker_id="learner-0")
-    assert "may not join as ROLE_DATA" in caller_problem("Join", "learner", "learner-0", join)
+    assert "a learner certificate may not join as ROLE_DATA" in caller_problem(
+        "Join", "learner", "learner-0", join
+    )
+    as_compute = pb.JoinRequest(role=pb.ROLE_COMPUTE, worker_id="e")
+    assert caller_problem("Join", "evaluator", "e", as_compute).startswith("an evaluator certificate")
 
 
 @pytest.mark.timeout(120)
@@ -128,15 +132,19 @@ def test_the_token_mode_refuses_calls_without_the_token(
     address = f"127.0.0.1:{running.port}"
     wrong = CoordinatorClient(address, pb.ROLE_COMPUTE, retry_deadline_s=2, security=Security(token="x" * 20))
     right = CoordinatorClient(address, pb.ROLE_COMPUTE, retry_deadline_s=2, security=Security(token=token))
+    none = CoordinatorClient(address, pb.ROLE_COMPUTE, retry_deadline_s=2, security=Security())
     with_tls = CoordinatorClient(address, pb.ROLE_COMPUTE, security=certs["learner-0"])
     try:
         with pytest.raises(DilocoError, match="the coordinator does not speak TLS"):
             with_tls.wait_ready(60)
-        assert "needs its token" in denied(lambda: wrong.join(10), grpc.StatusCode.UNAUTHENTICATED)
+        # A wrong token and no token are told apart (what was sent, never what was expected).
+        said = denied(lambda: wrong.join(10), grpc.StatusCode.UNAUTHENTICATED)
+        assert "does not match this coordinator's" in said and token not in said
+        assert "needs its token" in denied(lambda: none.join(10), grpc.StatusCode.UNAUTHENTICATED)
         assert right.join().worker_id
         assert right.status()["security"] == "token"
     finally:
-        for c in (with_tls, wrong, right):
+        for c in (with_tls, wrong, none, right):
             c.close()
         running.stop()
 

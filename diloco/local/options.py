@@ -1,0 +1,60 @@
+"""What a local job is asked to do (`diloco run`'s flags), and the configuration it runs by default."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from diloco.config import RunConfig
+
+
+def default_run_config() -> RunConfig:
+    """The embedded default: the stdlib corpus, a small GPT, Decoupled DiLoCo (K = 1, P = 2, H = 50).
+
+    Chunks are small (256 KiB) so that ~45 chunks spread over the data workers and a few are held
+    out for evaluation.
+    """
+    cfg = RunConfig()
+    cfg.data.chunk_bytes = 256 * 1024
+    cfg.coordinator.lease_ttl_s = 15.0
+    return cfg
+
+
+@dataclass
+class LocalRunOptions:
+    config: RunConfig = field(default_factory=default_run_config)
+    minutes: float = 5.0
+    tokens: int = 0
+    learners: int = 2
+    # Ranks per learner: each learner a torchrun group of this many processes (DDP or FSDP inside); one
+    # figure per learner (the last repeats: (1,) is every learner one process, (2, 1) a 2-rank
+    # learner beside 1-rank ones).
+    learner_ranks: tuple[int, ...] = (1,)
+    # How a learner of several ranks holds its model: "ddp" or "fsdp" (diloco.compute.replicas).
+    data_parallel: str = "ddp"
+    data_workers: int = 2
+    workdir: str | None = None
+    name: str | None = None
+    # One learner made FACTOR× slower by an injected delay per inner step (1.0: none).
+    slow_learner: float = 1.0
+    show_progress: bool = True
+    # Mean seconds between SIGKILLs of random processes, coordinator included (0: no chaos).
+    chaos_interval: float = 0.0
+    # The roles chaos may kill (empty: coordinator, data and learner alike).
+    chaos_roles: tuple[str, ...] = ()
+    # The coordinator's status page and Prometheus /metrics, on loopback (0: a free port; None: off).
+    http_port: int | None = 0
+    metrics_port: int | None = None
+    # Mutual TLS between every process (certificates made in <workdir>/tls); False: plaintext.
+    tls: bool = True
+    # The address the coordinator listens on and every process dials: another than loopback when
+    # learners run elsewhere (with learner_prefix: another network namespace, a container).
+    host: str = "127.0.0.1"
+    # A command each learner runs under, "{i}" its index: e.g. "taskset -c {i}" to give each its
+    # core, or "ip netns exec ns{i}" to put each on its own (emulated) machine.
+    learner_prefix: str = ""
+    # Every chunk made into a shard before the first learner starts (no bound on ready shards):
+    # on one machine the learners then have its cores to themselves (diloco.local.prepared).
+    prepare_first: bool = False
+
+    def ranks_of(self, learner: int) -> int:
+        return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1

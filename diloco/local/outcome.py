@@ -1,0 +1,134 @@
+"""Whether a local job has work to do, and whether it did it: `diloco run` refuses a workdir whose
+run has finished before it starts anything, and a job that merged nothing ends with each failed
+process's cause instead of a table of zeros. Light on imports (no torch): read before the job
+starts and after it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from diloco.coordinator.ledger import Ledger, ledger_path
+from diloco.coordinator.lifecycle import FINISHED, RUNNING
+from diloco.local.procs import ProcessGroup
+
+# A cause is one line of the report: long enough for a model.init_from mismatch's first names.
+CAUSE_WIDTH = 240
+TRACEBACK = "Traceback (most recent call last):"
+
+
+@dataclass(frozen=True)
+class RecordedRun:
+    """What a workdir's ledger holds of its run: its state (lifecycle's) and its durable counts."""
+
+    state: str
+    tokens_trained: int
+    tokens_merged: int
+
+
+def recorded_run(workdir: Path) -> RecordedRun | None:
+    """The run in a workdir, read from its ledger without starting a coordinator; None: none yet."""
+    path = ledger_path(workdir)
+    if not path.exists():
+        return None
+    ledger = Ledger(str(path))
+    try:
+        return RecordedRun(
+            ledger.get_meta("run_state", RUNNING) or RUNNING,
+            int(ledger.counter("tokens_trained")),
+            int(ledger.counter("tokens_merged")),
+        )
+    finally:
+        ledger.close()
+
+
+def finished_run_refusal(run: RecordedRun | None, workdir: Path) -> str | None:
+    """Why this workdir cannot take a job, or None. A finished run stays finished (lifecycle): a job
+    started on it would train nothing and report a table of zeros. An unfinished one is resumed."""
+    if run is None or run.state != FINISHED:
+        return None
+    model = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # no summary: finished by hand
+        model = json.loads((workdir / "summary.json").read_text()).get("model")
+    then = f" to train again, or start one from its model: --set model.init_from={model}" if model else ""
+    return (
+        f"{workdir} holds a finished run ({run.tokens_merged:,} tokens merged): nothing is left to train "
+        f"there; give a new --workdir{then}"
+    )
+
+
+def shorten(line: str, width: int = CAUSE_WIDTH) -> str:
+    line = line.strip()
+    return line if len(line) <= width else line[: width - 1] + "…"
+
+
+def last_error_line(log_tail: str) -> str | None:
+    """The cause a failed process's log ends with: its own `error:` line when it refused (the CLI's
+    clear errors), else its last traceback's exception line, else its last line; None: empty."""
+    lines = [line for line in log_tail.splitlines() if line.strip()]
+    refusals = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    if refusals:
+        return shorten(refusals[-1])
+    starts = [i for i, line in enumerate(lines) if line.startswith(TRACEBACK)]
+    if starts:  # the exception is the first line after the last traceback's indented frames
+        exception = next((line for line in lines[starts[-1] + 1 :] if not line[0].isspace()), None)
+        if exception:
+            return shorten(exception)
+    return shorten(lines[-1]) if lines else None
+
+
+def cause(returncode: int | None, how_it_ended: str, log_tail: str) -> str:
+    """One failed process's cause: a signal says it (its log stops mid-line), else its log."""
+    if returncode is not None and returncode < 0:
+        return how_it_ended
+    return last_error_line(log_tail) or how_it_ended
+
+
+def cause_lines(causes: dict[str, str]) -> list[str]:
+    """One line per distinct cause, naming the processes it stopped (every learner refusing the
+    same setting is one line)."""
+    by_cause: dict[str, list[str]] = {}
+    for name, why in causes.items():
+        by_cause.setdefault(why, []).append(name)
+    return [f"  {', '.join(names)}: {why}" for why, names in by_cause.items()]
+
+
+def failure_causes(group: ProcessGroup) -> dict[str, str]:
+    """The job's learners and data workers that failed, each with its cause. Read before the job
+    stops them: ended by its SIGTERM is no failure."""
+    ended = [c for c in [*group.by_role("learner"), *group.by_role("data")] if not c.alive]
+    return {
+        c.name: cause(c.proc.returncode, c.how_it_ended(), group.tail(c, lines=200))
+        for c in ended
+        if c.proc.returncode != 0
+    }
+
+
+def job_counts(detail: dict[str, Any], before: RecordedRun | None) -> tuple[int, int]:
+    """Tokens trained and merged by this job, from the coordinator's final status: a resumed run's
+    counts hold its earlier lives' too."""
+    trained, merged = int(detail.get("tokens_trained", 0)), int(detail.get("tokens_merged", 0))
+    if before is None:
+        return trained, merged
+    return max(0, trained - before.tokens_trained), max(0, merged - before.tokens_merged)
+
+
+def run_failure(causes: dict[str, str], counts: tuple[int, int], seconds: float, logs: Path) -> str | None:
+    """Why the job did not do its work, or None: it merged nothing (`counts`: this job's tokens
+    trained and merged). `causes`: the processes that failed, each with its cause."""
+    trained, merged = counts
+    if merged > 0:
+        return None
+    if causes:
+        return "\n".join(
+            [f"the run merged nothing: {', '.join(causes)} failed (logs in {logs})", *cause_lines(causes)]
+        )
+    if trained == 0:
+        return (
+            f"no learner trained a step in {seconds:.0f} s (logs in {logs}): the time budget ended "
+            "first (--minutes), or there was no data left to train on"
+        )
+    return None

@@ -1,0 +1,140 @@
+"""`diloco run` refuses a workdir whose run has finished, and a job that merged nothing ends with
+each failed process's cause (the last error line of its log), not a table of zeros."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from diloco.coordinator.ledger import Ledger, ledger_path
+from diloco.errors import DilocoError
+from diloco.local.launch import LocalRun, LocalRunOptions
+from diloco.local.outcome import (
+    CAUSE_WIDTH,
+    RecordedRun,
+    cause,
+    failure_causes,
+    finished_run_refusal,
+    job_counts,
+    last_error_line,
+    recorded_run,
+    run_failure,
+)
+from diloco.local.procs import Child, ProcessGroup
+
+TRACEBACK_LOG = """2026-12-06 02:58:44,001 INFO learner[1] diloco.client: joined 127.0.0.1:4000 as learner-0
+Traceback (most recent call last):
+  File "/x/adamw.py", line 36, in __init__
+    super().__init__(
+ValueError: Invalid learning rate: -1.0
+"""
+LOGS = Path("/w/logs")
+
+
+def test_the_cause_is_the_refusal_line_else_the_exception_else_the_last_line() -> None:
+    refused = "INFO joined\nERROR diloco.learner: model.init_from: w does not fit\nerror: model.init_from: w does not fit\n"
+    assert last_error_line(refused) == "model.init_from: w does not fit"
+    assert last_error_line(TRACEBACK_LOG) == "ValueError: Invalid learning rate: -1.0"
+    # Lines after the traceback (a shutdown's) do not hide its exception.
+    assert last_error_line(TRACEBACK_LOG + "INFO leaving\n") == "ValueError: Invalid learning rate: -1.0"
+    assert last_error_line("INFO started\nsomething odd happened\n\n") == "something odd happened"
+    assert last_error_line("") is None
+    long = last_error_line("error: " + "x" * 1000)
+    assert long is not None and len(long) == CAUSE_WIDTH and long.endswith("…")
+
+
+def test_a_signal_is_its_own_cause() -> None:
+    assert cause(-9, "killed by SIGKILL", TRACEBACK_LOG) == "killed by SIGKILL"
+    assert cause(1, "exit code 1", TRACEBACK_LOG) == "ValueError: Invalid learning rate: -1.0"
+    assert cause(1, "exit code 1", "") == "exit code 1"
+
+
+def test_a_job_that_merged_nothing_fails_with_each_cause_once() -> None:
+    causes = {"learner-0": "ValueError: lr", "learner-1": "ValueError: lr", "data-0": "OSError: disk"}
+    problem = run_failure(causes, (0, 0), 12.0, LOGS)
+    assert problem is not None
+    first, *lines = problem.splitlines()
+    assert "merged nothing" in first and "learner-0, learner-1, data-0" in first and str(LOGS) in first
+    assert lines == ["  learner-0, learner-1: ValueError: lr", "  data-0: OSError: disk"]
+    # Trained but merged nothing (the learners died before their pushes merged): still failed.
+    assert run_failure(causes, (5000, 0), 12.0, LOGS) is not None
+
+
+def test_a_job_that_merged_is_not_failed_and_one_that_never_stepped_is() -> None:
+    assert run_failure({"learner-1": "killed by SIGKILL"}, (5000, 4000), 12.0, LOGS) is None
+    assert run_failure({}, (5000, 0), 12.0, LOGS) is None  # trained, merged nothing yet: a short run
+    problem = run_failure({}, (0, 0), 12.0, LOGS)
+    assert problem is not None and "no learner trained a step in 12 s" in problem
+
+
+def test_a_resumed_run_counts_only_this_jobs_tokens() -> None:
+    detail = {"tokens_trained": 9000, "tokens_merged": 8000}
+    assert job_counts(detail, None) == (9000, 8000)
+    assert job_counts(detail, RecordedRun("running", 9000, 8000)) == (0, 0)
+    assert job_counts(detail, RecordedRun("running", 4000, 3000)) == (5000, 5000)
+
+
+def ledger_with(workdir: Path, state: str | None, merged: int) -> None:
+    ledger_path(workdir).parent.mkdir(parents=True)
+    ledger = Ledger(str(ledger_path(workdir)))
+    try:
+        if state:
+            ledger.set_meta(run_state=state)
+        ledger.bump("tokens_merged", merged)
+    finally:
+        ledger.close()
+
+
+def test_the_workdirs_run_is_read_from_its_ledger(tmp_path: Path) -> None:
+    assert recorded_run(tmp_path / "new") is None
+    ledger_with(tmp_path / "started", None, 0)  # a coordinator that never changed its state
+    assert recorded_run(tmp_path / "started") == RecordedRun("running", 0, 0)
+    ledger_with(tmp_path / "done", "finished", 1234)
+    assert recorded_run(tmp_path / "done") == RecordedRun("finished", 0, 1234)
+
+
+def test_only_a_finished_run_is_refused(tmp_path: Path) -> None:
+    for state in ("running", "finishing"):  # resumed: a kill -9 in either is survived
+        assert finished_run_refusal(RecordedRun(state, 10, 10), tmp_path) is None
+    assert finished_run_refusal(None, tmp_path) is None
+    refusal = finished_run_refusal(RecordedRun("finished", 10, 1234), tmp_path)
+    assert refusal is not None and "finished run (1,234 tokens merged)" in refusal and "--workdir" in refusal
+    assert "init_from" not in refusal  # no summary, no model to name
+    (tmp_path / "summary.json").write_text(json.dumps({"model": str(tmp_path / "model.safetensors")}))
+    refusal = finished_run_refusal(RecordedRun("finished", 10, 1234), tmp_path)
+    assert refusal is not None and f"model.init_from={tmp_path / 'model.safetensors'}" in refusal
+
+
+def test_a_job_on_a_finished_runs_workdir_starts_nothing(tmp_path: Path) -> None:
+    workdir = tmp_path / "run"
+    ledger_with(workdir, "finished", 1234)
+    job = LocalRun(LocalRunOptions(workdir=str(workdir), show_progress=False, tls=False))
+    with pytest.raises(DilocoError, match="holds a finished run"):
+        job.run()
+    assert not job.group.children and not (workdir / "logs").exists()
+
+
+def ended(tmp_path: Path, name: str, role: str, code: str) -> Child:
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    proc.wait(timeout=60)
+    return Child(name, role, [], proc, log_path)
+
+
+def test_the_failed_learners_and_data_workers_are_named_with_their_causes(tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path)
+    group.children = [
+        ended(tmp_path, "learner-0", "learner", "raise ValueError('Invalid learning rate: -1.0')"),
+        ended(tmp_path, "learner-1", "learner", "print('trained')"),
+        ended(tmp_path, "data-0", "data", "import sys; print('error: cannot read x'); sys.exit(2)"),
+        ended(tmp_path, "evaluator", "evaluator", "raise SystemExit(1)"),  # not the job's work
+    ]
+    assert failure_causes(group) == {
+        "learner-0": "ValueError: Invalid learning rate: -1.0",
+        "data-0": "cannot read x",
+    }
