@@ -22,6 +22,7 @@ from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 from diloco import store
+from diloco.plugins import a_or_an
 from diloco.security.certs import TlsFiles
 
 # The certificate roles that may read the page and /metrics (as they may call Status).
@@ -90,7 +91,7 @@ def http_access(
     if token and _same(_cookie(cookie, cookie_key), cookie_value(token)):
         return Access(True, "the login cookie")
     if mode == "mtls" and cert_role:
-        return Access(False, f"a {cert_role} certificate may not read this page")
+        return Access(False, f"{a_or_an(cert_role)} certificate may not read this page")
     return Access(False, "no credentials: the login link, a bearer token or an observer certificate")
 
 
