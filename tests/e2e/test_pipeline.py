@@ -50,37 +50,35 @@ def assert_one_shard_per_chunk(workdir: Path) -> None:
 @pytest.mark.timeout(500)
 def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tmp_path: Path) -> None:
     workdir = tmp_path / "run"
-    result = run_cli(
-        [
-            "run",
-            "--dataset",
-            str(small_corpus),
-            # A token budget, not a wall time: the same work however busy the suite keeps the
-            # cores (200k tokens: eval ~2.68 against the unigram's 3.11, 20 s on a quiet machine).
-            "--tokens",
-            "200000",
-            "--minutes",
-            "3",
-            "--learners",
-            "2",
-            "--data-workers",
-            "2",
-            "--workdir",
-            str(workdir),
-            "--inner-steps",
-            "20",
-            "--seed",
-            "7",
-            "--no-progress",
-            "--set",
-            "data.chunk_bytes=131072",
-            # Every chunk becomes one shard (asserted below), not only the few ahead of the
-            # learners that `diloco run` makes by default.
-            "--set",
-            "data.max_ready_shards=1000000",
-        ],
-        timeout=220,
-    )
+    args = [
+        "run",
+        "--dataset",
+        str(small_corpus),
+        # A token budget, not a wall time: the same work however busy the suite keeps the
+        # cores (200k tokens: eval ~2.68 against the unigram's 3.11, 20 s on a quiet machine).
+        "--tokens",
+        "200000",
+        "--minutes",
+        "3",
+        "--learners",
+        "2",
+        "--data-workers",
+        "2",
+        "--workdir",
+        str(workdir),
+        "--inner-steps",
+        "20",
+        "--seed",
+        "7",
+        "--no-progress",
+        "--set",
+        "data.chunk_bytes=131072",
+        # Every chunk becomes one shard (asserted below), not only the few ahead of the
+        # learners that `diloco run` makes by default.
+        "--set",
+        "data.max_ready_shards=1000000",
+    ]
+    result = run_cli(args, timeout=220)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     summary = json.loads((workdir / "summary.json").read_text())
@@ -126,6 +124,16 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     warm_summary = json.loads((warm / "summary.json").read_text())
     # Its very first step is already near where the first run ended, not at ln(257).
     assert warm_summary["first_loss"] < summary["eval_loss"] + 0.5, (warm_summary, summary["eval_loss"])
+
+    # The finished run's workdir given again: refused before anything starts (the ledger says the
+    # run finished), naming the model to start a new run from; nothing in the workdir changes.
+    before = (workdir / "summary.json").read_text()
+    again = run_cli(args, timeout=60)
+    assert again.returncode == 2, (again.stdout[-2000:], again.stderr[-3000:])
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {workdir} holds a finished run"), lines
+    assert f"model.init_from={workdir / 'model.safetensors'}" in lines[0], lines
+    assert (workdir / "summary.json").read_text() == before
 
 
 @pytest.mark.timeout(240)

@@ -1,6 +1,6 @@
 """`diloco run` says why a job could not do its work and exits non-zero: a setting out of range
-before anything starts, learners that all failed with each one's cause, a finished run's workdir
-given again."""
+before anything starts, learners that all failed with each one's cause. (A finished run's workdir
+given again: at the end of test_pipeline's first test, which has one.)"""
 
 from __future__ import annotations
 
@@ -50,18 +50,3 @@ def test_learners_that_all_fail_end_the_run_with_their_cause(tiny_corpus: Path, 
     assert "does not fit this model" in causes[0], causes
     assert "Traceback" not in result.stderr and "wire bytes" not in result.stdout, result.stdout
     assert not (workdir / "summary.json").exists()
-
-
-@pytest.mark.timeout(180)
-def test_a_finished_runs_workdir_is_refused(tiny_corpus: Path, tmp_path: Path) -> None:
-    workdir = tmp_path / "run"
-    args = ["run", "--dataset", str(tiny_corpus), "--workdir", str(workdir), "--tokens", "20000", *SMALL]
-    first = run_cli(args, timeout=140)
-    assert first.returncode == 0, first.stderr[-3000:]
-    summary = (workdir / "summary.json").read_text()
-    again = run_cli(args, timeout=50)
-    assert again.returncode == 2, (again.stdout[-2000:], again.stderr[-3000:])
-    lines = again.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: {workdir} holds a finished run"), lines
-    assert "--workdir" in lines[0] and f"model.init_from={workdir / 'model.safetensors'}" in lines[0], lines
-    assert (workdir / "summary.json").read_text() == summary  # nothing ran
