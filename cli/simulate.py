@@ -101,7 +101,9 @@ def simulate(
     as_markdown: Annotated[
         bool, typer.Option("--markdown", help="print markdown tables (for a README)")
     ] = False,
-    plot: Annotated[Path, typer.Option(help="where the PNG goes (not with --json)")] = Path("simulate.png"),
+    plot: Annotated[
+        Path | None, typer.Option(help="also draw the goodput curves into this PNG (not with --json)")
+    ] = None,
 ) -> None:
     """Goodput at scale: DP, elastic DP and DiLoCo learners under chip failures (a simpy model)."""
     from diloco.simulate import config as c
@@ -173,6 +175,8 @@ def simulate(
     console.print("[bold]assumptions[/bold] (not measured here):")
     for line in report.assumptions(replace(base, chips=max(chip_counts))):
         console.print(f"  - {line}")
+    if plot is None:  # a file only when asked: the command is run from anywhere, a repository too
+        return
     try:
         path = report.plot(results, plot, title=f"MTBI {mtbi_years:g} y/chip, {hours:g} h, seed {seed}")
     except ImportError as e:

@@ -96,9 +96,11 @@ def sample_text(
     seed: int,
     temperature: float = 0.8,
     top_k: int | None = 40,
+    window: int | None = None,
 ) -> str:
     """The prompt followed by up to max_new_tokens sampled tokens, decoded; it stops at the first
-    end-of-text token. The same seed gives the same text on the same device."""
+    end-of-text token. The same seed gives the same text on the same device. `window`: the longest
+    context the model takes (the run's model.seq_len)."""
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id]  # an empty prompt starts a new document
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=torch.device(device))
@@ -106,7 +108,15 @@ def sample_text(
     was_training = model.training
     model.eval()
     try:
-        out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=generator)
+        out = generate(
+            model,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            generator=generator,
+            window=window,
+        )
     finally:
         model.train(was_training)
     new = out[0, len(ids) :].tolist()
@@ -123,10 +133,13 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     generator: torch.Generator | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Extend idx (B, T) by max_new_tokens tokens sampled from `model.logits`; temperature <= 0
-    is greedy. The context is cut to the model's `seq_len` when it has one."""
-    window = getattr(model, "seq_len", None)
+    is greedy. The context is cut to `window` (the run's model.seq_len), else to the model's own
+    `seq_len` when it has one: a user's model with learned positions for seq_len tokens fails on
+    a longer context (an IndexError in its position embedding)."""
+    window = window or getattr(model, "seq_len", None)
     for _ in range(max_new_tokens):
         idx_cond = idx if window is None or idx.size(1) <= window else idx[:, -window:]
         logits = model.logits(idx_cond)[:, -1, :]

@@ -155,4 +155,7 @@ def generate_text(
         )
     tokenizer = load_tokenizer(loaded.cfg.data.tokenizer)
     on = pick_device(device)
-    return sample_text(loaded.model.to(on), tokenizer, prompt, tokens, on, seed=seed, temperature=temperature)
+    return sample_text(
+        loaded.model.to(on), tokenizer, prompt, tokens, on, seed=seed, temperature=temperature,
+        window=loaded.cfg.model.seq_len,
+    )  # fmt: skip

@@ -73,12 +73,35 @@ def than_ddp(ddp: float, ours: float) -> str:
     return f"{ours / ddp:,.1f}× less"
 
 
+# The quarantine reason the table shows: the error's first line, cut short (summary.json has more).
+REASON_SHOWN_CHARS = 120
+
+
+def eval_loss_text(loss: float | None, per: str, eval_quarantined: int) -> str:
+    """The final held-out loss, or why there is none: held-out chunks lost to quarantine are not
+    the same as a dataset without a held-out split."""
+    lost = f"{eval_quarantined} held-out chunk{'s' if eval_quarantined != 1 else ''} quarantined"
+    if loss is not None:
+        return f"{loss:.4f}{per}" + (f" ({lost})" if eval_quarantined else "")
+    return f"- ({lost})" if eval_quarantined else "- (no held-out data)"
+
+
+def quarantine_text(count: int, reason: str | None) -> str:
+    """How many chunks failed too often to be retried, and the first one's recorded error."""
+    if not reason:
+        return str(count)
+    line = reason.strip().splitlines()[0] if reason.strip() else ""
+    if len(line) > REASON_SHOWN_CHARS:
+        line = line[: REASON_SHOWN_CHARS - 1] + "…"
+    return f"{count} (first: {line})" if line else str(count)
+
+
 def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
     table = Table(title="result", show_header=False)
     unit = summary.get("unit", "tokens")  # or samples, for a preprocess's data
     ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
     per = " nats/token" if unit == "tokens" else ""
-    table.add_row("eval loss", f"{ev:.4f}{per}" if ev is not None else "- (no held-out data)")
+    table.add_row("eval loss", eval_loss_text(ev, per, summary.get("eval_chunks_quarantined", 0)))
     for name, value in (summary.get("eval_metrics") or {}).items():
         table.add_row(f"eval {name}", f"{value:.4f}")
     if base is not None:
@@ -88,6 +111,8 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     table.add_row(f"{unit} trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
+    if quarantined := summary.get("chunks_quarantined", 0):
+        table.add_row("chunks quarantined", quarantine_text(quarantined, summary.get("quarantine_reason")))
     ddp = summary.get("ddp_wire_bytes_per_token") or 0.0
     wire = summary["wire_bytes_per_token"]
     ratio = f" (DDP: {ddp:,.0f}, {than_ddp(ddp, wire)})" if ddp and wire else ""
@@ -114,6 +139,8 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
         f"learners waited {summary.get('data_stall_share', 0.0):.1%} of the time",
     )
     table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
+    if summary.get("stopped_because"):
+        table.add_row("stopped", summary["stopped_because"])
     if summary.get("kills"):
         table.add_row("chaos kills", ", ".join(f"{k} {v}" for k, v in sorted(summary["kills"].items())))
     table.add_row(

@@ -94,7 +94,7 @@ class EndGame:
         rows = self.rows.take_all()
         if not rows.spans:
             return
-        header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec="fp32")
+        header = pb.TensorHeader(fragment=0, version=max(0, self.frags[0].version), codec=self.cfg.sync.codec)
         header.released_shards.extend(rows.released)
         for shard_id in rows.released:
             self.prefetcher.release(shard_id)

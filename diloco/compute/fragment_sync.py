@@ -111,7 +111,9 @@ class SyncsFragments:
         header = pb.TensorHeader(
             fragment=p,
             version=f.version,
-            codec="fp32",
+            # The run's codec even when empty: the coordinator refuses any other label (an int8 run's
+            # empty pushes labelled fp32 were refused, and a quorum-2 round waited for them forever).
+            codec=self.cfg.sync.codec,
             inner_steps=0 if empty else f.steps,
             tokens=0 if empty else f.tokens,
             mean_loss=f.loss_sum / f.steps if f.steps and not empty else 0.0,
@@ -124,7 +126,6 @@ class SyncsFragments:
             if self.group_live:  # FSDP: the shards' values into rank 0's whole copy
                 self.data_parallel.refresh(p, f.names, self.params)
             tensors = outer.delta(f.base, self.params, f.names)
-            header.codec = self.cfg.sync.codec
             if header.codec != "fp32":
                 tensors = outer.encode(tensors, self.cfg.sync, self.residual)
             carried = self._covered_by(p)

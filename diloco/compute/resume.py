@@ -203,7 +203,10 @@ class KeepsLocalState:
             # would close on the other learners' pushes alone (measured: a chaos run's round of
             # one push at coverage 1/2, closed as "every live learner pushed" 2 s after a resume).
             header = pb.TensorHeader(
-                fragment=0, version=max(0, self.frags[0].version), codec="fp32", release_only=True
+                fragment=0,
+                version=max(0, self.frags[0].version),
+                codec=self.cfg.sync.codec,
+                release_only=True,
             )
             header.released_shards.extend(state.held_shards)
             self.channel.submit(header, {})

@@ -9,7 +9,10 @@ same id gets its own back), so the partition does not depend on who joined first
 
 Faults change the deal, and only faults do: the shards of a slot whose learner died go to the
 others while it is vacant, and a learner whose own positions are used up takes anything left, so
-no rows wait for a learner that may never come back. Pure functions: the service passes the state.
+no rows wait for a learner that may never come back: but only once it holds no open shard. A
+learner mixes batches from several shards (data.mix_shards), so its prefetcher asks for more while
+it still has work; taking another slot's then left a learner with no shard at all on a small
+dataset (its partner leased all four). Pure functions: the service passes the state.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def choose_shard(
     vacant: Collection[int],
     own_work_coming: bool,
     own_being_made: int | None = None,
+    holding: int = 0,
 ) -> DealChoice:
     """The shard for a learner in `slot` of `slots`, from the leasable candidates.
 
@@ -64,8 +68,9 @@ def choose_shard(
     holds would depend on which shard happened to be ready first (two runs of one seed once
     trained different chunks: 3.015 against 2.945). While more of its own are still being made,
     it waits for them rather than take another slot's; then a vacant slot's; then, once its own
-    are used up, anything left. Without a slot (or with dealing off, slots = 0) the lowest
-    position wins.
+    are used up, anything left, but only while it holds none open (`holding`: train shards it has
+    leased): a learner with work in hand leaves a live slot's shards to that slot's learner.
+    Without a slot (or with dealing off, slots = 0) the lowest position wins.
     """
     ordered = sorted(candidates, key=lambda c: c.position)
     if slot is None or slots <= 0:
@@ -80,6 +85,8 @@ def choose_shard(
         return DealChoice(orphans[0].shard_id, f"vacant slot {orphans[0].position % slots}'s shard")
     if own_work_coming:
         return DealChoice(None, f"slot {slot}'s next shard is still being made")
+    if ordered and holding:
+        return DealChoice(None, f"slot {slot}'s shards are used up; it holds {holding}: others' stay theirs")
     if ordered:
         return DealChoice(ordered[0].shard_id, f"slot {slot}'s shards are used up: taking any")
     return DealChoice(None, "no shard ready")

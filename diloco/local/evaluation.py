@@ -4,11 +4,13 @@ evaluated on the held-out split next to the unigram baseline, and sampled."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from diloco import store
 from diloco.compute.device import pick_device
@@ -20,6 +22,8 @@ from diloco.evaluate import can_sample, evaluate, sample_text, unigram_entropy
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
 from diloco.tokenizer import Tokenizer
+
+log = logging.getLogger("diloco.run")
 
 SAMPLE_PROMPT = "def "
 EVAL_MAX_BATCHES = 64
@@ -56,12 +60,20 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
         # Beside a token model's loss, the loss of the best guess that ignores context.
         "baseline_loss": unigram_entropy([used], vocab) if used is not None else None,
         "eval_tokens": int(used.size) if used is not None else result.rows,
-        "sample": (
-            sample_text(model, tokenizer, SAMPLE_PROMPT, 200, device, seed=cfg.train.seed)
-            if tokens and can_sample(model)
-            else ""
-        ),
+        "sample": sample_or_nothing(model, tokenizer, cfg, device) if tokens and can_sample(model) else "",
     }
+
+
+def sample_or_nothing(model: nn.Module, tokenizer: Any, cfg: RunConfig, device: torch.device) -> str:
+    """The end-of-run sample; a user's model that cannot write one (its logits fail) costs the
+    sample, not the run's results: said in one line, and the summary is still written."""
+    try:
+        return sample_text(
+            model, tokenizer, SAMPLE_PROMPT, 200, device, seed=cfg.train.seed, window=cfg.model.seq_len
+        )
+    except Exception as e:  # the user's code: anything may come out of it
+        log.warning("no sample: the model's logits failed (%s: %s)", type(e).__name__, str(e)[:200])
+        return ""
 
 
 def param_count(cfg: RunConfig, vocab: int) -> int:

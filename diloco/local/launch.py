@@ -268,7 +268,7 @@ class LocalRun:
         summary = summarize(
             detail, self.config, name=self.name, workdir=self.workdir, learners=o.learners,
             data_workers=o.data_workers, slow_learner=o.slow_learner, train_seconds=train_seconds,
-            total_seconds=time.monotonic() - started,
+            total_seconds=time.monotonic() - started, minutes=o.minutes,
         )  # fmt: skip
         report = job_report(detail, summary, workdir=self.workdir, learners=o.learners,
                             train_seconds=train_seconds, started_at=started_at)  # fmt: skip

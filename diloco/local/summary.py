@@ -10,6 +10,7 @@ from typing import Any
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
+from diloco.local.stopping import learner_ends, quarantine_facts, quarantined_chunks, stop_reason
 from diloco.observe.events import METRICS_LOG, TENSORBOARD_DIR
 from diloco.tokenizer import load_tokenizer
 
@@ -141,8 +142,11 @@ def summarize(
     slow_learner: float,
     train_seconds: float,
     total_seconds: float,
+    minutes: float | None = None,
 ) -> dict[str, Any]:
-    """The run's figures from the coordinator's last status, and its final model evaluated."""
+    """The run's figures from the coordinator's last status, and its final model evaluated.
+    `minutes`: the job's time limit (--minutes; 0: none; None: not known), to tell it from an
+    operator's finish in `stopped`."""
     summary: dict[str, Any] = {
         "name": name,
         "workdir": str(workdir),
@@ -262,6 +266,13 @@ def summarize(
         for w in timed
     }
     summary.update(evaluate_final(d, cfg, workdir, tokenizer))
+    summary.update(quarantine_facts(quarantined_chunks(workdir, d.get("quarantined") or [])))
+    ends = learner_ends(workdir, [w["worker_id"] for w in d.get("workers", []) if w["role"] == "compute"])
+    stop = stop_reason(
+        tokens_merged=summary["tokens_merged"], budget=cfg.train.max_tokens, wall_seconds=train_seconds,
+        minutes=minutes, learner_ends=ends,
+    )  # fmt: skip
+    summary["stopped"], summary["stopped_because"] = stop.code, stop.because
     summary["config"] = cfg.to_dict()
     return summary
 

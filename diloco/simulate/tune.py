@@ -36,7 +36,7 @@ P_CHOICES = (2, 4, 8, 16)
 LINK_LOAD = 0.4  # at most this share of the link carries syncs: room for rejoin pulls, and a round
 # trip (twice a fragment's push time) still shorter than a push interval
 CHUNK_MIN_S = 10.0
-DEFAULTS = OuterConfig()  # this project's defaults (H 50, P 2, tau 10) beside fp32
+DEFAULTS = OuterConfig()  # this project's defaults (H 50, P 2, tau 2) beside fp32
 
 
 @dataclass(frozen=True)

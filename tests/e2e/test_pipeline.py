@@ -29,7 +29,7 @@ from diloco.evaluate import evaluate
 from diloco.local.procs import ProcessGroup
 from diloco.model.factory import build_model
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
+from tests.support import REPO, ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -110,6 +110,13 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     assert summary["sample"].startswith("def ")
     assert summary["chunks"] == summary["shards"] > 1
     assert_one_shard_per_chunk(workdir)
+    # Every key the summary holds is documented in the README's list.
+    readme = (REPO / "README.md").read_text()
+    documented = readme[
+        readme.index("`summary.json` keys (stable") : readme.index("## How the syncer decides")
+    ]
+    undocumented = [key for key in summary if f"`{key}`" not in documented]
+    assert not undocumented, f"summary keys missing from the README: {undocumented}"
 
     # The trained model is left in one file, and a new run can start from it (a warm start).
     assert summary["model"] == str(workdir / "model.safetensors")

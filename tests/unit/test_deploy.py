@@ -358,3 +358,12 @@ def test_coordinator_sbatch_serves_and_feeds_its_data_workers(tmp_path: Path) ->
     token = tmp_path / ".diloco" / "token"
     assert len(read_token(str(token))) >= 16
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
+def test_coordinator_sbatch_passes_the_users_model_and_settings(tmp_path: Path) -> None:
+    env = {"DILOCO_DATASET": "d/", "DILOCO_STORE": "s/", "SLURM_NTASKS": "2",
+           "DILOCO_COORDINATOR_ARGS": "--model mypkg.models:tiny --set train.lr=0.001"}  # fmt: skip
+    [coordinator] = [
+        c for c in run_sbatch("coordinator.sbatch", tmp_path, env) if c[:2] == ["diloco", "coordinator"]
+    ]
+    assert coordinator[-4:] == ["--model", "mypkg.models:tiny", "--set", "train.lr=0.001"], coordinator

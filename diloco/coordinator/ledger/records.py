@@ -32,6 +32,8 @@ class ShardLease:
     rows: int
     todo: list[leases.Range]
     slot: int | None = None  # the deal slot it was dealt from (None: first come)
+    position: int = 0  # its place in the train chunks' lease order (what the deal deals by)
+    reason: str = ""  # why this learner got it (deal.choose_shard): logged, so a deal can be traced
 
 
 @dataclass(frozen=True)

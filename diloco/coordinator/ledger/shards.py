@@ -52,7 +52,12 @@ class ShardsTable(LedgerBase):
             by_id = {row["id"]: row for row in ready}
             candidates = [deal.Candidate(row["id"], positions[row["chunk_id"]]) for row in ready]
             own_unmade = []  # (position, state) of this slot's train chunks not made yet
+            holding = 0  # train shards this learner has open: it leaves other slots' alone
             if slots > 0 and slot is not None:  # only a dealt lease needs them
+                holding = db.execute(
+                    "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state = 'leased' AND holder = ?",
+                    (worker_id,),
+                ).fetchone()[0]
                 unmade = db.execute(
                     "SELECT id, state FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
                 ).fetchall()
@@ -64,7 +69,9 @@ class ShardsTable(LedgerBase):
             # failed) may wait behind the slot's bound on ready shards, and must not hold it up.
             own_being_made = min((pos for pos, state in own_unmade if state == "leased"), default=None)
             while True:
-                choice = deal.choose_shard(candidates, slot, slots, vacant, own_work_coming, own_being_made)
+                choice = deal.choose_shard(
+                    candidates, slot, slots, vacant, own_work_coming, own_being_made, holding
+                )
                 if choice.shard_id is None:
                     if own_work_coming:
                         return NoLease.WAIT_DEALT
@@ -78,7 +85,10 @@ class ShardsTable(LedgerBase):
                     "UPDATE shards SET state = 'leased', holder = ?, lease_expires = ? WHERE id = ?",
                     (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
                 )
-                return ShardLease(row["id"], row["uri"], row["checksum"], row["rows"], todo, slot)
+                position = positions[row["chunk_id"]]
+                return ShardLease(
+                    row["id"], row["uri"], row["checksum"], row["rows"], todo, slot, position, choice.reason
+                )
             unfinished_chunks = db.execute(
                 "SELECT COUNT(*) FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
             ).fetchone()[0]

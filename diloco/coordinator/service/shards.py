@@ -35,6 +35,13 @@ class ShardRPCs(ServiceBase):
                 vacant = deal.vacant_slots(slots, self._deal_slots, live) if slots else set()
             lease = self.ledger.lease_shard(request.worker_id, ttl, slot, slots, vacant)
             if isinstance(lease, ShardLease):
+                log.info(
+                    "shard %d (train position %d) leased to %s: %s",
+                    lease.shard_id,
+                    lease.position,
+                    request.worker_id,
+                    lease.reason,
+                )
                 reply = pb.LeaseShardReply(
                     shard_id=lease.shard_id,
                     uri=lease.uri,

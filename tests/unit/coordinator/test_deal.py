@@ -67,3 +67,29 @@ def test_a_lower_own_position_being_made_is_waited_for_in_order() -> None:
     assert choose_shard(made_first, slot=1, slots=2, vacant=(), own_work_coming=True).shard_id == 105
     ready = choose_shard(shards(1, 5), slot=1, slots=2, vacant=(), own_work_coming=True, own_being_made=7)
     assert ready.shard_id == 101, ready.reason
+
+
+def test_a_learner_with_open_shards_leaves_the_other_slots_to_their_learner() -> None:
+    """Four train shards, two slots, a learner mixing up to four shards at once: slot 0's learner
+    asked for a third and fourth while it held 0 and 2, took 1 and 3 (its own were used up), and
+    slot 1's learner trained nothing all run. While it holds open shards it waits instead."""
+    choice = choose_shard(shards(1, 3), slot=0, slots=2, vacant=(), own_work_coming=False, holding=2)
+    assert choice.shard_id is None and "holds 2" in choice.reason
+    # Its own still come first whatever it holds, and a dead learner's slot is still shared out.
+    assert (
+        choose_shard(shards(1, 2), slot=0, slots=2, vacant=(), own_work_coming=False, holding=1).shard_id
+        == 102
+    )
+    orphan = choose_shard(shards(1, 3), slot=0, slots=2, vacant={1}, own_work_coming=False, holding=2)
+    assert orphan.shard_id == 101, orphan.reason
+
+
+def test_a_learner_with_nothing_open_still_takes_what_is_left() -> None:
+    # Alone (the other slot's learner never came) or at the tail: no rows wait for anyone.
+    choice = choose_shard(shards(3, 1), slot=0, slots=2, vacant=(), own_work_coming=False, holding=0)
+    assert choice.shard_id == 101, choice.reason
+    # Without dealing (or without a slot), what a learner holds changes nothing.
+    assert (
+        choose_shard(shards(3, 1), slot=None, slots=2, vacant=(), own_work_coming=False, holding=3).shard_id
+        == 101
+    )

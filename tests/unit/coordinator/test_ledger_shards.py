@@ -58,6 +58,34 @@ def test_dealt_shards_go_to_their_slot_whatever_order_they_were_made_in(ledger):
     assert [positions[shard_row(ledger, d.shard_id)["chunk_id"]] for d in dealt] == [0, 2]
 
 
+def test_a_learner_holding_its_own_shards_leaves_the_other_slots_shards(ledger):
+    """The small-dataset starvation: four train shards made, slot 0's learner (mixing four at
+    once) asks four times before slot 1's learner asks once. It gets its two; slot 1's stay."""
+    with_train_shard(ledger, ("train",) * 4)
+    positions = ledger.train_positions()
+
+    def position(lease):
+        return lease if isinstance(lease, str) else positions[shard_row(ledger, lease.shard_id)["chunk_id"]]
+
+    got = [position(ledger.lease_shard("L0", TTL, slot=0, slots=2)) for _ in range(4)]
+    assert got == [0, 2, "wait", "wait"]
+    assert [position(ledger.lease_shard("L1", TTL, slot=1, slots=2)) for _ in range(2)] == [1, 3]
+    assert ledger.lease_shard("L1", TTL, slot=1, slots=2) == "wait"
+
+
+def test_a_learner_holding_nothing_takes_another_slots_shard(ledger):
+    # Slot 1's learner never asked (it may never come): slot 0's, once its own is trained and
+    # merged and it holds nothing open, takes slot 1's shard, so no rows wait for it.
+    with_train_shard(ledger, ("train",) * 2)
+    positions = ledger.train_positions()
+    own = ledger.lease_shard("L0", TTL, slot=0, slots=2)
+    assert ledger.lease_shard("L0", TTL, slot=0, slots=2) == "wait"
+    assert push(ledger, "p1", [(own.shard_id, 0, ROWS)], worker="L0", released=[own.shard_id]) is None
+    commit_merge(ledger, 0, 1, ["p1"], ROWS * TOKENS_PER_ROW, 5, 2.5, "quorum")
+    taken = ledger.lease_shard("L0", TTL, slot=0, slots=2)
+    assert positions[shard_row(ledger, taken.shard_id)["chunk_id"]] == 1
+
+
 def test_data_workers_make_only_so_many_shards_ahead_per_slot(ledger):
     make(ledger, ["train"] * 6 + ["eval"])
     positions = ledger.train_positions()

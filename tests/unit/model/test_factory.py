@@ -120,3 +120,29 @@ def test_model_kwargs_are_a_table_in_toml_flags_and_json(tmp_path: Path) -> None
         RunConfig().with_overrides({"model.n_layer": 2})
     with pytest.raises(ConfigError, match="expects a table"):
         RunConfig.from_dict({"model": {"kwargs": 3}})
+
+
+class LearnedPositions(TinyLM):
+    """A user's model with a position embedding for `seq_len` tokens and no `seq_len` attribute
+    (the contract does not ask for one): a longer context is an IndexError in its embedding."""
+
+    def __init__(self, vocab_size: int, seq_len: int) -> None:
+        super().__init__(vocab_size, 8)
+        self.embed = torch.nn.Embedding(vocab_size, 8)
+        self.positions = torch.nn.Embedding(seq_len, 8)
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.embed(idx) + self.positions(torch.arange(idx.size(1)))
+        return self.out(torch.tanh(self.hidden(h)))
+
+
+def test_a_sample_longer_than_the_runs_seq_len_keeps_the_context_within_it() -> None:
+    from diloco.evaluate import sample_text
+    from diloco.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer("byte")
+    model = LearnedPositions(tokenizer.vocab_size, seq_len=16)
+    with pytest.raises(IndexError):  # what the end of a run met before: the whole context
+        sample_text(model, tokenizer, "def ", 40, "cpu", seed=1)
+    text = sample_text(model, tokenizer, "def ", 40, "cpu", seed=1, window=16)
+    assert text.startswith("def ")
