@@ -339,6 +339,8 @@ class LocalRun:
                 time.sleep(0.5)
             if self.options.show_progress:
                 live.update(progress_table(detail, started, self.name, self.options.minutes))
+        if self.options.show_progress and not self.console.is_terminal:
+            self.console.line()  # Live's last frame ends without one where output is a file
         return detail
 
     def _keep_coordinator(self) -> None:
