@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.coordinator.ledger.db import ledger_path
+from diloco.coordinator.report import read_only
 from diloco.observe.events import KEEP_EVENTS, METRICS_LOG, read_events
 
 # summary.json's `stopped`: one of these.
@@ -105,15 +106,11 @@ def quarantine_facts(quarantined: list[dict[str, Any]]) -> dict[str, Any]:
 def quarantined_chunks(workdir: Path, fallback: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The quarantined chunks with their split, read from the ledger (the coordinator has stopped);
     `fallback` (the status detail's list, which has no split) where the ledger cannot be read."""
-    path = ledger_path(workdir)
-    if not path.exists():
+    if not ledger_path(workdir).exists():
         return fallback
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
+        with read_only(workdir) as db:
             rows = db.execute("SELECT id, split, error FROM chunks WHERE state = 'quarantined' ORDER BY id")
             return [{"chunk": r[0], "split": r[1], "error": r[2]} for r in rows]
-        finally:
-            db.close()
     except sqlite3.Error:
         return fallback
