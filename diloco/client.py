@@ -75,6 +75,10 @@ def check_address(address: str) -> str:
     return address
 
 
+class ClientClosed(DilocoError):
+    """A call made after close(): the worker is stopping, not a failure to report."""
+
+
 class PullClock:
     """The receiving side of pulls: time from a stream's first message to its end, summed, and the
     fragments they brought. The coordinator's own clock stops once the last piece is handed to
@@ -150,8 +154,14 @@ class CoordinatorClient:
         self._join_lock = threading.RLock()
         self.join_reply: pb.JoinReply | None = None
         self.closed = False
+        self.left = False  # after leave(), a coordinator that forgot us is not joined again
         self.ranks = 1  # a learner that is a torchrun group says how many ranks it has, at join
         self.pull_clock = PullClock()
+
+    @property
+    def stopping(self) -> bool:
+        """Left or closed: background threads end instead of joining again or retrying."""
+        return self.closed or self.left
 
     def close(self) -> None:
         # In-flight calls end CANCELLED and no retry starts: background threads wind down.
@@ -231,14 +241,20 @@ class CoordinatorClient:
         while True:
             try:
                 return fn()
+            except ValueError as e:
+                # grpc raises ValueError for a call on a channel close() already shut: a background
+                # thread that was between calls when the worker stopped.
+                if self.closed:
+                    raise ClientClosed(f"{what}: the client was closed") from e
+                raise
             except grpc.RpcError as e:
                 code = e.code()
-                if code == grpc.StatusCode.NOT_FOUND and rejoin and not rejoined and not self.closed:
+                if code == grpc.StatusCode.NOT_FOUND and rejoin and not rejoined and not self.stopping:
                     log.warning("%s: coordinator does not know us (%s); joining again", what, e.details())
                     self.join()
                     rejoined = True
                     continue
-                if self.closed or code not in RETRYABLE or time.monotonic() >= deadline:
+                if self.stopping or code not in RETRYABLE or time.monotonic() >= deadline:
                     raise
                 delay = backoff_delay(attempt)
                 log.info("%s failed (%s); retrying in %.2fs", what, code.name, delay)
@@ -369,6 +385,7 @@ class CoordinatorClient:
         return self._retry(once, "pull", retry_for_s=retry_for_s)
 
     def leave(self, reason: str = "") -> None:
+        self.left = True
         try:
             self.stub.Leave(pb.LeaveRequest(worker_id=self.worker_id, reason=reason), timeout=5.0)
         except grpc.RpcError as e:

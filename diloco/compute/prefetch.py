@@ -170,8 +170,12 @@ class ShardPrefetcher:
                 self._ready.put(item)
                 if item is DONE:
                     return
-        except Exception:
-            log.exception("prefetch fetch thread failed")
+        except Exception as e:
+            if self.stop.is_set() or self.client.stopping:
+                # The learner left while a lease call was in flight: its end, not a failure.
+                log.debug("prefetch fetch thread ends with the learner: %s", e)
+            else:
+                log.exception("prefetch fetch thread failed")
             self._ready.put(DONE)
 
     def _fetch_one(self) -> tuple[pb.LeaseShardReply, int, object] | object | None:
