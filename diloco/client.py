@@ -16,13 +16,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from diloco.config import CoordinatorConfig, RunConfig
 from diloco.errors import DilocoError
+from diloco.pull_clock import PullClock
 from diloco.security.transport import (
     Security,
     client_channel,
@@ -77,36 +78,6 @@ def check_address(address: str) -> str:
 
 class ClientClosed(DilocoError):
     """A call made after close(): the worker is stopping, not a failure to report."""
-
-
-class PullClock:
-    """The receiving side of pulls: time from a stream's first message to its end, summed, and the
-    fragments they brought. The coordinator's own clock stops once the last piece is handed to
-    gRPC, with most of it still in buffers on its side of the link."""
-
-    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
-        self._now = now
-        self._lock = threading.Lock()  # pulls run on the sync thread and, at (re)joins, the main one
-        self.seconds = 0.0
-        self.fragments = 0
-
-    def timed(self, messages: Iterable[T]) -> Iterator[T]:
-        first = None
-        for message in messages:
-            if first is None:
-                first = self._now()
-            yield message
-        if first is not None:
-            with self._lock:
-                self.seconds += self._now() - first
-
-    def count(self, fragments: int) -> None:
-        with self._lock:
-            self.fragments += fragments
-
-    def report(self, heartbeat: pb.HeartbeatRequest) -> pb.HeartbeatRequest:
-        heartbeat.pull_seconds, heartbeat.pulled_fragments = self.seconds, self.fragments
-        return heartbeat
 
 
 def backoff_delay(

@@ -1,11 +1,11 @@
-"""The learner's clock on its pulls (diloco.client.PullClock): from a stream's first message to its
+"""The learner's clock on its pulls (diloco.pull_clock.PullClock): from a stream's first message to its
 end, the long poll's wait before the first message left out. Moved timestamps, no sleeping."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from diloco.client import PullClock
+from diloco.pull_clock import PullClock
 from diloco.v1 import coordinator_pb2 as pb
 
 
