@@ -12,11 +12,6 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-# gRPC core logs each failed TLS handshake ("I1206 ... Handshake failed") to stderr, into
-# `diloco status` and every role's output; the CLI says what failed itself. Set before grpc is
-# first imported (this module, in the CLI), which is when gRPC reads it; the user's value wins.
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-
 import grpc
 import typer
 

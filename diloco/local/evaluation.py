@@ -19,6 +19,7 @@ from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.workdir import store_root
 from diloco.data.shard import UNIT_TOKENS, concat_columns, read_shard
 from diloco.evaluate import can_sample, evaluate, sample_text, unigram_entropy
+from diloco.export import load_parameters
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
 from diloco.tokenizer import Tokenizer
@@ -41,9 +42,7 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
     columns = concat_columns(shards)
     model = build_model(cfg.model, vocab, cfg.train.seed)
     params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            p.copy_(params[param_name])
+    load_parameters(model, params, str(workdir), cfg.model.factory)
     # The trained model in one file: what a later run can start from (model.init_from).
     save_weights(str(workdir / MODEL_FILE), params, {"versions": json.dumps(versions)})
     # On the learners' device: the learners have exited and freed it, and a model sized for a GPU

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco.coordinator.ledger import Ledger, ledger_path
+from diloco.coordinator.ledger import ledger_path
 from diloco.coordinator.lifecycle import FINISHED, RUNNING
+from diloco.coordinator.report import read_only
 from diloco.local.procs import ProcessGroup
 
 # A cause is one line of the report: long enough for a model.init_from mismatch's first names.
@@ -34,15 +35,14 @@ def recorded_run(workdir: Path) -> RecordedRun | None:
     path = ledger_path(workdir)
     if not path.exists():
         return None
-    ledger = Ledger(str(path))
-    try:
-        return RecordedRun(
-            ledger.get_meta("run_state", RUNNING) or RUNNING,
-            int(ledger.counter("tokens_trained")),
-            int(ledger.counter("tokens_merged")),
-        )
-    finally:
-        ledger.close()
+    with read_only(workdir) as db:  # a query, not a Ledger: opening one may migrate an old ledger
+        meta = dict(db.execute("SELECT key, value FROM meta WHERE key = 'run_state'").fetchall())
+        counters = dict(db.execute("SELECT name, value FROM counters").fetchall())
+    return RecordedRun(
+        meta.get("run_state") or RUNNING,
+        int(counters.get("tokens_trained", 0)),
+        int(counters.get("tokens_merged", 0)),
+    )
 
 
 def finished_run_refusal(run: RecordedRun | None, workdir: Path) -> str | None:
