@@ -96,6 +96,22 @@ def quarantine_text(count: int, reason: str | None) -> str:
     return f"{count} (first: {line})" if line else str(count)
 
 
+# A learner busy less than this share of the busiest one's time is named under the mean.
+UNEVEN_UTILIZATION = 0.5
+
+
+def lowest_learner_text(by_learner: dict[str, float]) -> str:
+    """The least busy learner, when it kept under half as busy as the busiest: a mean over
+    learners hides one that sat idle (starved of data, stuck in restarts, or on a slow device)."""
+    if len(by_learner) < 2:
+        return ""
+    wid, lowest = min(by_learner.items(), key=lambda item: item[1])
+    busiest = max(by_learner.values())
+    if lowest >= UNEVEN_UTILIZATION * busiest:
+        return ""
+    return f"{wid} {lowest:.1%} (busiest {busiest:.1%}; summary.json: utilization_by_learner)"
+
+
 def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None:
     table = Table(title="result", show_header=False)
     unit = summary.get("unit", "tokens")  # or samples, for a preprocess's data
@@ -133,6 +149,8 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
         "learner utilization",
         f"{summary['utilization']:.1%}" + (f" (waited {', '.join(waited)})" if waited else ""),
     )
+    if lowest := lowest_learner_text(summary.get("utilization_by_learner") or {}):
+        table.add_row("  lowest learner", lowest)
     table.add_row(
         "data",
         f"{summary.get('data_tokens_per_s', 0.0):,.0f} {unit}/s prepared, "

@@ -26,7 +26,7 @@ from diloco.local.summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.views import STATUS_COLUMNS, print_summary, than_ddp, worker_cells
+from diloco.views import STATUS_COLUMNS, lowest_learner_text, print_summary, than_ddp, worker_cells
 from tests.support import commit_merge
 
 
@@ -204,6 +204,20 @@ def test_the_result_table_says_what_learners_waited_for() -> None:
     assert "93.5% (waited 3.0% on the syncer)" in line and "budget" not in line
     both = row({"sync_wait_share": 0.03, "budget_wait_share": 0.052})
     assert "(waited 3.0% on the syncer, 5.2% at the token budget's end)" in both
+
+
+def test_a_learner_much_less_busy_than_the_others_is_named_under_the_mean() -> None:
+    assert lowest_learner_text({"learner-0": 0.9}) == ""
+    assert lowest_learner_text({"learner-0": 0.9, "learner-1": 0.6}) == ""  # uneven, not idle
+    line = lowest_learner_text({"learner-0": 0.9, "learner-1": 0.2, "learner-2": 0.85})
+    assert line.startswith("learner-1 20.0% (busiest 90.0%")
+    summary = {"tokens_trained": 1000, "tokens_merged": 1000, "rounds": 4, "chunks": 2, "shards": 2,
+               "wire_bytes_per_token": 8.0, "utilization": 0.55, "wall_seconds": 30.0, "audit_ok": True,
+               "utilization_by_learner": {"learner-0": 0.9, "learner-1": 0.2}}  # fmt: skip
+    console = Console(width=200, record=True)
+    print_summary(console, summary, Path("summary.json"))
+    row = next(line for line in console.export_text().splitlines() if "lowest learner" in line)
+    assert "learner-1 20.0% (busiest 90.0%" in row
 
 
 def test_the_ddp_comparison_reads_the_right_way_round() -> None:
