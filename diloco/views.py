@@ -117,7 +117,10 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     unit = summary.get("unit", "tokens")  # or samples, for a preprocess's data
     ev, base = summary.get("eval_loss"), summary.get("baseline_loss")
     per = " nats/token" if unit == "tokens" else ""
-    table.add_row("eval loss", eval_loss_text(ev, per, summary.get("eval_chunks_quarantined", 0)))
+    if failed := summary.get("final_eval_error"):
+        table.add_row("eval loss", f"- (the final evaluation failed: {failed[:REASON_SHOWN_CHARS]})")
+    else:
+        table.add_row("eval loss", eval_loss_text(ev, per, summary.get("eval_chunks_quarantined", 0)))
     for name, value in (summary.get("eval_metrics") or {}).items():
         table.add_row(f"eval {name}", f"{value:.4f}")
     if base is not None:

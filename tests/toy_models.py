@@ -55,3 +55,8 @@ def not_a_module() -> dict:
 
 
 TOY_CONSTANT = 3
+
+
+def batchnorm_mlp(**_: object) -> nn.Module:
+    """A model with BatchNorm's running statistics: refused at build (only parameters are merged)."""
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))

@@ -31,13 +31,36 @@ EVAL_MAX_BATCHES = 64
 MODEL_FILE = "model.safetensors"
 
 
+NO_EVAL: dict[str, Any] = {
+    "eval_loss": None,
+    "eval_metrics": {},
+    "baseline_loss": None,
+    "eval_tokens": 0,
+    "sample": "",
+}
+
+
+def evaluate_final_or_say_why(
+    d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: Tokenizer
+) -> dict[str, Any]:
+    """evaluate_final, or, when the user's model cannot be built or run in this process, the
+    run's results without an evaluation and why: the run finished, and its summary must say so
+    (a finished workdir takes no second job) and point at `diloco eval`, which can retry."""
+    try:
+        return evaluate_final(d, cfg, workdir, tokenizer)
+    except Exception as e:  # the user's code runs here: anything may come out of it
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        log.warning("no final evaluation (%s); the run's results are kept: diloco eval %s", why, workdir)
+        return {**NO_EVAL, "final_eval_error": why}
+
+
 def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: Tokenizer) -> dict[str, Any]:
     """The final global model: saved as one file, its loss on the held-out split next to the
     unigram baseline, and a sample."""
     versions = d.get("fragment_versions") or []
     shards = [read_shard(s["uri"], s["checksum"]) for s in d.get("eval_shards", [])]
     if not (versions and shards):
-        return {"eval_loss": None, "eval_metrics": {}, "baseline_loss": None, "eval_tokens": 0, "sample": ""}
+        return dict(NO_EVAL)
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     columns = concat_columns(shards)
     model = build_model(cfg.model, vocab, cfg.train.seed)
@@ -75,8 +98,12 @@ def sample_or_nothing(model: nn.Module, tokenizer: Any, cfg: RunConfig, device: 
         return ""
 
 
-def param_count(cfg: RunConfig, vocab: int) -> int:
-    """The model's parameters, counted on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        model = build_model(cfg.model, vocab)
-        return sum(math.prod(p.shape) for p in model.parameters())
+def param_count(cfg: RunConfig, vocab: int) -> int | None:
+    """The model's parameters, counted on the meta device (nothing allocated); None when the
+    factory fails in this process (evaluate_final_or_say_why then says why)."""
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg.model, vocab)
+    except Exception:  # the user's code: the run's other figures do not depend on it
+        return None
+    return sum(math.prod(p.shape) for p in model.parameters())

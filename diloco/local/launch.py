@@ -34,6 +34,7 @@ from diloco.local.options import LocalRunOptions, default_run_config
 from diloco.local.outcome import (
     RecordedRun,
     cause_lines,
+    data_workers_failed,
     failure_causes,
     finished_run_refusal,
     job_counts,
@@ -42,6 +43,7 @@ from diloco.local.outcome import (
 )
 from diloco.local.prepared import wait_until_prepared
 from diloco.local.procs import Child, ProcessGroup
+from diloco.local.stopping import quarantine_facts, quarantined_chunks
 from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
 from diloco.local.tls import SUPERVISOR, job_certificates, tls_args
 from diloco.security.certs import TlsFiles
@@ -215,7 +217,10 @@ class LocalRun:
     def _check_outcome(self, causes: dict[str, str], detail: dict[str, Any], seconds: float) -> None:
         """A job that merged nothing ends in its causes, not in a table of zeros; one that did
         still says what failed."""
-        if problem := run_failure(causes, job_counts(detail, self.before), seconds, self.workdir / "logs"):
+        quarantined = quarantine_facts(quarantined_chunks(self.workdir, detail.get("quarantined") or []))
+        quarantine = (int(detail.get("chunks_quarantined", 0)), quarantined["quarantine_reason"])
+        counts = job_counts(detail, self.before)
+        if problem := run_failure(causes, counts, seconds, self.workdir / "logs", quarantine):
             raise DilocoError(problem)
         if causes:
             lines = escape("\n".join(cause_lines(causes)))  # a cause may hold [brackets]
@@ -335,6 +340,10 @@ class LocalRun:
                     self.console.print(progress_line(detail, started), highlight=False, soft_wrap=True)
                 if not finish_sent and time.monotonic() >= deadline:
                     observer.finish("time budget reached")
+                    finish_sent = True
+                exits = [None if c.alive else c.proc.returncode for c in self.group.by_role("data")]
+                if not finish_sent and data_workers_failed(exits, detail):
+                    observer.finish("every data worker failed")  # their causes end the job's report
                     finish_sent = True
                 time.sleep(0.5)
             if self.options.show_progress:

@@ -107,6 +107,16 @@ def failure_causes(group: ProcessGroup) -> dict[str, str]:
     }
 
 
+def data_workers_failed(exit_codes: list[int | None], detail: dict[str, Any]) -> bool:
+    """Every data worker exited with an error of its own (not a signal: chaos respawns those)
+    while chunks were left to prepare: no more data will come, and learners would wait for it
+    until the time limit (a `data.preprocess` that does not import ends every data worker at join)."""
+    if not exit_codes or any(code is None or code <= 0 for code in exit_codes):
+        return False
+    settled = int(detail.get("chunks_done", 0)) + int(detail.get("chunks_quarantined", 0))
+    return settled < int(detail.get("chunks_total", 0)) or not detail
+
+
 def job_counts(detail: dict[str, Any], before: RecordedRun | None) -> tuple[int, int]:
     """Tokens trained and merged by this job, from the coordinator's final status: a resumed run's
     counts hold its earlier lives' too."""
@@ -116,12 +126,25 @@ def job_counts(detail: dict[str, Any], before: RecordedRun | None) -> tuple[int,
     return max(0, trained - before.tokens_trained), max(0, merged - before.tokens_merged)
 
 
-def run_failure(causes: dict[str, str], counts: tuple[int, int], seconds: float, logs: Path) -> str | None:
+def run_failure(
+    causes: dict[str, str],
+    counts: tuple[int, int],
+    seconds: float,
+    logs: Path,
+    quarantine: tuple[int, str | None] = (0, None),
+) -> str | None:
     """Why the job did not do its work, or None: it merged nothing (`counts`: this job's tokens
-    trained and merged). `causes`: the processes that failed, each with its cause."""
+    trained and merged). `causes`: the processes that failed, each with its cause; `quarantine`:
+    the chunks quarantined and the first one's recorded error (a preprocess that breaks its
+    contract fails every chunk, and no process fails)."""
     trained, merged = counts
     if merged > 0:
         return None
+    quarantined, reason = quarantine
+    if quarantined and trained == 0:
+        first = f": {shorten(reason.strip().splitlines()[0])}" if reason and reason.strip() else ""
+        said = f"the run merged nothing: {quarantined} chunk{'s' if quarantined != 1 else ''} quarantined"
+        return "\n".join([f"{said} (logs in {logs}); the first one's error{first}", *cause_lines(causes)])
     if causes:
         return "\n".join(
             [f"the run merged nothing: {', '.join(causes)} failed (logs in {logs})", *cause_lines(causes)]

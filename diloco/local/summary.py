@@ -116,15 +116,20 @@ def few_outer_steps_warning(cfg: RunConfig, learners: int) -> str | None:
     budget, h = cfg.train.max_tokens, cfg.train.inner_steps
     if budget <= 0 or learners <= 0 or h <= 0:
         return None
-    steps = budget // (learners * cfg.train.batch_size * (cfg.model.seq_len + 1))
+    # A preprocess's data is counted in samples, one per row; packed text in tokens per row.
+    unit, per_row = ("samples", 1) if cfg.data.preprocess else ("tokens", cfg.model.seq_len + 1)
+    steps = budget // (learners * cfg.train.batch_size * per_row)
     if steps // h >= MIN_OUTER_STEPS:
         return None
-    better = max(1, steps // MIN_OUTER_STEPS)
-    return (
-        f"{budget:,} tokens over {learners} learners at batch {cfg.train.batch_size} are {steps} inner steps "
+    said = (
+        f"{budget:,} {unit} over {learners} learners at batch {cfg.train.batch_size} are {steps} inner steps "
         f"each: {steps // h} outer step(s) at H = {h}. With fewer than {MIN_OUTER_STEPS}, DiLoCo has ended "
-        f"2-6% above DDP at equal tokens; H = {better} (--set train.inner_steps={better}) gives {MIN_OUTER_STEPS}."
+        f"2-6% above DDP at equal tokens; "
     )
+    if steps < MIN_OUTER_STEPS:
+        return said + f"even H = 1 gives only {steps}: a larger budget (--tokens) gives more."
+    better = steps // MIN_OUTER_STEPS
+    return said + f"H = {better} (--set train.inner_steps={better}) gives {steps // better}."
 
 
 def mean_of(values: list[float]) -> float:
@@ -189,11 +194,15 @@ def summarize(
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     # torch and the model are imported here, after the run: the supervisor's start-up is then
     # light, and its CPU goes to the children it starts.
-    from diloco.local.evaluation import evaluate_final, param_count
+    from diloco.local.evaluation import evaluate_final_or_say_why, param_count
 
     params = summary["params"] = param_count(cfg, vocab)
-    summary["ddp_wire_bytes_per_token"] = ddp_wire_bytes_per_token(
-        params, learners, cfg.train.batch_size, 1 if cfg.data.preprocess else cfg.model.seq_len + 1
+    summary["ddp_wire_bytes_per_token"] = (
+        ddp_wire_bytes_per_token(
+            params, learners, cfg.train.batch_size, 1 if cfg.data.preprocess else cfg.model.seq_len + 1
+        )
+        if params
+        else 0.0
     )
     # What the ledger counted exactly once: tokens of packed rows, or samples of a preprocess.
     summary["unit"] = "samples" if cfg.data.preprocess else "tokens"
@@ -265,7 +274,7 @@ def summarize(
         }
         for w in timed
     }
-    summary.update(evaluate_final(d, cfg, workdir, tokenizer))
+    summary.update(evaluate_final_or_say_why(d, cfg, workdir, tokenizer))
     summary.update(quarantine_facts(quarantined_chunks(workdir, d.get("quarantined") or [])))
     ends = learner_ends(workdir, [w["worker_id"] for w in d.get("workers", []) if w["role"] == "compute"])
     stop = stop_reason(

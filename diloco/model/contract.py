@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from diloco.errors import DilocoError
 
@@ -43,6 +44,11 @@ def loss_and_metrics(output: Any, where: str) -> tuple[torch.Tensor, dict[str, t
         loss, metrics = output.get("loss"), output.get("metrics")
     else:
         loss, metrics = getattr(output, "loss", None), getattr(output, "metrics", None)
+    if isinstance(loss, torch.Tensor) and loss.numel() != 1 and loss is not output:
+        raise ModelContractError(
+            f"{where}: forward's loss has shape {tuple(loss.shape)}, not a scalar: reduce it over the "
+            "batch (a mean, as reduction='mean' does)"
+        )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ModelContractError(
             f"{where}: forward returned {_kind(output)}, not a scalar loss tensor "
@@ -52,7 +58,43 @@ def loss_and_metrics(output: Any, where: str) -> tuple[torch.Tensor, dict[str, t
         return loss.reshape(()), {}
     if not isinstance(metrics, Mapping):
         raise ModelContractError(f"{where}: metrics must be a dict of scalars, got {_kind(metrics)}")
-    return loss.reshape(()), {str(k): torch.as_tensor(v).detach().reshape(()) for k, v in metrics.items()}
+    return loss.reshape(()), {str(k): _scalar_metric(k, v, where) for k, v in metrics.items()}
+
+
+def _scalar_metric(name: object, value: Any, where: str) -> torch.Tensor:
+    """One metric as a detached scalar; a per-sample metric is named, not a reshape error."""
+    try:
+        metric = torch.as_tensor(value).detach()
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ModelContractError(f"{where}: metric {name!r} is not a number ({_kind(value)}: {e})") from e
+    if metric.numel() != 1:
+        raise ModelContractError(
+            f"{where}: metric {name!r} has shape {tuple(metric.shape)}, not a scalar: reduce it over "
+            "the batch (e.g. (pred == y).float().mean())"
+        )
+    return metric.reshape(())
+
+
+def running_stats_problem(model: nn.Module, factory: str) -> str | None:
+    """Why a model cannot be trained here, or None: normalization layers that keep running
+    statistics (BatchNorm's running_mean and running_var) change buffers, not parameters, and only
+    parameters are merged, checkpointed and exported: the global model would be evaluated, and
+    exported, with its initial statistics (measured: a 3-class CNN at 100% training accuracy
+    evaluated at 32%). Batch statistics in eval too (track_running_stats=False), or GroupNorm or
+    LayerNorm, train and evaluate as intended."""
+    tracking = [
+        name or type(m).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+    if not tracking:
+        return None
+    shown = ", ".join(tracking[:3]) + (f" and {len(tracking) - 3} more" if len(tracking) > 3 else "")
+    return (
+        f"model.factory {factory}: {shown} keep running statistics, which diloco does not merge (only "
+        "parameters travel), so the global model would evaluate with its initial ones: build them with "
+        "track_running_stats=False (batch statistics in eval too), or use GroupNorm or LayerNorm"
+    )
 
 
 def parameter_layout(params: Mapping[str, torch.Tensor]) -> dict[str, tuple[tuple[int, ...], str]]:

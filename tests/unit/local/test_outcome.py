@@ -17,6 +17,7 @@ from diloco.local.outcome import (
     CAUSE_WIDTH,
     RecordedRun,
     cause,
+    data_workers_failed,
     failure_causes,
     finished_run_refusal,
     job_counts,
@@ -69,6 +70,31 @@ def test_a_job_that_merged_is_not_failed_and_one_that_never_stepped_is() -> None
     assert run_failure({}, (5000, 0), 12.0, LOGS) is None  # trained, merged nothing yet: a short run
     problem = run_failure({}, (0, 0), 12.0, LOGS)
     assert problem is not None and "no learner trained a step in 12 s" in problem
+
+
+def test_a_job_whose_chunks_were_all_quarantined_says_the_first_ones_error() -> None:
+    """A preprocess that breaks its contract fails every chunk and no process: the recorded error
+    is the cause, not "the time budget ended first"."""
+    error = "PreprocessError: data.preprocess mypkg.bad:strings: column 'name' is <U5\nmore"
+    problem = run_failure({}, (0, 0), 6.0, LOGS, quarantine=(18, error))
+    assert problem is not None
+    assert "18 chunks quarantined" in problem and "column 'name' is <U5" in problem
+    assert "more" not in problem and "time budget" not in problem
+    assert run_failure({}, (0, 0), 6.0, LOGS, quarantine=(1, None)).startswith(  # type: ignore[union-attr]
+        "the run merged nothing: 1 chunk quarantined"
+    )
+    # Some chunks quarantined in a run that trained: the summary's row says it, not a failure.
+    assert run_failure({}, (5000, 0), 6.0, LOGS, quarantine=(2, error)) is None
+
+
+def test_a_job_ends_when_every_data_worker_failed_with_chunks_left() -> None:
+    left = {"chunks_total": 18, "chunks_done": 0, "chunks_quarantined": 0}
+    assert data_workers_failed([2, 2], left)
+    assert not data_workers_failed([2, None], left)  # one still working
+    assert not data_workers_failed([2, -9], left)  # killed (chaos respawns it): not its own failure
+    assert not data_workers_failed([0, 0], {"chunks_total": 18, "chunks_done": 18})  # done
+    assert not data_workers_failed([2, 2], {"chunks_total": 18, "chunks_done": 16, "chunks_quarantined": 2})
+    assert not data_workers_failed([], left)
 
 
 def test_a_resumed_run_counts_only_this_jobs_tokens() -> None:

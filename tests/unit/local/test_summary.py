@@ -138,6 +138,19 @@ def test_a_budget_of_few_outer_steps_is_warned_about() -> None:
     one = short.with_overrides({"train.inner_steps": 40})  # one learner: 484 steps, 12 outer steps
     assert few_outer_steps_warning(one, learners=1) is None and few_outer_steps_warning(one, learners=2)
     assert few_outer_steps_warning(RunConfig(), learners=2) is None  # no budget: until the data ends
+    # A preprocess's budget is in samples, one per row: 1,500 over 3 learners at batch 16 are 31 steps.
+    samples = RunConfig().with_overrides(
+        {
+            "train.max_tokens": 1500,
+            "data.preprocess": "examples.digits.preprocess:pixels",
+            "train.inner_steps": 10,
+        }
+    )
+    warning = few_outer_steps_warning(samples, learners=3) or ""
+    assert "1,500 samples over 3 learners at batch 16 are 31 inner steps each: 3 outer step(s)" in warning
+    assert "H = 2 (--set train.inner_steps=2) gives 15" in warning
+    tiny = samples.with_overrides({"train.max_tokens": 300})  # 6 steps each: no H gives 12
+    assert "even H = 1 gives only 6" in (few_outer_steps_warning(tiny, learners=3) or "")
 
 
 def test_goodput_is_merged_work_over_learner_time() -> None:
@@ -224,3 +237,23 @@ def test_the_ddp_comparison_reads_the_right_way_round() -> None:
     assert than_ddp(1633.0, 1.0) == "1,633× more"
     # A run whose pushes carried few tokens sends more per token than DDP would: not "0× more".
     assert than_ddp(1633.0, 19561.0) == "12.0× less"
+
+
+def test_a_final_evaluation_that_fails_keeps_the_runs_results_and_says_why(tmp_path: Path) -> None:
+    """The run finished (a finished workdir takes no second job): its summary is written without
+    an evaluation, with the reason, and the table says it failed rather than "no held-out data"."""
+    from diloco.local.evaluation import evaluate_final_or_say_why, param_count
+    from diloco.tokenizer import load_tokenizer
+
+    cfg = RunConfig().with_overrides({"model.factory": "no_such_package_here.model:build"})
+    assert param_count(cfg, 257) is None
+    d = {"fragment_versions": [1], "eval_shards": [{"uri": str(tmp_path / "gone.shard"), "checksum": "0"}]}
+    result = evaluate_final_or_say_why(d, cfg, tmp_path, load_tokenizer(cfg.data.tokenizer))
+    assert result["eval_loss"] is None and "gone.shard" in result["final_eval_error"]
+    summary = {"tokens_trained": 1000, "tokens_merged": 1000, "rounds": 4, "chunks": 2, "shards": 2,
+               "wire_bytes_per_token": 8.0, "utilization": 0.9, "wall_seconds": 30.0, "audit_ok": True,
+               **result}  # fmt: skip
+    console = Console(width=200, record=True)
+    print_summary(console, summary, Path("summary.json"))
+    row = next(line for line in console.export_text().splitlines() if "eval loss" in line)
+    assert "the final evaluation failed" in row and "no held-out data" not in row

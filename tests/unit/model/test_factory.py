@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from diloco.config import ConfigError, ModelConfig, RunConfig
 from diloco.errors import DilocoError
@@ -18,6 +20,7 @@ from diloco.model.contract import (
     layout_difference,
     loss_and_metrics,
     parameter_layout,
+    running_stats_problem,
 )
 from diloco.model.factory import factory_kwargs
 from diloco.plugins import resolve
@@ -75,6 +78,13 @@ def test_a_forward_may_return_a_loss_an_object_with_loss_or_a_dict() -> None:
         ModelContractError, match=r"m: forward returned a tensor of shape \(2, 4\), not a scalar"
     ):
         loss_and_metrics(torch.zeros(2, 4), "m")
+    # A per-sample loss in a dict is named as one, not as "a dict, not a loss".
+    with pytest.raises(ModelContractError, match=r"loss has shape \(16,\), not a scalar: reduce it"):
+        loss_and_metrics({"loss": torch.zeros(16)}, "m")
+    with pytest.raises(ModelContractError, match=r"metric 'accuracy' has shape \(16,\), not a scalar"):
+        loss_and_metrics({"loss": loss, "metrics": {"accuracy": torch.ones(16)}}, "m")
+    with pytest.raises(ModelContractError, match="metric 'name' is not a number"):
+        loss_and_metrics({"loss": loss, "metrics": {"name": "x"}}, "m")
     with pytest.raises(ModelContractError, match="returned a tuple"):
         loss_and_metrics((loss, {}), "m")
     with pytest.raises(ModelContractError, match="metrics must be a dict"):
@@ -146,3 +156,36 @@ def test_a_sample_longer_than_the_runs_seq_len_keeps_the_context_within_it() -> 
         sample_text(model, tokenizer, "def ", 40, "cpu", seed=1)
     text = sample_text(model, tokenizer, "def ", 40, "cpu", seed=1, window=16)
     assert text.startswith("def ")
+
+
+def test_a_spec_imports_from_the_working_directory_in_every_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`python -m` (the roles) puts the working directory on the import path, the `diloco` console
+    script (the run's own process, which builds the model for its final evaluation) does not."""
+    (tmp_path / "walk_model_here.py").write_text("def build(**kwargs):\n    return 7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    assert resolve("walk_model_here:build", "model.factory")() == 7
+
+
+def test_a_model_whose_normalization_keeps_running_statistics_is_refused_at_build() -> None:
+    """Only parameters are merged and exported: BatchNorm's running statistics would stay at their
+    initial values in the global model. Batch statistics (track_running_stats=False) are fine."""
+    kept = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
+    problem = running_stats_problem(kept, "mypkg:cnn")
+    assert problem is not None and "mypkg:cnn: 1 keep running statistics" in problem
+    assert "track_running_stats=False" in problem
+    assert (
+        running_stats_problem(
+            nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, track_running_stats=False)), "f"
+        )
+        is None
+    )
+    assert (
+        running_stats_problem(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.GroupNorm(1, 2)), "f")
+        is None
+    )
+    cfg = ModelConfig(factory="tests.toy_models:batchnorm_mlp", kwargs={})
+    with pytest.raises(ModelContractError, match="keep running statistics"):
+        build_model(cfg, vocab_size=9)
