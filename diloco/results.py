@@ -119,7 +119,13 @@ def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray]
         raise DilocoError(f"dataset {dataset!r} has no data")
     maker = shard_maker(d, load_tokenizer(d.data.tokenizer))
     with tempfile.TemporaryDirectory(prefix="diloco-eval-") as tmp:
-        shards = [read_shard(maker.make(c, str(Path(tmp) / f"{c.index}.shard")).info.uri) for c in chunks]
+        try:
+            shards = [read_shard(maker.make(c, str(Path(tmp) / f"{c.index}.shard")).info.uri) for c in chunks]
+        except DilocoError:
+            raise
+        except Exception as e:  # the user's preprocess, on data it was not written for
+            made_by = f"data.preprocess {d.data.preprocess}" if d.data.preprocess else "the run's tokenizer"
+            raise DilocoError(f"{made_by} failed on {dataset!r}: {type(e).__name__}: {e}") from e
     return concat_columns(shards), shards[0].unit
 
 

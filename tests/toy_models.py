@@ -60,3 +60,10 @@ TOY_CONSTANT = 3
 def batchnorm_mlp(**_: object) -> nn.Module:
     """A model with BatchNorm's running statistics: refused at build (only parameters are merged)."""
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def needs_label(records: list[dict]) -> dict:
+    """A preprocess written for labelled records: text records have no label (KeyError)."""
+    import numpy as np
+
+    return {"label": np.array([r["label"] for r in records])}

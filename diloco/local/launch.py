@@ -237,7 +237,8 @@ class LocalRun:
         started_at = time.time()
         self.console.print(
             f"[bold]diloco run[/] {self.name}: {self.options.learners} learners, "
-            f"{self.options.data_workers} data workers, workdir {self.workdir}"
+            f"{self.options.data_workers} data workers, workdir {self.workdir}",
+            soft_wrap=True,  # a path is copied whole: never wrapped
         )
         for warning in (
             cold_start_warning(self.config),

@@ -106,3 +106,13 @@ def test_a_coordinator_that_names_the_own_loop_model_needs_nothing_more(
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(exported).__name__ == "LlamaForCausalLM" and exported.config.vocab_size == 257
     assert exported.config.architectures == ["LlamaForCausalLM"]  # what every loader knows
+
+
+def test_eval_on_data_the_preprocess_was_not_written_for_is_one_line(tmp_path: Path) -> None:
+    from diloco.errors import DilocoError
+    from diloco.results import dataset_columns
+
+    (tmp_path / "notes.txt").write_text("no labels here\n" * 50)
+    cfg = RunConfig().with_overrides({"data.preprocess": "tests.toy_models:needs_label"})
+    with pytest.raises(DilocoError, match=r"tests.toy_models:needs_label.*KeyError"):
+        dataset_columns(cfg, str(tmp_path / "notes.txt"))
