@@ -51,9 +51,10 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
         f"{d.get('chunks_done', 0)} / {d.get('chunks_total', 0)} "
         f"({d.get('chunks_quarantined', 0)} quarantined)",
     )
-    table.add_row("tokens prepared", f"{d.get('tokens_prepared', 0):,}")
-    table.add_row("tokens trained", f"{d.get('tokens_trained', 0):,}")
-    table.add_row("tokens merged", f"{d.get('tokens_merged', 0):,}")
+    unit = d.get("unit", "tokens")
+    table.add_row(f"{unit} prepared", f"{d.get('tokens_prepared', 0):,}")
+    table.add_row(f"{unit} trained", f"{d.get('tokens_trained', 0):,}")
+    table.add_row(f"{unit} merged", f"{d.get('tokens_merged', 0):,}")
     table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
     loss = d.get("last_loss")
     table.add_row("loss", f"{loss:.4f}" if loss else "-")
@@ -178,6 +179,11 @@ STATUS_COLUMNS = ("worker", "role", "state", "device", "steps", "tokens", "token
                   "data stall", "last push", "lag", "metrics")  # fmt: skip
 
 
+def status_columns(unit: str) -> tuple[str, ...]:
+    """The workers table's columns, counting the run's unit (tokens, or a preprocess's samples)."""
+    return tuple({"tokens": unit, "tokens/s": f"{unit}/s"}.get(c, c) for c in STATUS_COLUMNS)
+
+
 def status_tables(detail: dict[str, Any]) -> Group:
     """`diloco status`: the run (data, training, the held-out eval) and a table of its workers."""
     d = detail
@@ -187,7 +193,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
     )
     run.add_row("shards", f"{d['shards_total']} ({d['shards_consumed']} consumed)")
     run.add_row(
-        "tokens",
+        d.get("unit", "tokens"),
         f"prepared {d['tokens_prepared']:,}, trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}",
     )
     run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}")
@@ -197,7 +203,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
     run.add_row("records", records_line(d.get("record_stats", {})).removeprefix("records "))
     shown, total = len(d["workers"]), d.get("workers_total", len(d["workers"]))
     workers = Table(title="workers" if shown == total else f"workers ({shown} of {total}: the live first)")
-    for column in STATUS_COLUMNS:
+    for column in status_columns(d.get("unit", "tokens")):
         workers.add_column(
             column, justify="left" if column in ("worker", "role", "state", "metrics") else "right"
         )

@@ -71,6 +71,8 @@ class StatusRPCs(ServiceBase):
         return {
             **summary,
             "run_state": self.run_state,
+            # What the counts count: tokens of packed text, or samples of a preprocess's data.
+            "unit": "samples" if self.config.data.preprocess else "tokens",
             "coordinator_epoch": self.epoch,
             "fragment_versions": [f.published_version for f in self.fragments],
             "tokens_merged": int(counters.get("tokens_merged", 0)),

@@ -26,7 +26,15 @@ from diloco.local.summary import (
 )
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.views import STATUS_COLUMNS, lowest_learner_text, print_summary, than_ddp, worker_cells
+from diloco.views import (
+    STATUS_COLUMNS,
+    lowest_learner_text,
+    print_summary,
+    status_columns,
+    status_tables,
+    than_ddp,
+    worker_cells,
+)
 from tests.support import commit_merge
 
 
@@ -231,6 +239,23 @@ def test_a_learner_much_less_busy_than_the_others_is_named_under_the_mean() -> N
     print_summary(console, summary, Path("summary.json"))
     row = next(line for line in console.export_text().splitlines() if "lowest learner" in line)
     assert "learner-1 20.0% (busiest 90.0%" in row
+
+
+def test_status_counts_in_the_runs_unit() -> None:
+    """A preprocess's run counts samples: `diloco status` says so, not "tokens"."""
+    detail = {"run_state": "running", "coordinator_epoch": 1, "chunks_done": 1, "chunks_total": 2,
+              "chunks_quarantined": 0, "shards_total": 1, "shards_consumed": 0, "tokens_prepared": 320,
+              "tokens_trained": 64, "tokens_merged": 32, "rounds": 1, "fragment_versions": [1],
+              "unit": "samples", "workers": [
+                  {"worker_id": "data-0", "role": "data", "alive": True, "state": "active",
+                   "tokens_prepared": 320, "tokens_per_s": 32.0}]}  # fmt: skip
+    console = Console(width=200, record=True)
+    console.print(status_tables(detail))
+    text = console.export_text()
+    row = next(line for line in text.splitlines() if "prepared 320, trained 64, merged 32" in line)
+    assert "samples" in row and "samples/s" in text
+    assert "tokens" not in text
+    assert status_columns("tokens") == STATUS_COLUMNS
 
 
 def test_the_ddp_comparison_reads_the_right_way_round() -> None:
