@@ -1,7 +1,9 @@
 """A raw segment to records, for a preprocess (data.preprocess): one dict per sample.
 
     .jsonl            each line's JSON object
-    .csv              each line as {header column: value}, numbers parsed (int, then float)
+    .csv              each line as {header column: value}, numbers parsed (int, then float; an
+                      empty cell stays ""); a row with more or fewer fields than the header is
+                      skipped and counted (skipped_ragged_row)
     .parquet          each row as {column: value}, every column of the segment's row groups
     .npy / .npz       each row: {"array": row} / {name: row of each array}
     .png .jpg .jpeg   {"image": uint8 [H, W] or [H, W, C], "label": class index, "class": folder
@@ -86,8 +88,8 @@ def _csv_records(segment: Segment, stats: RecordStats, max_bytes: int) -> Iterat
     for values in csv.reader(_decoded_lines(lines, stats)):
         if not values:
             continue
-        if len(values) != len(header):
-            stats.skipped_missing_field += 1
+        if len(values) != len(header):  # a field more or fewer than the header names
+            stats.skipped_ragged_row += 1
             continue
         stats.records += 1
         yield {name: _number(v) for name, v in zip(header, values, strict=True)}

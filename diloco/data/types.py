@@ -90,6 +90,9 @@ class RecordStats:
     # JSONL objects and parquet rows without a string text field (missing, null or another type).
     skipped_missing_field: int = 0
     skipped_not_json: int = 0  # lines that are not a JSON object
+    # CSV rows with more or fewer fields than the header (once counted as skipped_missing_field,
+    # which sent users looking for a missing column; a row with an extra field misses nothing).
+    skipped_ragged_row: int = 0
     skipped_empty: int = 0  # empty texts
     skipped_oversized: int = 0  # JSONL lines or parquet values over data.max_record_bytes
     # Plain text pieces with invalid UTF-8: kept, with U+FFFD for the bad bytes (dropping a

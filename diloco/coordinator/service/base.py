@@ -7,6 +7,7 @@ import json
 import math
 import threading
 import time
+from collections import deque
 
 import grpc
 import torch
@@ -31,6 +32,8 @@ from diloco.v1 import coordinator_pb2 as pb
 # After a restart, how long (in learner heartbeats) a fragment's first round waits for the pushes
 # the restart dropped: a learner sends them again at its first heartbeat to the new epoch.
 RESEND_WAIT_HEARTBEATS = 2.0
+# Chunk completions a waiting data worker's next ask is paced by (chunks.retry_after_s).
+CHUNK_PACE_WINDOW = 8
 
 # How often the run's rates are sampled as a "progress" event (curves of the page, TensorBoard).
 PROGRESS_EVERY_S = 5.0
@@ -67,6 +70,8 @@ class ServiceBase:
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
+        # When the last chunks completed (this life): how soon a waiting data worker asks again.
+        self.chunk_completions: deque[float] = deque(maxlen=CHUNK_PACE_WINDOW)
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.callers = Callers()  # which caller holds each worker id, and its open calls
         self._budget_lock = threading.Lock()  # one learner's allowance is read and written at a time

@@ -12,6 +12,8 @@ from diloco.coordinator.service.state import (
 )
 from diloco.v1 import coordinator_pb2 as pb
 
+DEALT_RETRY_S = 0.1
+
 
 class ShardRPCs(ServiceBase):
     def LeaseShard(self, request: pb.LeaseShardRequest, context: grpc.ServicerContext) -> pb.LeaseShardReply:
@@ -56,7 +58,9 @@ class ShardRPCs(ServiceBase):
                 )
             elif lease in (NoLease.WAIT, NoLease.WAIT_DEALT):
                 reply = pb.LeaseShardReply(
-                    retry_after_s=0.5,
+                    # The learner's own next shard is being made (a chunk of small samples takes
+                    # ~0.05 s): asked for again soon; nothing coming: twice a second.
+                    retry_after_s=DEALT_RETRY_S if lease is NoLease.WAIT_DEALT else 0.5,
                     run_state=self._state_pb(),
                     dealt_shard_coming=lease is NoLease.WAIT_DEALT,
                 )

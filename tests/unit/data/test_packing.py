@@ -105,6 +105,7 @@ def test_process_chunk_text_and_jsonl(tmp_path):
         "skipped_undecodable": 1,
         "skipped_missing_field": 2,
         "skipped_not_json": 2,
+        "skipped_ragged_row": 0,
         "skipped_empty": 1,
         "skipped_oversized": 0,
         "replaced_undecodable": 0,
