@@ -19,6 +19,7 @@ def progress_line(d: dict[str, Any], started: float) -> str:
         f"merged {d.get('tokens_merged', 0):,} rounds {d.get('rounds', 0)} "
         f"loss {f'{loss:.4f}' if loss else '-'}{metrics_text(d.get('train_metrics'))} "
         f"held-out {eval_text(d)}"
+        + (f" SAVING MERGES {saving_text(d['publish_failing'])}" if d.get("publish_failing") else "")
     )
 
 
@@ -56,6 +57,8 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     table.add_row(f"{unit} trained", f"{d.get('tokens_trained', 0):,}")
     table.add_row(f"{unit} merged", f"{d.get('tokens_merged', 0):,}")
     table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
+    if failing := d.get("publish_failing"):
+        table.add_row("[red]saving merges[/]", saving_text(failing))
     loss = d.get("last_loss")
     table.add_row("loss", f"{loss:.4f}" if loss else "-")
     if d.get("train_metrics"):
@@ -64,6 +67,11 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
     table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
     return table
+
+
+def saving_text(failing: dict[str, Any]) -> str:
+    """Merges the coordinator cannot save (a full disk): since when, and the store's error."""
+    return f"FAILING for {failing['seconds']:.0f} s: {failing['error']}"
 
 
 def than_ddp(ddp: float, ours: float) -> str:
@@ -129,6 +137,11 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     first = summary.get("first_loss")
     table.add_row("first-step loss", f"{first:.4f}" if first else "-")
     table.add_row(f"{unit} trained / merged", f"{summary['tokens_trained']:,} / {summary['tokens_merged']:,}")
+    if before := summary.get("resumed_from"):
+        table.add_row(
+            "  resumed",
+            f"{before['tokens_merged']:,} merged before this job; the rates below are this job's",
+        )
     table.add_row("rounds", str(summary["rounds"]))
     table.add_row("chunks / shards", f"{summary['chunks']} / {summary['shards']}")
     if quarantined := summary.get("chunks_quarantined", 0):
@@ -197,6 +210,8 @@ def status_tables(detail: dict[str, Any]) -> Group:
         f"prepared {d['tokens_prepared']:,}, trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}",
     )
     run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}")
+    if failing := d.get("publish_failing"):
+        run.add_row("saving merges", saving_text(failing))
     loss = d.get("last_loss")
     run.add_row("last loss", (f"{loss:.4f}" if loss else "-") + metrics_text(d.get("train_metrics")))
     run.add_row("held-out eval", eval_text(d))

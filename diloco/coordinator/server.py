@@ -22,7 +22,13 @@ from diloco.coordinator.ledger import Ledger, ledger_path
 from diloco.coordinator.memory import keep_freed_memory
 from diloco.coordinator.service import STREAMED_REQUEST_KINDS, CoordinatorService
 from diloco.coordinator.wirecount import CountRequestStreams
-from diloco.coordinator.workdir import check_same_dataset, dataset_files, lock_workdir, store_root
+from diloco.coordinator.workdir import (
+    check_same_dataset,
+    dataset_files,
+    lock_workdir,
+    settings_not_used,
+    store_root,
+)
 from diloco.data.chunks import mixed_order, partition_dataset
 from diloco.errors import DilocoError
 from diloco.observe.access import access_token
@@ -143,7 +149,13 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
             ledger.close()
             raise
         stored = RunConfig.from_json(ledger.get_meta("config") or "{}")
-        log.info("resuming run %s from %s", stored.name, path.parent)
+        log.info("resuming run %s from %s", stored.name or "(unnamed)", path.parent)
+        if differ := settings_not_used(config, stored):
+            log.warning(
+                "the run keeps the settings it started with; not used: %s (a new --workdir starts a run "
+                "with them)",
+                "; ".join(differ),
+            )
         return ledger, stored
     if config.model.init_from and not store.exists(config.model.init_from):
         raise DilocoError(f"model.init_from: not found: {config.model.init_from}")
@@ -233,6 +245,10 @@ def start_coordinator(
     if observe is not None and (observe.http_port is not None or observe.metrics_port is not None):
         check_listen(observe.host, security)  # the page too, before anything is written
     check_port_free(host, port)
+    if observe is not None:  # the page's and /metrics' ports too: a first start that fails on
+        for observer_port in (observe.http_port, observe.metrics_port):  # them has written the ledger
+            if observer_port:
+                check_port_free(observe.host, observer_port)
     keep_freed_memory()
     held = lock_workdir(workdir)
     try:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import IO
 
 from diloco.config import RunConfig
+from diloco.config_parse import flatten
 from diloco.coordinator.ledger import Ledger, ledger_path
 from diloco.corpus import dataset_key, resolve_dataset
 from diloco.data.fields import check_dataset_field
@@ -60,6 +61,21 @@ def check_same_dataset(recorded: str | None, config: RunConfig, workdir: str) ->
 LOCK_WAIT_S = 10.0
 
 
+def workdir_holder(workdir: str) -> str | None:
+    """The pid of the coordinator holding the workdir now, or None: asked without waiting and let
+    go at once, before a job touches anything there (its coordinator.json, its run.toml)."""
+    path = ledger_path(workdir).parent / "coordinator.lock"
+    if not path.exists():
+        return None
+    with open(path) as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return held.read().strip() or "?"
+        fcntl.flock(held, fcntl.LOCK_UN)
+    return None
+
+
 def lock_workdir(workdir: str) -> IO[str]:
     """This process's hold on <workdir>/state/coordinator.lock, for as long as the returned file is
     open: one coordinator per workdir. A second one would share the ledger and the checkpoints, and
@@ -89,3 +105,22 @@ def lock_workdir(workdir: str) -> IO[str]:
     held.write(str(os.getpid()))
     held.flush()
     return held
+
+
+# The job's, not the run's: a resume names itself anew.
+NOT_THE_RUNS = frozenset({"name"})
+
+
+def settings_not_used(given: RunConfig, stored: RunConfig) -> list[str]:
+    """The settings given at a restart that differ from those the run recorded at its first start,
+    which win (a run does not change its model, data or schedule under its checkpoints), each as
+    "train.lr = 0.01 (the run's: 0.001)": said, not silently dropped."""
+    now, then = flatten(given.to_dict()), flatten(stored.to_dict())
+    differ = []
+    for key, value in now.items():
+        if key in NOT_THE_RUNS or key not in then or then[key] == value:
+            continue
+        if key == "model.vocab_size" and value == 0:  # 0: "the tokenizer's", recorded filled in
+            continue
+        differ.append(f"{key} = {value!r} (the run's: {then[key]!r})")
+    return differ

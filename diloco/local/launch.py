@@ -27,7 +27,7 @@ from rich.markup import escape
 
 from diloco.client import CoordinatorClient
 from diloco.coordinator.held_out import no_eval_split_warning
-from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset
+from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset, workdir_holder
 from diloco.errors import DilocoError
 from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
 from diloco.local.options import LocalRunOptions, default_run_config
@@ -38,8 +38,11 @@ from diloco.local.outcome import (
     failure_causes,
     finished_run_refusal,
     job_counts,
+    recorded_config,
     recorded_run,
+    resume_notes,
     run_failure,
+    saving_failed,
 )
 from diloco.local.prepared import wait_until_prepared
 from diloco.local.procs import Child, ProcessGroup
@@ -208,6 +211,11 @@ class LocalRun:
     def _check_inputs(self) -> None:
         """Refuse bad input here, in one line, before a child starts or the workdir is made: the
         coordinator would refuse it too, but only after the job's set-up."""
+        if holder := workdir_holder(str(self.workdir)):
+            raise DilocoError(
+                f"{self.workdir} is in use: its coordinator (pid {holder}) is running; watch that job with "
+                f"`diloco status --workdir {self.workdir}`, or give this one another --workdir"
+            )
         self.before = recorded_run(self.workdir)  # a resumed run's counts: this job's are on top
         if refusal := finished_run_refusal(self.before, self.workdir):
             raise DilocoError(refusal)
@@ -240,6 +248,8 @@ class LocalRun:
             f"{self.options.data_workers} data workers, workdir {self.workdir}",
             soft_wrap=True,  # a path is copied whole: never wrapped
         )
+        for note in resume_notes(self.before, self.workdir, self.config):
+            self.console.print(note, highlight=False, soft_wrap=True)
         for warning in (
             cold_start_warning(self.config),
             few_outer_steps_warning(self.config, self.options.learners),
@@ -271,10 +281,12 @@ class LocalRun:
             self._stop_children()
         self._check_outcome(causes, detail, train_seconds)
         o = self.options
+        # A resumed run ran on the settings it started with (the coordinator's), not this job's.
+        run_config = (recorded_config(self.workdir) if self.before else None) or self.config
         summary = summarize(
-            detail, self.config, name=self.name, workdir=self.workdir, learners=o.learners,
+            detail, run_config, name=self.name, workdir=self.workdir, learners=o.learners,
             data_workers=o.data_workers, slow_learner=o.slow_learner, train_seconds=train_seconds,
-            total_seconds=time.monotonic() - started, minutes=o.minutes,
+            total_seconds=time.monotonic() - started, minutes=o.minutes, earlier=self.before,
         )  # fmt: skip
         report = job_report(detail, summary, workdir=self.workdir, learners=o.learners,
                             train_seconds=train_seconds, started_at=started_at)  # fmt: skip
@@ -334,6 +346,8 @@ class LocalRun:
                         time.monotonic(), training=bool(detail.get("tokens_trained")), finishing=finish_sent
                     )
                 detail = self._status(observer) or detail
+                if problem := saving_failed(detail, self.workdir):
+                    raise DilocoError(problem)
                 if self.options.show_progress:
                     live.update(progress_table(detail, started, self.name, self.options.minutes))
                 elif time.monotonic() - last_line >= 10:
@@ -375,7 +389,15 @@ def run_local(options: LocalRunOptions) -> dict[str, Any]:
     # both stop the job: every child is stopped in order by LocalRun.run's cleanup.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    summary = job.run()
+    try:
+        summary = job.run()
+    except KeyboardInterrupt:
+        job.console.print(
+            f"\nstopped: the run is kept in {job.workdir}; the same command (the same --workdir) resumes it",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise
     # Progress went to stderr; the result is the command's output.
     print_summary(Console(), summary, job.workdir / "summary.json")
     return summary

@@ -11,9 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
+from diloco.config import RunConfig
 from diloco.coordinator.ledger import ledger_path
 from diloco.coordinator.lifecycle import FINISHED, RUNNING
-from diloco.coordinator.report import read_only
+from diloco.coordinator.report import read_only, stored_run
+from diloco.coordinator.workdir import settings_not_used
 from diloco.local.procs import ProcessGroup
 
 # A cause is one line of the report: long enough for a model.init_from mismatch's first names.
@@ -28,6 +32,7 @@ class RecordedRun:
     state: str
     tokens_trained: int
     tokens_merged: int
+    tokens_prepared: int = 0
 
 
 def recorded_run(workdir: Path) -> RecordedRun | None:
@@ -38,11 +43,41 @@ def recorded_run(workdir: Path) -> RecordedRun | None:
     with read_only(workdir) as db:  # a query, not a Ledger: opening one may migrate an old ledger
         meta = dict(db.execute("SELECT key, value FROM meta WHERE key = 'run_state'").fetchall())
         counters = dict(db.execute("SELECT name, value FROM counters").fetchall())
+        prepared = db.execute("SELECT COALESCE(SUM(tokens), 0) FROM shards").fetchone()[0]
     return RecordedRun(
         meta.get("run_state") or RUNNING,
         int(counters.get("tokens_trained", 0)),
         int(counters.get("tokens_merged", 0)),
+        int(prepared),
     )
+
+
+def recorded_config(workdir: Path) -> RunConfig | None:
+    """The settings the workdir's run started with (they win on a resume); None: no run there."""
+    try:
+        return RunConfig.from_json(stored_run(workdir)[0])
+    except FileNotFoundError:
+        return None
+
+
+def resume_notes(before: RecordedRun | None, workdir: Path, config: RunConfig) -> list[str]:
+    """What a job that resumes a run says at its start: what the run had done, and the settings
+    given now that the run does not take (its first start's win, in the coordinator too)."""
+    recorded = recorded_config(workdir) if before is not None else None
+    if before is None or recorded is None:
+        return []
+    unit = "samples" if recorded.data.preprocess else "tokens"
+    notes = [
+        f"resuming the run in {workdir}: {before.tokens_merged:,} {unit} merged ({before.tokens_trained:,} "
+        "trained) before this job; the rates at the end are this job's own"
+    ]
+    if differ := settings_not_used(config, recorded):
+        notes.append(
+            "[yellow]warning:[/] the run keeps the settings it started with; not used: "
+            + escape("; ".join(differ))
+            + " (a new --workdir starts a run with them)"
+        )
+    return notes
 
 
 def finished_run_refusal(run: RecordedRun | None, workdir: Path) -> str | None:
@@ -115,6 +150,24 @@ def data_workers_failed(exit_codes: list[int | None], detail: dict[str, Any]) ->
         return False
     settled = int(detail.get("chunks_done", 0)) + int(detail.get("chunks_quarantined", 0))
     return settled < int(detail.get("chunks_total", 0)) or not detail
+
+
+# How long merges may fail to be saved before a job stops: a store hiccup passes in seconds; a full
+# disk does not, and the run would go on training work that is never kept.
+SAVING_STALL_S = 60.0
+
+
+def saving_failed(detail: dict[str, Any], workdir: Path, limit_s: float = SAVING_STALL_S) -> str | None:
+    """Why the job stops, or None: the coordinator has not saved a merge for `limit_s` (its
+    status's publish_failing: for how long, the store's error)."""
+    failing = detail.get("publish_failing")
+    if not failing or failing.get("seconds", 0.0) < limit_s:
+        return None
+    return (
+        f"the coordinator has not saved a merge for {failing['seconds']:.0f} s: {failing.get('error')}; "
+        f"the run in {workdir} is kept up to its last saved merge: fix the store (free space) and run "
+        "the same command to resume it"
+    )
 
 
 def job_counts(detail: dict[str, Any], before: RecordedRun | None) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from typing import Any
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
+from diloco.local.outcome import RecordedRun
 from diloco.local.stopping import learner_ends, quarantine_facts, quarantined_chunks, stop_reason
 from diloco.observe.events import METRICS_LOG, TENSORBOARD_DIR
 from diloco.tokenizer import load_tokenizer
@@ -148,6 +149,7 @@ def summarize(
     train_seconds: float,
     total_seconds: float,
     minutes: float | None = None,
+    earlier: RecordedRun | None = None,
 ) -> dict[str, Any]:
     """The run's figures from the coordinator's last status, and its final model evaluated.
     `minutes`: the job's time limit (--minutes; 0: none; None: not known), to tell it from an
@@ -182,7 +184,19 @@ def summarize(
         "record_stats": d.get("record_stats", {}),
         "transfers": d.get("transfers", {}),
     }
-    trained = max(1, summary["tokens_trained"])
+    # A resumed run (`earlier`: what its ledger held when this job started): the counts above are
+    # the run's, and every rate below is this job's own counts over this job's time (the wire
+    # bytes, too, are this job's coordinator's).
+    before = earlier or RecordedRun("", 0, 0, 0)
+    summary["resumed_from"] = (
+        {"tokens_trained": before.tokens_trained, "tokens_merged": before.tokens_merged}
+        if before.tokens_trained or before.tokens_merged
+        else None
+    )
+    job_trained = summary["job_tokens_trained"] = max(0, summary["tokens_trained"] - before.tokens_trained)
+    job_merged = summary["job_tokens_merged"] = max(0, summary["tokens_merged"] - before.tokens_merged)
+    summary["job_tokens_pushed"] = max(0, d.get("tokens_pushed", 0) - before.tokens_trained)
+    trained = max(1, job_trained)
     summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
     # Each learner's one-time join (the initial parameters offered, its first full pull)
     # amortizes over a long run; what goes on per token after it is the steady-state cost.
@@ -206,8 +220,8 @@ def summarize(
     )
     # What the ledger counted exactly once: tokens of packed rows, or samples of a preprocess.
     summary["unit"] = "samples" if cfg.data.preprocess else "tokens"
-    summary["trained_tokens_per_s"] = summary["tokens_trained"] / max(train_seconds, 1e-9)
-    summary["merged_tokens_per_s"] = summary["tokens_merged"] / max(train_seconds, 1e-9)
+    summary["trained_tokens_per_s"] = job_trained / max(train_seconds, 1e-9)
+    summary["merged_tokens_per_s"] = job_merged / max(train_seconds, 1e-9)
     timed = [w for w in d.get("workers", []) if w["role"] == "compute" and w.get("wall_seconds")]
     by_learner = {w["worker_id"]: w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in timed}
     summary["utilization_per_learner"] = [round(u, 4) for u in by_learner.values()]
@@ -220,7 +234,11 @@ def summarize(
     summary["data_stall_share"] = mean_of(
         [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
     )
-    summary.update(data_plane_metrics(d, train_seconds))
+    summary.update(
+        data_plane_metrics(
+            {**d, "tokens_prepared": d.get("tokens_prepared", 0) - before.tokens_prepared}, train_seconds
+        )
+    )
     summary["sync_wait_share"] = mean_of([w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed])
     # The token budget's end game: waits for the last allowances that more steps followed.
     summary["budget_wait_share"] = mean_of(
@@ -233,12 +251,18 @@ def summarize(
         summary["transfers"]["learner_pull_seconds_mean"] = (
             sum(w.get("pull_seconds", 0.0) for w in timed) / pulled
         )
-    summary["goodput"] = goodput(
-        d.get("learner_kept_busy_seconds", 0.0),
-        summary["tokens_merged"],
-        d.get("tokens_pushed", 0),
-        learners,
-        train_seconds,
+    # Goodput needs every learner-second of this job; a resumed run's busy seconds hold its
+    # earlier jobs' too: not measured then (None).
+    summary["goodput"] = (
+        goodput(
+            d.get("learner_kept_busy_seconds", 0.0),
+            job_merged,
+            summary["job_tokens_pushed"],
+            learners,
+            train_seconds,
+        )
+        if summary["resumed_from"] is None
+        else None
     )
     # Each learner's tokens over its own training time (first inner step to its last), summed:
     # what a peer's loop timed from its start barrier measures, without the job's start-up.
@@ -305,9 +329,11 @@ def job_report(
         "job_startup_seconds": round(job_startup, 2),
         "goodput_after_start": goodput(
             d.get("learner_kept_busy_seconds", 0.0),
-            summary["tokens_merged"],
-            d.get("tokens_pushed", 0),
+            summary["job_tokens_merged"],
+            summary["job_tokens_pushed"],
             learners,
             max(1e-9, train_seconds - job_startup),
-        ),
+        )
+        if summary.get("resumed_from") is None
+        else None,
     }

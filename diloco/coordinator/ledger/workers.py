@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from diloco.coordinator import leases
@@ -102,35 +103,52 @@ class WorkersTable(LedgerBase):
     def workers(self) -> list[sqlite3.Row]:
         return self._read("SELECT * FROM workers ORDER BY joined")  # for reports: off the write lock
 
-    def reclaim_expired(self, ttl_s: float, max_chunk_attempts: int = 0) -> dict[str, int]:
+    def reclaim_expired(self, ttl_s: float, max_chunk_attempts: int = 0) -> Reclaimed:
         """Expired leases back to the pool; silent workers marked lost (and their leases freed).
 
         A chunk whose lease ran out max_chunk_attempts times (its workers died or hung on it: a
         poison chunk) is quarantined instead of handed out again.
         """
         now = self.clock()
+        quarantined: list[int] = []
         with self._tx() as db:
             if max_chunk_attempts > 0:
-                db.execute(
+                quarantined = _ids(db.execute(
                     "UPDATE chunks SET state = 'quarantined', holder = NULL, lease_expires = NULL, "
                     "error = 'lease expired ' || attempts || ' times: the worker died or hung on this chunk' "
-                    "WHERE state = 'leased' AND lease_expires <= ? AND attempts >= ?",
+                    "WHERE state = 'leased' AND lease_expires <= ? AND attempts >= ? RETURNING id",
                     (now, max_chunk_attempts),
-                )
-            chunks = db.execute(
+                ))  # fmt: skip
+            chunks = _ids(db.execute(
                 "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL "
-                "WHERE state = 'leased' AND lease_expires <= ?",
+                "WHERE state = 'leased' AND lease_expires <= ? RETURNING id",
                 (now,),
-            ).rowcount
-            shards = db.execute(
+            ))  # fmt: skip
+            shards = _ids(db.execute(
                 "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
-                "WHERE state = 'leased' AND lease_expires <= ?",
+                "WHERE state = 'leased' AND lease_expires <= ? RETURNING id",
                 (now,),
-            ).rowcount
-            lost = db.execute(
-                "UPDATE workers SET state = 'lost' WHERE state = 'active' AND last_seen <= ?", (now - ttl_s,)
-            ).rowcount
-        return {"chunks": chunks, "shards": shards, "workers": lost}
+            ))  # fmt: skip
+            lost = [(r[0], r[1]) for r in db.execute(
+                "UPDATE workers SET state = 'lost' WHERE state = 'active' AND last_seen <= ? RETURNING id, role",
+                (now - ttl_s,),
+            )]  # fmt: skip
+        return Reclaimed(chunks, shards, lost, quarantined)
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What one pass of lease expiry took back: ids of chunks and shards back in the pool, workers
+    found silent (id, role), and chunks quarantined for expiring too often."""
+
+    chunks: list[int]
+    shards: list[int]
+    lost: list[tuple[str, str]]
+    quarantined: list[int]
+
+
+def _ids(rows: Iterable[sqlite3.Row | tuple]) -> list[int]:
+    return [int(r[0]) for r in rows]
 
 
 def _renew(

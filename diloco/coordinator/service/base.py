@@ -17,6 +17,7 @@ from diloco.coordinator import checkpoint, lifecycle, syncer
 from diloco.coordinator.callers import Callers, caller_of
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.ledger.workers import Reclaimed
 from diloco.coordinator.service.state import (
     RUN_STATES,
     FragmentState,
@@ -72,6 +73,8 @@ class ServiceBase:
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         # When the last chunks completed (this life): how soon a waiting data worker asks again.
         self.chunk_completions: deque[float] = deque(maxlen=CHUNK_PACE_WINDOW)
+        # (since, error) while merges cannot be saved (a full disk), else None: in status.
+        self.publish_failing: tuple[float, str] | None = None
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.callers = Callers()  # which caller holds each worker id, and its open calls
         self._budget_lock = threading.Lock()  # one learner's allowance is read and written at a time
@@ -237,9 +240,8 @@ class ServiceBase:
 
     def tick(self) -> None:
         self._sample_progress(time.monotonic())
-        self.ledger.reclaim_expired(
-            self.config.coordinator.lease_ttl_s, self.config.coordinator.max_chunk_attempts
-        )
+        ttl = self.config.coordinator.lease_ttl_s
+        self._say_reclaimed(self.ledger.reclaim_expired(ttl, self.config.coordinator.max_chunk_attempts), ttl)
         for _ in range(2):  # running → finishing → finished may both happen in one tick
             with self.cond:
                 unpublished = any(f.pending or f.unpublished for f in self.fragments)
@@ -254,6 +256,18 @@ class ServiceBase:
             if change.state is None:
                 return
             self._set_run_state(change.state, change.reason)
+
+    def _say_reclaimed(self, reclaimed: Reclaimed, ttl_s: float) -> None:
+        """A worker that went silent (killed, hung, cut off) and the leases that came back: in the
+        log and metrics.jsonl, where an operator looks for what happened to it."""
+        for worker_id, role in reclaimed.lost:
+            log.warning("worker %s (%s) lost: no heartbeat for %.0f s", worker_id, role, ttl_s)
+            self.events.record("lost", worker_id=worker_id, role=role)
+        for kind, ids in (("chunk", reclaimed.chunks), ("shard", reclaimed.shards)):
+            if ids:
+                log.info("%s leases expired, back to the pool: %s", kind, ", ".join(map(str, ids)))
+        if reclaimed.quarantined:
+            log.warning("chunks quarantined, their leases expired too often: %s", reclaimed.quarantined)
 
     def _sample_progress(self, now: float) -> None:
         """Every PROGRESS_EVERY_S, the run's rates as an event: merged tokens/s, wire bytes per

@@ -54,14 +54,22 @@ class Publisher(ServiceBase):
                 for frag, params, momentum, version in ready:
                     self._publish(frag, params, momentum, version)
                 failures = 0
+                self.publish_failing = None
                 pause = publish_pause(
                     started, time.monotonic(), self.config.coordinator.min_publish_interval_s
                 )
                 if pause > 0:
                     self._stop.wait(pause)
-            except Exception:  # a store hiccup: the merges stay in memory and are tried again
+            except Exception as e:  # a store hiccup: the merges stay in memory and are tried again
                 failures += 1
-                log.exception("publishing merges failed (%d in a row); retrying", failures)
+                why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                if self.publish_failing is None:
+                    # Since when, and why: status shows it, and a job's supervisor stops on it.
+                    self.publish_failing = (self.clock(), why)
+                    log.exception("publishing merges failed; retrying")
+                else:  # the traceback once; then a line (a full disk fails every few seconds)
+                    self.publish_failing = (self.publish_failing[0], why)
+                    log.error("publishing merges failed (%d in a row): %s; retrying", failures, why)
                 retry = publish_retry(failures, stopping=self._stop.is_set())
                 if retry is None:
                     log.error("giving up publishing at shutdown: the last merges are lost")

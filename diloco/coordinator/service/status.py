@@ -71,6 +71,10 @@ class StatusRPCs(ServiceBase):
         return {
             **summary,
             "run_state": self.run_state,
+            # Merges that cannot be saved (a full disk): for how long, and the store's error.
+            "publish_failing": None
+            if self.publish_failing is None
+            else {"seconds": round(now - self.publish_failing[0], 1), "error": self.publish_failing[1]},
             # What the counts count: tokens of packed text, or samples of a preprocess's data.
             "unit": "samples" if self.config.data.preprocess else "tokens",
             "coordinator_epoch": self.epoch,

@@ -242,7 +242,7 @@ def test_leave_frees_leases_at_once(ledger):
 def test_silent_worker_marked_lost(ledger, clock):
     ledger.join("d1", "data", "h")
     clock.advance(TTL + 1)
-    assert ledger.reclaim_expired(TTL)["workers"] == 1
+    assert ledger.reclaim_expired(TTL).lost == [("d1", "data")]  # named, for the log and the events
     assert not ledger.known_worker("d1")
     ledger.join("d1", "data", "h")  # a rejoin makes it active again
     assert ledger.known_worker("d1")

@@ -12,13 +12,13 @@ import pytest
 
 from diloco.coordinator import workdir as workdir_module
 from diloco.coordinator.server import start_coordinator
-from diloco.coordinator.workdir import lock_workdir
+from diloco.coordinator.workdir import lock_workdir, workdir_holder
 from diloco.errors import DilocoError
 from tests.support import tiny_coordinator
 
 HOLD = """
 import sys, time
-from diloco.coordinator.workdir import lock_workdir
+from diloco.coordinator.workdir import lock_workdir, workdir_holder
 held = lock_workdir(sys.argv[1])
 print("held", flush=True)
 time.sleep(60)
@@ -60,3 +60,30 @@ def test_a_killed_holder_lets_go_at_once(tmp_path: Path) -> None:
         if holder.poll() is None:
             holder.kill()
             holder.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_job_on_a_workdir_in_use_is_refused_before_it_touches_anything(tmp_path: Path) -> None:
+    """A second `diloco run` on a live job's workdir once removed the live job's coordinator.json
+    (its status page link and `status --workdir`) and rewrote its run.toml before its coordinator
+    was refused: the holder is asked first, without waiting, and left holding."""
+    from diloco.local.launch import LocalRun
+    from diloco.local.options import LocalRunOptions
+
+    assert workdir_holder(str(tmp_path)) is None  # nothing there yet
+    root = Path(__file__).resolve().parents[3]
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        (tmp_path / "coordinator.json").write_text("{}")
+        assert workdir_holder(str(tmp_path)) == str(holder.pid)
+        job = LocalRun(LocalRunOptions(workdir=str(tmp_path), minutes=0.1))
+        with pytest.raises(DilocoError, match=f"is in use: its coordinator \\(pid {holder.pid}\\)"):
+            job.run()
+        assert (tmp_path / "coordinator.json").exists() and not (tmp_path / "run.toml").exists()
+    finally:
+        holder.kill()
+        holder.wait(10)
+    assert workdir_holder(str(tmp_path)) is None

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger, ledger_path
+from diloco.coordinator.workdir import settings_not_used
 from diloco.errors import DilocoError
 from diloco.local.launch import LocalRun, LocalRunOptions
 from diloco.local.outcome import (
@@ -22,10 +24,14 @@ from diloco.local.outcome import (
     finished_run_refusal,
     job_counts,
     last_error_line,
+    recorded_config,
     recorded_run,
+    resume_notes,
     run_failure,
+    saving_failed,
 )
 from diloco.local.procs import Child, ProcessGroup
+from diloco.views import progress_line
 
 TRACEBACK_LOG = """2026-12-06 02:58:44,001 INFO learner[1] diloco.client: joined 127.0.0.1:4000 as learner-0
 Traceback (most recent call last):
@@ -164,3 +170,43 @@ def test_the_failed_learners_and_data_workers_are_named_with_their_causes(tmp_pa
         "learner-0": "ValueError: Invalid learning rate: -1.0",
         "data-0": "cannot read x",
     }
+
+
+def test_a_resume_says_what_the_run_did_and_which_settings_it_does_not_take(tmp_path: Path) -> None:
+    """A restart keeps the run's first settings (the coordinator's ledger): one given now that
+    differs is named, not dropped in silence, and the summary's config is the run's."""
+    started = RunConfig().with_overrides({"train.lr": 0.001, "data.deal": 2, "model.vocab_size": 257})
+    ledger_with(tmp_path, None, 722_400)
+    ledger = Ledger(str(ledger_path(tmp_path)))
+    try:
+        ledger.set_meta(config=started.to_json())
+        ledger.bump("tokens_trained", 800_000)
+    finally:
+        ledger.close()
+    before = recorded_run(tmp_path)
+    assert recorded_config(tmp_path) == started
+    given = RunConfig().with_overrides({"train.lr": 0.01, "data.deal": 3, "name": "run-2"})
+    assert settings_not_used(given, started) == [
+        "data.deal = 3 (the run's: 2)",
+        "train.lr = 0.01 (the run's: 0.001)",
+    ]  # vocab_size 0 ("the tokenizer's") and the job's name are no difference
+    first, warning = resume_notes(before, tmp_path, given)
+    assert "722,400 tokens merged (800,000 trained) before this job" in first
+    assert "not used: data.deal = 3 (the run's: 2); train.lr = 0.01" in warning
+    assert resume_notes(before, tmp_path, started) == [first]
+    assert resume_notes(None, tmp_path / "new", given) == []
+
+
+def test_a_job_stops_when_its_merges_cannot_be_saved() -> None:
+    """A full disk: the coordinator fails every publish and retries; the job went on training work
+    it never kept, past --minutes, and said nothing. After a minute of it, it stops with the cause."""
+    workdir = Path("/runs/r5")
+    assert saving_failed({}, workdir) is None
+    assert saving_failed({"publish_failing": None}, workdir) is None
+    short = {"publish_failing": {"seconds": 12.0, "error": "[Errno 28] No space left on device"}}
+    assert saving_failed(short, workdir) is None  # a store hiccup passes
+    long = {"publish_failing": {"seconds": 61.0, "error": "[Errno 28] No space left on device"}}
+    problem = saving_failed(long, workdir) or ""
+    assert "has not saved a merge for 61 s: [Errno 28] No space left on device" in problem
+    assert "/runs/r5 is kept up to its last saved merge" in problem
+    assert "SAVING MERGES FAILING for 61 s" in progress_line(long, 0.0)
