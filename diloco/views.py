@@ -56,7 +56,9 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     table.add_row(f"{unit} prepared", f"{d.get('tokens_prepared', 0):,}")
     table.add_row(f"{unit} trained", f"{d.get('tokens_trained', 0):,}")
     table.add_row(f"{unit} merged", f"{d.get('tokens_merged', 0):,}")
-    table.add_row("rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}")
+    table.add_row(
+        "rounds", f"{d.get('rounds', 0)}  versions {d.get('fragment_versions', [])}" + last_merge_text(d)
+    )
     if failing := d.get("publish_failing"):
         table.add_row("[red]saving merges[/]", saving_text(failing))
     loss = d.get("last_loss")
@@ -67,6 +69,12 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
     table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
     return table
+
+
+def last_merge_text(d: dict[str, Any]) -> str:
+    """How long ago the last merge was saved: what tells a run that merges from one that is stuck."""
+    seconds = d.get("last_merge_s")
+    return "" if seconds is None else f", last merge {seconds:.0f} s ago"
 
 
 def saving_text(failing: dict[str, Any]) -> str:
@@ -209,7 +217,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
         d.get("unit", "tokens"),
         f"prepared {d['tokens_prepared']:,}, trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}",
     )
-    run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}")
+    run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}" + last_merge_text(d))
     if failing := d.get("publish_failing"):
         run.add_row("saving merges", saving_text(failing))
     loss = d.get("last_loss")

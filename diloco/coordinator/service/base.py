@@ -75,6 +75,7 @@ class ServiceBase:
         self.chunk_completions: deque[float] = deque(maxlen=CHUNK_PACE_WINDOW)
         # (since, error) while merges cannot be saved (a full disk), else None: in status.
         self.publish_failing: tuple[float, str] | None = None
+        self.published_at: float | None = None  # the last merge saved (this life): stuck or not
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.callers = Callers()  # which caller holds each worker id, and its open calls
         self._budget_lock = threading.Lock()  # one learner's allowance is read and written at a time

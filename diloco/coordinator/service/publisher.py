@@ -55,6 +55,7 @@ class Publisher(ServiceBase):
                     self._publish(frag, params, momentum, version)
                 failures = 0
                 self.publish_failing = None
+                self.published_at = self.clock()
                 pause = publish_pause(
                     started, time.monotonic(), self.config.coordinator.min_publish_interval_s
                 )

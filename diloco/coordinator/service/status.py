@@ -71,6 +71,9 @@ class StatusRPCs(ServiceBase):
         return {
             **summary,
             "run_state": self.run_state,
+            # Seconds since a merge was last saved (this coordinator's life; None: none yet): a run
+            # that trains but no longer merges shows here first.
+            "last_merge_s": None if self.published_at is None else round(now - self.published_at, 1),
             # Merges that cannot be saved (a full disk): for how long, and the store's error.
             "publish_failing": None
             if self.publish_failing is None

@@ -42,3 +42,4 @@ def test_merges_that_cannot_be_saved_show_in_status_until_one_is(
             assert time.monotonic() < deadline + 20, "a successful save did not clear it"
             time.sleep(0.05)
         assert service.fragments[0].published_version >= 1
+        assert service.status_detail()["last_merge_s"] is not None  # saved: "last merge N s ago"

@@ -28,6 +28,7 @@ from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.views import (
     STATUS_COLUMNS,
+    last_merge_text,
     lowest_learner_text,
     print_summary,
     status_columns,
@@ -255,6 +256,7 @@ def test_status_counts_in_the_runs_unit() -> None:
     row = next(line for line in text.splitlines() if "prepared 320, trained 64, merged 32" in line)
     assert "samples" in row and "samples/s" in text
     assert "tokens" not in text
+    assert last_merge_text({"last_merge_s": 12.4}) == ", last merge 12 s ago" and not last_merge_text({})
     assert status_columns("tokens") == STATUS_COLUMNS
 
 
