@@ -31,6 +31,7 @@ import queue
 import random
 import threading
 import time
+from collections.abc import Callable
 
 from diloco import store
 from diloco.client import CoordinatorClient
@@ -45,6 +46,10 @@ log = logging.getLogger("diloco.prefetch")
 
 # Longest the batch stage waits for a dealt shard on its way while it has others open.
 DEALT_SHARD_WAIT_S = 10.0
+
+
+# How often a held-back first lease asks whether it may go (lease_after).
+LEASE_WAIT_POLL_S = 0.02
 
 
 DONE = object()  # the coordinator has no more training data for us
@@ -90,6 +95,9 @@ class ShardPrefetcher:
         # (diloco.compute.local_state): never cut into batches again, or a push would carry them twice.
         self._skip: dict[int, list[tuple[int, int]]] = {}
         self._leases = 0
+        # Until this holds, no lease is asked for (None: at once). A resumed learner's first lease
+        # waits for its last life's leases to be given back (KeepsLocalState._resume_in_flight).
+        self._may_lease: Callable[[], bool] | None = None
         self._lock = threading.Lock()
         self._fetcher = threading.Thread(target=self._fetch_loop, name="prefetch-fetch", daemon=True)
         self._batcher = threading.Thread(target=self._batch_loop, name="prefetch-batch", daemon=True)
@@ -104,6 +112,20 @@ class ShardPrefetcher:
         for thread in (self._fetcher, self._batcher):
             if thread.is_alive():
                 thread.join(max(0.0, deadline - time.monotonic()))
+
+    def lease_after(self, ready: Callable[[], bool]) -> None:
+        """Lease no shard before `ready()` holds (asked every few tens of ms; once it has held, never
+        again). Set before `start`."""
+        self._may_lease = ready
+
+    def _leasing(self) -> bool:
+        ready = self._may_lease
+        if ready is None:
+            return True
+        if not ready():
+            return False
+        self._may_lease = None
+        return True
 
     def skip(self, spans: list[tuple[int, int, int]]) -> None:
         """Rows (shard, start, end) already trained on: left out of every later lease's batches."""
@@ -161,6 +183,9 @@ class ShardPrefetcher:
     def _fetch_loop(self) -> None:
         try:
             while not self.stop.is_set():
+                if not self._leasing():
+                    self.stop.wait(LEASE_WAIT_POLL_S)
+                    continue
                 if not self._slot.acquire(timeout=0.2):
                     continue
                 item = self._fetch_one()

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import threading
 import time
+from functools import partial
 
 import torch
 
@@ -186,16 +187,19 @@ class KeepsLocalState:
     def _resume_in_flight(self, state: LocalState) -> None:
         """After a resume: the last life's shard leases go back to the pool (their rows trained and
         unmerged ride on our pushes; the prefetcher never cuts them again), and each push that was
-        in flight is sent again with its own push_id, for the ledger to answer."""
+        in flight is sent again with its own push_id, for the ledger to answer. This life leases
+        nothing before all of that is answered. (Called before the prefetcher and the channel start.)"""
         self.prefetcher.skip(state.row_spans())
         # The pushes first, the leases after: the channel sends in order, so a shard given back is
         # leased again only once these pushes' rows are recorded, and its rows still to train leave
         # them out. The other way round, a resumed life re-leased its shard between the two and
         # trained a replayed push's rows again (its state no longer lists them), and its next two
         # pushes were refused as re-sent work (a chaos run: two rounds of one push).
+        sent = False
         for f in self.frags:
             if f.in_flight and f.push is not None:
                 self.channel.submit(*f.push)
+                sent = True
             elif f.in_flight:  # nothing to ask about: take the fragment's next version as it comes
                 f.in_flight = False
         if state.held_shards:
@@ -210,6 +214,19 @@ class KeepsLocalState:
             )
             header.released_shards.extend(state.held_shards)
             self.channel.submit(header, {})
+            sent = True
+        if sent:
+            # The ledger gives leases back by shard id and worker id alone, and this life has the
+            # last life's worker id: a release that lands after this life leased the same shard
+            # takes the new lease. A SIGTERM's Leave had freed the shards already, the new life
+            # leased its old shard at once (first in lease order), the release then took it, the
+            # shard was leased again with rows trained under the first lease still unrecorded, and
+            # the two pushes carrying them twice were refused as re-sent work (an operator's run:
+            # ~100 steps lost). So the first lease waits until these pushes have their answers:
+            # the release can only give back what the last life held (or nothing, after a Leave),
+            # and a shard leased from then on leaves the replayed pushes' rows out.
+            self.prefetcher.lease_after(partial(answered_all, self.channel))
+            log.info("local state: no shard leased before the last life's pushes and leases are answered")
 
     def _keep_local_state(self) -> None:
         """A copy of what this learner holds, for the writer thread to save (local_state)."""
@@ -245,6 +262,13 @@ class KeepsLocalState:
             row_tokens={sid: n for sid in named if (n := self.row_tokens.get(sid)) is not None},
         )
         writer.offer(state, copy_s=time.monotonic() - started)
+
+
+def answered_all(channel: SyncChannel) -> bool:
+    """Every push submitted to the channel so far has its answer (or was given up, the learner
+    stopping). Exact from any thread: a job counts from the moment it is queued until its answer,
+    so a push submitted before this is asked can never look answered before it is."""
+    return channel.jobs.unfinished_tasks == 0
 
 
 def keeps_overlap(cfg: RunConfig) -> bool:

@@ -115,6 +115,9 @@ class Prefetcher:
     def skip(self, spans) -> None:
         self.skipped.extend(spans)
 
+    def lease_after(self, ready) -> None:
+        self.ready = ready
+
 
 def test_a_resumed_life_resends_its_pushes_before_it_gives_its_shards_back():
     """A shard given back is leased again at once; its rows still to train leave out only the
