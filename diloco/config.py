@@ -64,6 +64,10 @@ class DataConfig:
     # run by data workers on batches of records (any file kind: images, .csv, .npy/.npz, parquet,
     # JSONL, text), returning named fixed-shape arrays; the ledger then counts samples, not tokens.
     preprocess: str = ""
+    # An image dataset's class names in label order (a label is its folder's index here). Empty:
+    # the class folders' sorted names, recorded at the run's first start, so a label means the same
+    # class in every data worker, in `diloco eval --dataset` on a subset, and in an export.
+    classes: list[str] = field(default_factory=list)
     # Records (JSONL lines, parquet values) larger than this are skipped and counted.
     max_record_bytes: int = 8 * 1024 * 1024
     # "byte" (256 byte values + end-of-text) or a path/URI of a HF tokenizer.json.

@@ -37,6 +37,8 @@ def build(cls: type, data: dict[str, Any], where: str) -> Any:
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {path!r} expects a table, got {value!r}")
             kwargs[name] = dict(value)
+        elif isinstance(default, list):
+            kwargs[name] = _names(value, path)
         else:
             kwargs[name] = _coerce(value, type(default), path)
     return cls(**kwargs)
@@ -97,6 +99,15 @@ def parse_assignments(items: list[str]) -> dict[str, str]:
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
         out[key.strip()] = value.strip()
     return out
+
+
+def _names(value: Any, path: str) -> list[str]:
+    """A list of names: a TOML array of strings, or "a,b,c" (from --set)."""
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(f"config key {path!r} expects a list of names, got {value!r}")
 
 
 def _coerce(value: Any, kind: type, path: str) -> Any:

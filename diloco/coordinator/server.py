@@ -30,6 +30,7 @@ from diloco.coordinator.workdir import (
     store_root,
 )
 from diloco.data.chunks import mixed_order, partition_dataset
+from diloco.data.samples import image_classes
 from diloco.errors import DilocoError
 from diloco.observe.access import access_token
 from diloco.observe.events import RunEvents
@@ -167,6 +168,8 @@ def open_ledger(config: RunConfig, workdir: str) -> tuple[Ledger, RunConfig]:
             f"model.vocab_size {config.model.vocab_size} is below the tokenizer's {tokenizer.vocab_size}"
         )
     files = dataset_files(config)
+    if config.data.preprocess and not config.data.classes and (classes := image_classes(files)):
+        config = config.with_overrides({"data.classes": classes})  # recorded: labels never shift
     if config.data.preprocess and config.data.shuffle:
         files = mixed_order(files, config.train.seed)
     try:

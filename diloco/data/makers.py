@@ -63,7 +63,8 @@ class SampleShards:
         if self._classes is None:
             if not any(file_kind(s.uri) == "image" for s in chunk.segments):
                 return []
-            self._classes = image_classes(resolve_dataset(self.config.data.dataset, samples=True))
+            recorded = self.config.data.classes  # the run's, filled in at its first start
+            self._classes = recorded or image_classes(resolve_dataset(self.config.data.dataset, samples=True))
         return self._classes
 
     def make(self, chunk: ChunkSpec, uri: str) -> Made:

@@ -28,6 +28,7 @@ from diloco.corpus import file_kind
 from diloco.data.arrays import npy_rows
 from diloco.data.records import decoded_blocks, iter_documents, jsonl_objects, record_lines
 from diloco.data.types import RecordStats, Segment
+from diloco.errors import DilocoError
 
 
 def iter_records(
@@ -145,5 +146,8 @@ def _image_record(uri: str, classes: list[str], stats: RecordStats) -> dict[str,
     with Image.open(io.BytesIO(store.read_bytes(uri))) as image:
         pixels = np.asarray(image.convert("RGB") if image.mode not in ("L", "RGB") else image)
     folder = _folder(uri)
+    if folder not in classes:  # a folder the run did not start with: no label means it
+        shown = ", ".join(classes[:8]) + (", …" if len(classes) > 8 else "")
+        raise DilocoError(f"{uri}: its class folder {folder!r} is not one of the run's classes ({shown})")
     stats.records += 1
     return {"image": pixels, "label": classes.index(folder), "class": folder, "path": uri}

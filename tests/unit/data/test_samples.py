@@ -163,3 +163,38 @@ def test_a_big_npy_file_is_cut_between_rows_and_every_row_is_read_once(tmp_path:
     assert np.array_equal(np.stack(got), array)
     np.save(tmp_path / "f.npy", np.asfortranarray(array))  # not laid out by rows: one segment
     assert len(file_segments(str(tmp_path / "f.npy"), size, 1000)) == 1
+
+
+def test_a_runs_classes_are_recorded_at_its_start_and_label_every_later_read(tmp_path: Path) -> None:
+    """`diloco eval --dataset` on a subset of the class folders once counted labels from the subset
+    (dog became 0): the run records its class names at its first start, and every read uses them."""
+    from PIL import Image
+
+    from diloco.config import RunConfig
+    from diloco.coordinator.server import open_ledger
+    from diloco.errors import DilocoError
+    from diloco.results import dataset_columns
+
+    data = tmp_path / "images"
+    for label in ("cat", "dog", "eel"):
+        (data / label).mkdir(parents=True)
+        Image.fromarray(np.full((4, 4), 9, np.uint8), mode="L").save(data / label / "1.png")
+    cfg = RunConfig().with_overrides(
+        {
+            "data.dataset": str(data),
+            "data.preprocess": "diloco.data.preprocess:columns",
+            "data.eval_fraction": 0.0,
+        }
+    )
+    ledger, stored = open_ledger(cfg, str(tmp_path / "run"))
+    ledger.close()
+    assert stored.data.classes == ["cat", "dog", "eel"]
+    subset = tmp_path / "dogs"
+    (subset / "dog").mkdir(parents=True)
+    Image.fromarray(np.full((4, 4), 9, np.uint8), mode="L").save(subset / "dog" / "2.png")
+    columns_read, _ = dataset_columns(stored, str(subset))
+    assert columns_read["label"].tolist() == [1]  # the run's dog, not the subset's first class
+    (tmp_path / "fish" / "shark").mkdir(parents=True)
+    Image.fromarray(np.full((4, 4), 9, np.uint8), mode="L").save(tmp_path / "fish" / "shark" / "3.png")
+    with pytest.raises(DilocoError, match="class folder 'shark' is not one of the run's classes"):
+        dataset_columns(stored, str(tmp_path / "fish"))
