@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import io
 import os
 import signal
 import threading
@@ -48,6 +49,18 @@ def coordinator_address(address: str) -> str:
 CoordinatorOpt = Annotated[
     str, typer.Option("--coordinator", help="the coordinator's HOST:PORT", callback=coordinator_address)
 ]
+
+
+def optional_coordinator_address(address: str | None) -> str | None:
+    return None if address is None else coordinator_address(address)
+
+
+OptionalCoordinatorOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--coordinator", help="a running coordinator's HOST:PORT", callback=optional_coordinator_address
+    ),
+]
 WorkerIdOpt = Annotated[
     str | None, typer.Option("--worker-id", help="a stable identity for this worker (default: generated)")
 ]
@@ -69,8 +82,21 @@ class DataParallelChoice(StrEnum):
     fsdp = "fsdp"
 
 
+def os_error_line(e: OSError) -> str:
+    """What the operating system refused, as one line that names it: the path (both of a rename)
+    and why ("runs/r1: Read-only file system"); without a path, its own words (a bind site names its
+    port itself, as a DilocoError)."""
+    why = e.strerror or str(e) or type(e).__name__
+    paths = [
+        os.fsdecode(p) if isinstance(p, bytes) else str(p) for p in (e.filename, e.filename2) if p is not None
+    ]
+    return f"{' -> '.join(paths)}: {why}" if paths else why
+
+
 def clear_errors(fn: F) -> F:
-    """Expected failures become one line on stderr and exit code 2, never a traceback."""
+    """Expected failures become one line on stderr and exit code 2, never a traceback: the
+    library's own errors, a failed coordinator call, and what the operating system refused (a
+    workdir that cannot be written, a port in use)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -81,6 +107,11 @@ def clear_errors(fn: F) -> F:
             raise typer.Exit(2) from None
         except grpc.RpcError as e:
             typer.echo(f"error: coordinator call failed: {e.code().name}: {e.details()}", err=True)
+            raise typer.Exit(2) from None
+        except OSError as e:
+            if isinstance(e, io.UnsupportedOperation):  # a stream used as it cannot be: a bug
+                raise
+            typer.echo(f"error: {os_error_line(e)}", err=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)

@@ -1,8 +1,8 @@
 """The `diloco` command line. It parses options and calls the library; nothing else lives here.
 
 Each command is a function in a module of its kind (roles.py: the worker roles; local.py: a job
-on this machine; tools.py: status, export, eval, generate, tokenizers, certificates); this module
-only assembles them. Every command that talks to a coordinator takes the identity flags
+on this machine; tools.py: status, finish, export, eval, generate, tokenizers, certificates); this
+module only assembles them. Every command that talks to a coordinator takes the identity flags
 (cli.common.with_security).
 """
 
@@ -25,6 +25,7 @@ for name, command in (
     ("compute", roles.compute),
     ("evaluator", roles.evaluator),
     ("status", tools.status),
+    ("finish", tools.finish),
     ("export", tools.export),
     ("eval", tools.eval_),
     ("generate", tools.generate),

@@ -1,24 +1,28 @@
-"""Tools around a run: its status, its model exported, tokenizers."""
+"""Tools around a run: its status, finishing it, its model exported, tokenizers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
+import grpc
 import typer
 
-from cli.common import clear_errors
+from cli.common import OptionalCoordinatorOpt, clear_errors
 from diloco.errors import DilocoError
 from diloco.logs import setup_logging
+
+# A refresh the coordinator does not answer in this long is shown as an outage (and tried again).
+STATUS_TIMEOUT_S = 10.0
+# A JSON reply's run state, as a person reads it.
+RUN_STATE_NAMES = {1: "running", 2: "finishing", 3: "finished"}
 
 
 @clear_errors
 def status(
-    coordinator: Annotated[
-        str | None, typer.Option("--coordinator", help="a running coordinator's HOST:PORT")
-    ] = None,
+    coordinator: OptionalCoordinatorOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the full status as JSON")] = False,
     audit: Annotated[
         bool, typer.Option("--audit", help="check the ledger's invariants; exit 1 on a violation")
@@ -27,7 +31,14 @@ def status(
         Path | None,
         typer.Option(help="a coordinator's state dir (for --audit), or a live `diloco run` job's workdir"),
     ] = None,
-    watch: Annotated[float, typer.Option(help="refresh every SECONDS until Ctrl-C (0: once)")] = 0.0,
+    watch: Annotated[
+        float,
+        typer.Option(
+            help="refresh every SECONDS until Ctrl-C (0: once); a coordinator that does not answer "
+            "(restarting) is waited for"
+        ),
+    ] = 0.0,
+    refreshes: Annotated[int, typer.Option(hidden=True, help="with --watch: stop after N (tests)")] = 0,
 ) -> None:
     """Show a running coordinator's state (--coordinator, or a live `diloco run` job's --workdir), or
     (--audit --workdir DIR) prove its ledger's promises."""
@@ -47,36 +58,86 @@ def status(
             else ("audit ok" if report.ok else "audit FAILED:\n  " + "\n  ".join(report.violations))
         )
         raise typer.Exit(0 if report.ok else 1)
-    security = None  # this process's flags
-    if coordinator is None and workdir is not None:
-        from diloco.local.tls import job_address
-        from diloco.security.transport import Security
-
-        coordinator, job_security = job_address(workdir)
-        if Security.from_env().mode == "none":  # no identity given: the job's own
-            security = job_security
-    if coordinator is None:
+    if coordinator is None and workdir is None:
         raise DilocoError(
             "give --coordinator HOST:PORT, or --workdir of a live `diloco run` (or --audit --workdir DIR)"
         )
-    client = CoordinatorClient(coordinator, pb.ROLE_OBSERVER, retry_deadline_s=5, security=security)
-    client.wait_ready(5)
-    from rich.console import Console
+    from diloco.local.tls import coordinator_target
 
-    console = Console(width=160)
-    if watch > 0 and not as_json:
-        from rich.live import Live
+    address, security = coordinator_target(coordinator, workdir)
+    client = CoordinatorClient(address, pb.ROLE_OBSERVER, retry_deadline_s=5, security=security)
+    try:
+        client.wait_ready(5)
+        from rich.console import Console, Group
+        from rich.text import Text
 
-        with Live(status_tables(client.status()), console=console, refresh_per_second=4) as live:
-            while True:  # until Ctrl-C (exit code 130, as every command)
-                time.sleep(watch)
-                live.update(status_tables(client.status()))
-    detail = client.status()
-    client.close()
+        console = Console(width=160)
+        if watch > 0 and not as_json:
+            from rich.live import Live
+
+            live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
+            last: list[Any] = []  # the latest picture: kept on screen, under an outage's line
+
+            def show(detail: dict[str, Any] | None, down: str | None) -> None:
+                if detail is not None:
+                    last[:] = [status_tables(detail)]
+                shown = status_tables(detail) if detail is not None else Text(down or "", style="bold red")
+                if live is None:  # not a terminal (a log, a pipe): each refresh in turn
+                    console.print(shown)
+                else:
+                    live.update(shown if detail is not None else Group(shown, *last))
+
+            def fetch() -> dict[str, Any]:
+                return client.status(STATUS_TIMEOUT_S, once=True)
+
+            from diloco.observe.watch import watch_status
+
+            with live or contextlib.nullcontext():
+                watch_status(fetch, show, watch, refreshes=refreshes or None)  # until Ctrl-C (exit 130)
+            return
+        detail = client.status()
+    finally:
+        client.close()
     if as_json:
         typer.echo(json.dumps(detail, indent=2))
         return
     console.print(status_tables(detail))
+
+
+@clear_errors
+def finish(
+    coordinator: OptionalCoordinatorOpt = None,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(
+            help="a live `diloco run` job's workdir: its address, and its supervisor's (operator) certificate"
+        ),
+    ] = None,
+    reason: Annotated[str, typer.Option(help="why, for the coordinator's log")] = "asked by an operator",
+) -> None:
+    """Finish a run: the coordinator stops handing out work, its learners push what they hold and
+    leave, and it is finished once their work is merged. Takes the operator's identity (an
+    `operator` certificate under mutual TLS, or the run's token). Prints the run's state."""
+    from diloco.client import CoordinatorClient
+    from diloco.local.tls import coordinator_target
+    from diloco.v1 import coordinator_pb2 as pb
+
+    address, security = coordinator_target(coordinator, workdir, operator=True)
+    client = CoordinatorClient(address, pb.ROLE_OBSERVER, retry_deadline_s=5, security=security)
+    try:
+        client.wait_ready(5)
+        try:
+            reply = client.finish(reason, timeout_s=10)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            raise DilocoError(
+                f"the coordinator at {address} refused to finish the run: {e.details()} (finishing takes "
+                "an operator's certificate: diloco certs issue --role operator)"
+            ) from None
+    finally:
+        client.close()
+    typer.echo(f"run {RUN_STATE_NAMES.get(reply.run_state, 'state unknown')}")
 
 
 # The run's weights may be another model's than its config names (a user's own training loop on a

@@ -1,9 +1,11 @@
 """The run's life, as pure functions of (state, now's facts, config): running → finishing → finished.
 
-A run is `running` until its token budget of merged tokens is reached (or someone asks it to
-finish); `finishing` tells every learner to hand in its work and leave; it is `finished` once no
-learner is left and nothing merged waits to be published. Nothing goes back: a finished run stays
-finished (a restarted coordinator reads the state from the ledger).
+A run is `running` until its token budget of merged tokens is reached, its training data is
+exhausted (every train chunk made into shards or quarantined, every train shard's rows merged: no
+learner can be given anything more), or someone asks it to finish (`diloco finish`); `finishing`
+tells every learner to hand in its work and leave; it is `finished` once no learner is left and
+nothing merged waits to be published. Nothing goes back: a finished run stays finished (a
+restarted coordinator reads the state from the ledger).
 """
 
 from __future__ import annotations
@@ -26,16 +28,30 @@ def may_enter(current: str, new: str) -> bool:
 
 
 def next_run_state(
-    current: str, *, tokens_merged: int, budget: int, live_learners: int, work_unpublished: bool
+    current: str,
+    *,
+    tokens_merged: int,
+    budget: int,
+    live_learners: int,
+    work_unpublished: bool,
+    data_exhausted: bool = False,
 ) -> RunStateChange:
     """What the ticker does with the run state now.
 
     The budget counts tokens merged into the model (the ledger's exact, durable count): work a kill
     or a restart throws away is not training, and a heartbeat counter restarts with its process.
+    `data_exhausted`: no train chunk is pending or leased and every train shard is consumed (each
+    of its rows merged), the ledger's own condition for telling a learner "no more data" (its
+    LeaseShard done): a run started role by role then finishes on its own, as `diloco run`'s
+    supervisor finishes it when its learners have left. A run with no budget otherwise stays
+    `running` forever, its learners gone, its status never finished. (Default False: a caller
+    that does not know the fact keeps the run going.)
     """
     if current == RUNNING:
         if budget and tokens_merged >= budget:
             return RunStateChange(FINISHING, f"token budget of {budget} reached")
+        if data_exhausted:
+            return RunStateChange(FINISHING, "the training data is exhausted: every shard's rows are merged")
         return RunStateChange(None, f"{tokens_merged}/{budget or '∞'} tokens merged")
     if current == FINISHING:
         if live_learners:

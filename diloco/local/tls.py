@@ -66,3 +66,21 @@ def job_address(workdir: Path) -> tuple[str, Security]:
     if not (workdir / "tls" / "ca.key").exists():  # --no-tls: plaintext on loopback
         return address, Security()
     return address, Security(tls=run_certificates(workdir, {WATCHER: "observer"})[WATCHER])
+
+
+def coordinator_target(
+    coordinator: str | None, workdir: Path | None, operator: bool = False
+) -> tuple[str, Security | None]:
+    """The coordinator to ask and with which identity: --coordinator with this process's flags; or
+    a live `diloco run` job's --workdir, its address and (no identity flags given) the job's own:
+    an observer's certificate, or with `operator` the job's supervisor's (its operator)."""
+    if coordinator is not None or workdir is None:
+        if coordinator is None:
+            raise DilocoError("give --coordinator HOST:PORT, or --workdir of a live `diloco run`")
+        return coordinator, None  # this process's flags
+    address, job_security = job_address(workdir)
+    if Security.from_env().mode != "none":  # an identity given: it is used
+        return address, None
+    if operator and job_security.tls is not None:
+        return address, Security(tls=run_certificates(workdir, {})[SUPERVISOR])
+    return address, job_security

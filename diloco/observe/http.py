@@ -24,6 +24,7 @@ from urllib.parse import quote, urlsplit
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from diloco.errors import DilocoError
 from diloco.observe.access import cookie_name, cookie_value, http_access, role_of, server_context
 from diloco.observe.events import RunEvents
 from diloco.observe.prometheus import CoordinatorMetrics
@@ -97,6 +98,15 @@ class _Server(ThreadingHTTPServer):
         log.debug("HTTP connection from %s failed", client_address, exc_info=True)
 
 
+def bind(host: str, port: int, handler: type[BaseHTTPRequestHandler], what: str) -> _Server:
+    """The listening server, or one line that names the endpoint and its port: a port in use is
+    an operator's to fix (another process, an earlier run still up), not a traceback."""
+    try:
+        return _Server((host, port), handler)
+    except OSError as e:
+        raise DilocoError(f"cannot serve {what} on {host}:{port}: {e.strerror or e}") from None
+
+
 class GuardedServer:
     """Routes served on a thread of their own, each request checked by `http_access` first:
     HTTPS when `security` has TLS, and a refusal (401) counted through `on_refused`."""
@@ -111,7 +121,10 @@ class GuardedServer:
         access_token: str,
         on_refused: Callable[[str, str], None] | None = None,
         name: str = "observe-http",
+        what: str = "HTTP",
     ):
+        """`what`: the endpoint, as a refused bind names it ("the status page", "the learner's
+        /metrics (--metrics-port)")."""
         if warning := check_listen(host, security):  # the gRPC side's rule, and its --insecure
             log.warning("%s", warning)
         context = server_context(security.tls) if security.tls else None
@@ -175,7 +188,7 @@ class GuardedServer:
                 pass  # a page polling every 2 s would flood the coordinator's log
 
         server = self
-        self.httpd = _Server((host, port), Handler)
+        self.httpd = bind(host, port, Handler, what)
         if context is not None:
             # Handshakes happen in Handler.setup, not in the accepting thread.
             self.httpd.socket = context.wrap_socket(
@@ -234,5 +247,6 @@ class ObserveServer(GuardedServer):
             )
         self.page = page
         super().__init__(
-            host, port, routes, security=security, access_token=access_token, on_refused=on_refused
-        )
+            host, port, routes, security=security, access_token=access_token, on_refused=on_refused,
+            what="the status page (--http-port)" if page else "the coordinator's /metrics (--metrics-port)",
+        )  # fmt: skip

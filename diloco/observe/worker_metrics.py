@@ -64,7 +64,8 @@ def serve_worker_metrics(
     security: Security | None = None,
 ) -> Any:
     """Start serving on a daemon thread; returns the server (its .server_port, .shutdown()).
-    `security`: the worker's own (else this process's, from its flags' environment)."""
+    `security`: the worker's own (else this process's, from its flags' environment). A port that
+    cannot be bound (in use) is a DilocoError naming it: one line from the CLI."""
     prefix, spec = ("diloco_learner", LEARNER) if role == "learner" else ("diloco_data_worker", DATA_WORKER)
     registry = CollectorRegistry(auto_describe=True)
     registry.register(SnapshotCollector(prefix, spec, snapshot, worker_id))
@@ -73,6 +74,7 @@ def serve_worker_metrics(
     plain = Security(token=security.token, insecure=security.insecure)
     routes = {"/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry))}
     server = GuardedServer(
-        host, port, routes, security=plain, access_token=security.token, name=f"{role}-metrics"
-    )
+        host, port, routes, security=plain, access_token=security.token, name=f"{role}-metrics",
+        what=f"the {'learner' if role == 'learner' else 'data worker'}'s /metrics (--metrics-port)",
+    )  # fmt: skip
     return server.httpd

@@ -33,6 +33,18 @@ def test_without_a_budget_a_run_goes_on():
     assert state_after(RUNNING, tokens_merged=10**12, budget=0).state is None
 
 
+def test_a_run_whose_training_data_is_exhausted_finishes_on_its_own():
+    """Started role by role, with no budget: every shard's rows merged, nothing more to lease."""
+    assert state_after(RUNNING, budget=0, data_exhausted=False).state is None
+    change = state_after(RUNNING, budget=0, data_exhausted=True)
+    assert change.state == FINISHING and "exhausted" in change.reason
+    assert state_after(RUNNING, tokens_merged=1000, data_exhausted=True).reason.startswith("token budget")
+    # Then as any finishing run: its learners leave (they were told "no more data"), its merges publish.
+    assert state_after(FINISHING, data_exhausted=True).state is None
+    assert state_after(FINISHING, live_learners=0, data_exhausted=True).state == FINISHED
+    assert state_after(FINISHED, live_learners=0, data_exhausted=True).state is None
+
+
 def test_a_finishing_run_waits_for_every_learner_and_every_publish():
     assert "2 learner" in state_after(FINISHING).reason
     assert state_after(FINISHING, live_learners=0, work_unpublished=True).state is None
