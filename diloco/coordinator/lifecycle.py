@@ -22,6 +22,10 @@ class RunStateChange:
     reason: str
 
 
+# Why a run finished on its own when its data ran out: recorded with the state, for the summary.
+DATA_EXHAUSTED_REASON = "the training data is exhausted: every shard's rows are merged"
+
+
 def may_enter(current: str, new: str) -> bool:
     """A state is entered once, and nothing leaves `finished`."""
     return new != current and current != FINISHED
@@ -51,7 +55,7 @@ def next_run_state(
         if budget and tokens_merged >= budget:
             return RunStateChange(FINISHING, f"token budget of {budget} reached")
         if data_exhausted:
-            return RunStateChange(FINISHING, "the training data is exhausted: every shard's rows are merged")
+            return RunStateChange(FINISHING, DATA_EXHAUSTED_REASON)
         return RunStateChange(None, f"{tokens_merged}/{budget or '∞'} tokens merged")
     if current == FINISHING:
         if live_learners:

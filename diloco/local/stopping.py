@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.coordinator.ledger.db import ledger_path
+from diloco.coordinator.lifecycle import DATA_EXHAUSTED_REASON
 from diloco.coordinator.report import read_only
 from diloco.observe.events import KEEP_EVENTS, METRICS_LOG, read_events
 
@@ -45,6 +46,7 @@ def stop_reason(
     wall_seconds: float,
     minutes: float | None,
     learner_ends: dict[str, str | None],
+    finish_reason: str | None = None,
 ) -> Stop:
     """Why the run stopped, from what the summary knows.
 
@@ -54,6 +56,7 @@ def stop_reason(
         wall_seconds: the job's training time, start to the last learner's exit.
         minutes: the job's time limit (--minutes; 0: none; None: not known).
         learner_ends: each learner's last leave reason, None where it never left (it died).
+        finish_reason: why the coordinator last changed the run's state (None: not known).
     """
     ends = list(learner_ends.values())
     failed = sorted(w for w, e in learner_ends.items() if e not in NORMAL_ENDS)
@@ -63,6 +66,10 @@ def stop_reason(
         return Stop(TOKEN_BUDGET, f"token budget reached: {tokens_merged:,} of {budget:,} merged{also}")
     if SHARE_TRAINED in ends:  # each learner trained its share of the budget; the last merge may lag
         return Stop(TOKEN_BUDGET, f"token budget trained: {tokens_merged:,} of {budget:,} merged{also}")
+    if finish_reason == DATA_EXHAUSTED_REASON:  # the coordinator finished on its own
+        return Stop(
+            DATA_EXHAUSTED, f"data ran out at {wall_seconds:.0f} s: every shard trained, no epochs left{also}"
+        )
     if FINISHING in ends:  # the coordinator was asked to finish: by the time limit or an operator
         if minutes is None:
             return Stop(FINISH_ASKED, f"asked to finish (the time limit or an operator){also}")
@@ -86,6 +93,18 @@ def learner_ends(workdir: Path, learners: list[str]) -> dict[str, str | None]:
         if e.get("kind") == "leave" and e.get("role") == "compute":
             ends[str(e.get("worker_id"))] = e.get("reason") or ""
     return ends
+
+
+def finish_reason(workdir: Path) -> str | None:
+    """Why the coordinator last changed the run's state (its ledger), or None."""
+    if not ledger_path(workdir).exists():
+        return None
+    try:
+        with read_only(workdir) as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'run_state_reason'").fetchone()
+    except sqlite3.Error:
+        return None
+    return row[0] if row else None
 
 
 def quarantine_facts(quarantined: list[dict[str, Any]]) -> dict[str, Any]:

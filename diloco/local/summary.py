@@ -11,7 +11,13 @@ from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
 from diloco.local.outcome import RecordedRun
-from diloco.local.stopping import learner_ends, quarantine_facts, quarantined_chunks, stop_reason
+from diloco.local.stopping import (
+    finish_reason,
+    learner_ends,
+    quarantine_facts,
+    quarantined_chunks,
+    stop_reason,
+)
 from diloco.observe.events import METRICS_LOG, TENSORBOARD_DIR
 from diloco.tokenizer import load_tokenizer
 
@@ -303,7 +309,7 @@ def summarize(
     ends = learner_ends(workdir, [w["worker_id"] for w in d.get("workers", []) if w["role"] == "compute"])
     stop = stop_reason(
         tokens_merged=summary["tokens_merged"], budget=cfg.train.max_tokens, wall_seconds=train_seconds,
-        minutes=minutes, learner_ends=ends,
+        minutes=minutes, learner_ends=ends, finish_reason=finish_reason(workdir),
     )  # fmt: skip
     summary["stopped"], summary["stopped_because"] = stop.code, stop.because
     summary["config"] = cfg.to_dict()

@@ -97,6 +97,19 @@ class ShardsTable(LedgerBase):
             ).fetchone()[0]
             return NoLease.WAIT if unfinished_chunks or open_shards else NoLease.DONE
 
+    def train_data_exhausted(self) -> bool:
+        """lease_shard's DONE, asked without leasing: no train chunk is pending or leased, and every
+        train shard is consumed (its rows merged). No train chunk at all is not exhausted: the data
+        never came. Range conditions on (split, state): the index answers, however many shards."""
+        return bool(
+            self._one(
+                "SELECT EXISTS(SELECT 1 FROM chunks WHERE split = 'train') "
+                "AND NOT EXISTS(SELECT 1 FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')) "
+                "AND NOT EXISTS(SELECT 1 FROM shards WHERE split = 'train' AND state < 'consumed') "
+                "AND NOT EXISTS(SELECT 1 FROM shards WHERE split = 'train' AND state > 'consumed')"
+            )
+        )
+
     def report_corrupt_shard(self, shard_id: int, error: str) -> bool:
         """A shard that failed its checksum: take it out of play and reprocess its raw chunk."""
         with self._tx() as db:

@@ -226,7 +226,7 @@ class ServiceBase:
             if not lifecycle.may_enter(self.run_state, state):
                 return
             self.run_state = state
-            self.ledger.set_meta(run_state=state)
+            self.ledger.set_meta(run_state=state, run_state_reason=reason)
             log.info("run %s (%s)", state, reason)
             self.cond.notify_all()
 
@@ -253,6 +253,7 @@ class ServiceBase:
                 # A ledger query: asked only where the answer matters (a finishing run).
                 live_learners=len(self._live_learners()) if self.run_state == lifecycle.FINISHING else 0,
                 work_unpublished=unpublished,
+                data_exhausted=self.run_state == lifecycle.RUNNING and self.ledger.train_data_exhausted(),
             )
             if change.state is None:
                 return

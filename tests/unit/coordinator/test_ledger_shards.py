@@ -129,6 +129,17 @@ def test_push_then_merge_consumes_shard_and_counts_tokens(ledger):
     assert summary["shards_consumed"] == 1
     assert summary["rounds"] == 2
     assert ledger.lease_shard("L2", TTL) == "done"
+    assert ledger.train_data_exhausted()  # the run finishes on its own (lifecycle)
+
+
+def test_train_data_is_exhausted_only_when_every_train_shard_is_consumed(ledger):
+    assert not ledger.train_data_exhausted()  # no data yet is not the end of it
+    make(ledger, ["train", "eval"])
+    assert not ledger.train_data_exhausted()  # a train chunk still pending
+    (sid,) = with_train_shard(ledger)
+    assert not ledger.train_data_exhausted()  # a ready shard
+    ledger.lease_shard("L1", TTL)
+    assert not ledger.train_data_exhausted()  # a leased one
 
 
 def test_one_merge_of_several_pushes_over_two_shards(ledger):

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 
 from diloco.coordinator.ledger import ChunkLease, Ledger, ledger_path
+from diloco.coordinator.lifecycle import DATA_EXHAUSTED_REASON
 from diloco.local.stopping import (
     DATA_EXHAUSTED,
     FINISH_ASKED,
@@ -52,6 +53,18 @@ def test_a_finish_is_the_time_limit_past_the_deadline_and_an_operator_before_it(
     assert stop(ends, wall=12.0).code == OPERATOR
     assert stop(ends, wall=999.0, minutes=0).code == OPERATOR  # no time limit at all
     assert stop(ends, minutes=None).code == FINISH_ASKED  # the limit not known
+
+
+def test_a_coordinator_that_finished_when_its_data_ran_out_is_not_an_operators_finish() -> None:
+    """The coordinator finishes on its own once every train shard is merged (lifecycle): learners
+    then leave as "run finishing", which alone reads as an operator's or the time limit's."""
+    ends = {"learner-0": "run finishing", "learner-1": "run finishing"}
+    s = stop_reason(tokens_merged=500, budget=0, wall_seconds=12.0, minutes=0.5, learner_ends=ends,
+                    finish_reason=DATA_EXHAUSTED_REASON)  # fmt: skip
+    assert s.code == DATA_EXHAUSTED
+    asked = stop_reason(tokens_merged=500, budget=0, wall_seconds=12.0, minutes=0.5, learner_ends=ends,
+                        finish_reason="asked by supervisor: time budget reached")  # fmt: skip
+    assert asked.code == OPERATOR
 
 
 def test_failed_learners_are_named() -> None:
