@@ -209,9 +209,10 @@ class CoordinatorClient:
         deadline = time.monotonic() + (self.retry_deadline_s if retry_for_s is None else retry_for_s)
         attempt = 0
         rejoined = False
+        failing_since: float | None = None
         while True:
             try:
-                return fn()
+                result = fn()
             except ValueError as e:
                 # grpc raises ValueError for a call on a channel close() already shut: a background
                 # thread that was between calls when the worker stopped.
@@ -228,9 +229,24 @@ class CoordinatorClient:
                 if self.stopping or code not in RETRYABLE or time.monotonic() >= deadline:
                     raise
                 delay = backoff_delay(attempt)
-                log.info("%s failed (%s); retrying in %.2fs", what, code.name, delay)
+                if failing_since is None:  # said once per call: an outage is not a log line a second
+                    failing_since = time.monotonic()
+                    log.info(
+                        "%s failed (%s); retrying for up to %.0fs", what, code.name, deadline - failing_since
+                    )
+                else:
+                    log.debug("%s failed (%s); retrying in %.2fs", what, code.name, delay)
                 time.sleep(delay)
                 attempt += 1
+            else:
+                if failing_since is not None:
+                    log.info(
+                        "%s answered after %.1fs (%d retries)",
+                        what,
+                        time.monotonic() - failing_since,
+                        attempt,
+                    )
+                return result
 
     def call(
         self, method: str, request: Any, timeout_s: float = 30.0, retry_for_s: float | None = None
