@@ -17,7 +17,7 @@ import grpc
 import typer
 
 from diloco.config import ConfigError, RunConfig, parse_assignments
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, Terminated
 from diloco.store import StoreError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -113,9 +113,9 @@ def clear_errors(fn: F) -> F:
                 raise
             typer.echo(f"error: {os_error_line(e)}", err=True)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
+        except KeyboardInterrupt as e:  # Ctrl-C: 130; SIGTERM (Terminated): 143, as a shell says
+            typer.echo("terminated" if isinstance(e, Terminated) else "interrupted", err=True)
+            raise typer.Exit(143 if isinstance(e, Terminated) else 130) from None
 
     return wrapper  # type: ignore[return-value]
 

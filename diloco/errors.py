@@ -3,3 +3,7 @@
 
 class DilocoError(Exception):
     """A clear, expected failure (bad input, unreachable peer, port in use), not a bug."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be: the same orderly stop, its own exit code (143)."""

@@ -28,7 +28,7 @@ from rich.markup import escape
 from diloco.client import CoordinatorClient
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset, workdir_holder
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, Terminated
 from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
 from diloco.local.options import LocalRunOptions, default_run_config
 from diloco.local.outcome import (
@@ -388,7 +388,7 @@ def run_local(options: LocalRunOptions) -> dict[str, Any]:
     # Ctrl-C (even when started from a shell that ignores SIGINT in background jobs) and SIGTERM
     # both stop the job: every child is stopped in order by LocalRun.run's cleanup.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(Terminated()))
     try:
         summary = job.run()
     except KeyboardInterrupt:

@@ -290,6 +290,7 @@ def test_ctrl_c_stops_every_child(tiny_corpus: Path, tmp_path: Path) -> None:
         stopped_in = time.monotonic() - interrupted
         assert proc.returncode == 130, err[-2000:]
         assert "Traceback" not in err
+        assert "the same command (the same --workdir) resumes it" in err, err[-2000:]
         # ProcessGroup.stop warns of any child it had to kill or that exited non-zero on SIGTERM.
         assert "warning:" not in err, err[-2000:]
         assert stopped_in < 10, f"the job took {stopped_in:.1f}s to stop"
