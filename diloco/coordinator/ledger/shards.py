@@ -92,21 +92,22 @@ class ShardsTable(LedgerBase):
             unfinished_chunks = db.execute(
                 "SELECT COUNT(*) FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')"
             ).fetchone()[0]
+            # A corrupt shard is not open: its chunk is made again (pending above) or quarantined.
             open_shards = db.execute(
-                "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state != 'consumed'"
+                "SELECT COUNT(*) FROM shards WHERE split = 'train' AND state IN ('ready', 'leased')"
             ).fetchone()[0]
             return NoLease.WAIT if unfinished_chunks or open_shards else NoLease.DONE
 
     def train_data_exhausted(self) -> bool:
-        """lease_shard's DONE, asked without leasing: no train chunk is pending or leased, and every
-        train shard is consumed (its rows merged). No train chunk at all is not exhausted: the data
-        never came. Range conditions on (split, state): the index answers, however many shards."""
+        """lease_shard's DONE, asked without leasing: no train chunk is pending or leased, and no
+        train shard is ready or leased (each consumed, its rows merged, or corrupt with its chunk quarantined).
+        No train chunk at all is not exhausted: the data never came. Equality on (split, state):
+        the index answers, however many shards."""
         return bool(
             self._one(
                 "SELECT EXISTS(SELECT 1 FROM chunks WHERE split = 'train') "
                 "AND NOT EXISTS(SELECT 1 FROM chunks WHERE split = 'train' AND state IN ('pending', 'leased')) "
-                "AND NOT EXISTS(SELECT 1 FROM shards WHERE split = 'train' AND state < 'consumed') "
-                "AND NOT EXISTS(SELECT 1 FROM shards WHERE split = 'train' AND state > 'consumed')"
+                "AND NOT EXISTS(SELECT 1 FROM shards WHERE split = 'train' AND state IN ('ready', 'leased'))"
             )
         )
 

@@ -288,3 +288,19 @@ def test_state_survives_reopen(tmp_path, clock):
         assert again.lease_shard("L1", TTL).todo == [(4, ROWS)]
     finally:
         again.close()
+
+
+def test_a_corrupt_shards_data_is_open_until_it_is_made_again_and_merged(ledger):
+    """A corrupt shard's chunk is made again (into the same shard row): the data is open until
+    then, and done once the remade shard's rows are merged."""
+    (sid,) = with_train_shard(ledger)
+    assert ledger.report_corrupt_shard(sid, "checksum mismatch")
+    assert not ledger.train_data_exhausted()  # its chunk is pending again
+    lease = ledger.lease_chunk("d2", TTL)
+    assert isinstance(lease, ChunkLease)
+    (new,) = [complete(ledger, "d2", lease.chunk_id, completion_id="again").shard_id]
+    assert new == sid and not ledger.train_data_exhausted()  # the remade shard is ready
+    assert isinstance(ledger.lease_shard("L1", TTL), ShardLease)
+    assert push(ledger, "p1", [(new, 0, ROWS)], released=[new]) is None
+    commit_merge(ledger, 0, 1, ["p1"], ROWS * TOKENS_PER_ROW, 5, 1.0, "quorum")
+    assert ledger.lease_shard("L2", TTL) == "done" and ledger.train_data_exhausted()
