@@ -23,6 +23,8 @@ GRPC_PREFIX_BYTES = 5
 HTTP2_FRAME_HEADER_BYTES = 9
 HTTP2_MAX_FRAME_BYTES = 16384
 CALL_OVERHEAD_BYTES = 100  # HPACK'd request HEADERS + response HEADERS + trailers, both ways
+# The ledger meta key the counts are kept under across coordinator lives (WireCounter.snapshot).
+WIRE_COUNTS = "wire_counts"
 
 # RPCs only one role makes; join, heartbeat and leave are attributed by the caller.
 ROLE_OF_KIND = {
@@ -146,6 +148,36 @@ class WireCounter:
         with self._lock:
             roles = sorted(set(self._role_in) | set(self._role_out))
             return {r: {"received": self._role_in.get(r, 0), "sent": self._role_out.get(r, 0)} for r in roles}
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """Every count, for the ledger: a restarted coordinator goes on from them (restore)."""
+        with self._lock:
+            return {
+                "received": dict(self.received), "sent": dict(self.sent), "calls": dict(self.calls),
+                "role_in": dict(self._role_in), "role_out": dict(self._role_out),
+            }  # fmt: skip
+
+    def restore(self, saved: Mapping[str, Mapping[str, int]]) -> None:
+        """Add an earlier life's counts (snapshot's): the run's wire bytes are every life's."""
+        with self._lock:
+            for table, counts in (
+                (self.received, saved.get("received", {})), (self.sent, saved.get("sent", {})),
+                (self.calls, saved.get("calls", {})), (self._role_in, saved.get("role_in", {})),
+                (self._role_out, saved.get("role_out", {})),
+            ):  # fmt: skip
+                for key, n in counts.items():
+                    table[str(key)] += int(n)
+
+
+def job_wire_bytes(saved: Mapping[str, Mapping[str, int]] | None) -> tuple[int, int]:
+    """(the job's own wire bytes, of them its learners' joins: init and first pulls) in a snapshot,
+    monitoring left out as WireCounter.totals does: what a resumed job subtracts from the run's."""
+    if not saved:
+        return 0, 0
+    counter = WireCounter()
+    counter.restore(saved)
+    joining = sum(counter.received.get(k, 0) + counter.sent.get(k, 0) for k in ("init", "pull_join"))
+    return sum(counter.totals()), joining
 
 
 class CountRequestStreams(grpc.ServerInterceptor):

@@ -17,6 +17,7 @@ from diloco.config import RunConfig
 from diloco.coordinator.ledger import ledger_path
 from diloco.coordinator.lifecycle import FINISHED, RUNNING
 from diloco.coordinator.report import read_only, stored_run
+from diloco.coordinator.wirecount import WIRE_COUNTS, job_wire_bytes
 from diloco.coordinator.workdir import settings_not_used
 from diloco.local.procs import ProcessGroup
 
@@ -33,6 +34,8 @@ class RecordedRun:
     tokens_trained: int
     tokens_merged: int
     tokens_prepared: int = 0
+    wire_bytes: int = 0  # the job's own (monitoring left out), every coordinator life's
+    wire_join_bytes: int = 0  # of them, learners' joins (init and first pulls)
 
 
 def recorded_run(workdir: Path) -> RecordedRun | None:
@@ -41,7 +44,7 @@ def recorded_run(workdir: Path) -> RecordedRun | None:
     if not path.exists():
         return None
     with read_only(workdir) as db:  # a query, not a Ledger: opening one may migrate an old ledger
-        meta = dict(db.execute("SELECT key, value FROM meta WHERE key = 'run_state'").fetchall())
+        meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('run_state', ?)", (WIRE_COUNTS,)))
         counters = dict(db.execute("SELECT name, value FROM counters").fetchall())
         prepared = db.execute("SELECT COALESCE(SUM(tokens), 0) FROM shards").fetchone()[0]
     return RecordedRun(
@@ -49,6 +52,7 @@ def recorded_run(workdir: Path) -> RecordedRun | None:
         int(counters.get("tokens_trained", 0)),
         int(counters.get("tokens_merged", 0)),
         int(prepared),
+        *job_wire_bytes(json.loads(meta.get(WIRE_COUNTS) or "{}")),
     )
 
 

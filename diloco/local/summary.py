@@ -203,12 +203,15 @@ def summarize(
     job_merged = summary["job_tokens_merged"] = max(0, summary["tokens_merged"] - before.tokens_merged)
     summary["job_tokens_pushed"] = max(0, d.get("tokens_pushed", 0) - before.tokens_trained)
     trained = max(1, job_trained)
+    summary["wire_bytes"] = max(
+        0, summary["wire_bytes"] - before.wire_bytes
+    )  # every life's, less earlier jobs'
     summary["wire_bytes_per_token"] = summary["wire_bytes"] / trained
     # Each learner's one-time join (the initial parameters offered, its first full pull)
     # amortizes over a long run; what goes on per token after it is the steady-state cost.
     by_rpc = summary["wire_bytes_by_rpc"]
     joining = sum(by_rpc.get(k, {}).get("received", 0) + by_rpc.get(k, {}).get("sent", 0)
-                  for k in ("init", "pull_join"))  # fmt: skip
+                  for k in ("init", "pull_join")) - before.wire_join_bytes  # fmt: skip
     summary["steady_wire_bytes_per_token"] = (summary["wire_bytes"] - joining) / trained
     tokenizer = load_tokenizer(cfg.data.tokenizer)  # loaded once: the evaluation samples with it
     vocab = cfg.model.vocab_size or tokenizer.vocab_size

@@ -3,6 +3,7 @@ parameters it loads at start, and the helpers every handler uses; the budget tic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -24,7 +25,7 @@ from diloco.coordinator.service.state import (
     RoundSum,
     log,
 )
-from diloco.coordinator.wirecount import WireCounter
+from diloco.coordinator.wirecount import WIRE_COUNTS, WireCounter
 from diloco.fragments import assign_fragments
 from diloco.observe.events import RunEvents
 from diloco.observe.prometheus import CoordinatorMetrics
@@ -62,6 +63,9 @@ class ServiceBase:
         self.policy = config.sync  # what the syncer's decisions read
         self.cond = threading.Condition(threading.RLock())
         self.wire = WireCounter()
+        # The run's wire bytes go on across coordinator lives (saved every progress sample): a
+        # chaos run that restarts its coordinator once under-counted them by each life's.
+        self.wire.restore(json.loads(ledger.get_meta(WIRE_COUNTS) or "{}"))
         # What happened, for metrics.jsonl, TensorBoard and the page; Prometheus reads status.
         self.events = events or RunEvents(None)
         self.metrics = CoordinatorMetrics(self.status_detail, workdir)
@@ -125,6 +129,8 @@ class ServiceBase:
                 thread.join(timeout=5)
         if self._publisher.is_alive():
             self._publisher.join(timeout=publish_timeout_s)
+        with contextlib.suppress(Exception):  # a ledger closed under us: the last sample stands
+            self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
         self.events.close()
 
     def wait_published(self, timeout_s: float = 30.0) -> bool:
@@ -280,6 +286,7 @@ class ServiceBase:
         merged = int(self.ledger.counter("tokens_merged"))
         wire = sum(self.wire.totals())
         self._progress_at = (now, merged, wire)
+        self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
         if last is None:
             return
         dt, dm, dw = now - last[0], merged - last[1], wire - last[2]

@@ -295,14 +295,15 @@ def test_a_resumed_runs_rates_are_this_jobs_own(tmp_path: Path) -> None:
     d = {"tokens_trained": 3_000_000, "tokens_merged": 2_800_000, "tokens_pushed": 2_900_000,
          "tokens_prepared": 4_000_000, "wire_bytes_in": 600_000, "wire_bytes_out": 400_000,
          "learner_kept_busy_seconds": 150.0, "workers": []}  # fmt: skip
-    earlier = RecordedRun("running", 2_000_000, 1_900_000, 3_500_000)
+    earlier = RecordedRun("running", 2_000_000, 1_900_000, 3_500_000, wire_bytes=200_000)
     s = summarize(d, RunConfig(), name="r", workdir=tmp_path, learners=2, data_workers=2, slow_learner=1.0,
                   train_seconds=100.0, total_seconds=110.0, minutes=0, earlier=earlier)  # fmt: skip
     assert s["tokens_trained"] == 3_000_000 and s["job_tokens_trained"] == 1_000_000
     assert s["trained_tokens_per_s"] == pytest.approx(10_000) and s["merged_tokens_per_s"] == pytest.approx(
         9_000
     )
-    assert s["wire_bytes_per_token"] == pytest.approx(1.0) and s["data_tokens_per_s"] == pytest.approx(5_000)
+    # The wire counts go on across coordinator lives: this job's are the run's less the earlier jobs'.
+    assert s["wire_bytes_per_token"] == pytest.approx(0.8) and s["data_tokens_per_s"] == pytest.approx(5_000)
     assert (
         s["resumed_from"] == {"tokens_trained": 2_000_000, "tokens_merged": 1_900_000}
         and s["goodput"] is None
