@@ -15,7 +15,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, syncer
-from diloco.coordinator.callers import Callers, caller_of
+from diloco.coordinator.callers import Callers, RefusalLog, caller_of
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.workers import Reclaimed
@@ -79,6 +79,11 @@ class ServiceBase:
         self.chunk_completions: deque[float] = deque(maxlen=CHUNK_PACE_WINDOW)
         # (since, error) while merges cannot be saved (a full disk), else None: in status.
         self.publish_failing: tuple[float, str] | None = None
+        # Refused calls: counted in memory, saved with each progress sample; logged by kind, once
+        # a minute (a flood of refusals costs neither a log line nor a ledger write each).
+        self._refusals_lock = threading.Lock()
+        self.refusals_unsaved = 0
+        self._refusal_log = RefusalLog()
         self.published_at: float | None = None  # the last merge saved (this life): stuck or not
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
         self.callers = Callers()  # which caller holds each worker id, and its open calls
@@ -106,9 +111,21 @@ class ServiceBase:
 
     def caller_refused(self, method: str, why: str) -> None:
         """A call the guard refused (no identity, the wrong role, another's worker id): counted."""
-        self.ledger.bump("calls_refused")
+        with self._refusals_lock:  # counted here, written to the ledger with each progress sample
+            self.refusals_unsaved += 1
         self.metrics.calls_refused.labels(rpc=method).inc()
-        log.warning("refused %s: %s", method, why)
+        say, quiet = self._refusal_log.note(f"{method}: {why}", time.monotonic())
+        if say:
+            more = (
+                f" ({quiet} more like it in the {self._refusal_log.window_s:.0f} s before)" if quiet else ""
+            )
+            log.warning("refused %s: %s%s", method, why, more)
+
+    def _save_refusals(self) -> None:
+        with self._refusals_lock:
+            unsaved, self.refusals_unsaved = self.refusals_unsaved, 0
+        if unsaved:
+            self.ledger.bump("calls_refused", unsaved)
 
     def start(self) -> None:
         self.events.record("start", epoch=self.epoch, run_state=self.run_state)
@@ -131,6 +148,8 @@ class ServiceBase:
             self._publisher.join(timeout=publish_timeout_s)
         with contextlib.suppress(Exception):  # a ledger closed under us: the last sample stands
             self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
+            self._save_refusals()
+        self._save_refusals()
         self.events.close()
 
     def wait_published(self, timeout_s: float = 30.0) -> bool:

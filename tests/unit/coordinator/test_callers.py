@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from diloco.client import CoordinatorClient
-from diloco.coordinator.callers import Callers, peer_host
+from diloco.coordinator.callers import Callers, RefusalLog, peer_host
 from diloco.testing.fuzz import has_ipv6_loopback
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import stalled_push, tiny_coordinator
@@ -50,6 +50,15 @@ def test_a_caller_registers_at_most_its_cap_of_live_workers() -> None:
     assert callers.join_problem("c", "host:x", live=["a"], cap=2) == ""  # b's lease lapsed
     assert callers.join_problem("d", "host:y", live=["a", "b", "c"], cap=2) == ""  # caps are per caller
     assert callers.join_problem("e", "host:x", live=["a", "c"], cap=0) == ""  # 0: no cap
+
+
+def test_a_flood_of_refusals_is_logged_once_a_minute_per_kind() -> None:
+    refusals = RefusalLog(window_s=60.0)
+    assert refusals.note("Status: a wrong token", 0.0) == (True, 0)
+    assert all(refusals.note("Status: a wrong token", t / 10) == (False, 0) for t in range(1, 500))
+    assert refusals.note("Join: no token", 1.0) == (True, 0)  # another kind: its own window
+    assert refusals.note("Status: a wrong token", 60.0) == (True, 499)  # and how many were quiet
+    assert refusals.note("Status: a wrong token", 61.0) == (False, 0)
 
 
 def test_open_calls_are_capped_per_caller_and_in_all() -> None:
@@ -237,3 +246,41 @@ def test_a_worker_holds_at_most_its_cap_of_leases(tiny_corpus: Path, tmp_path: P
         second = learner.lease_shard()
         assert not second.uri and second.retry_after_s > 0 and not second.done
         assert running.ledger.leases_held(learner.worker_id) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_certificate_of_another_role_named_like_a_live_worker_cannot_act_as_it(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """Under mutual TLS a caller was its certificate's name alone: an observer's certificate named
+    "learner-1" sent heartbeats of made-up figures for the live learner-1, and its Leave took the
+    learner's leases. The caller is its role and name now."""
+    from diloco.security.certs import init_ca, issue
+    from diloco.security.transport import Security
+
+    ca = tmp_path / "pki"
+    init_ca(ca)
+    security = {
+        "coordinator": Security(tls=issue(ca, "coordinator", "coordinator")),
+        "data": Security(tls=issue(ca, "data", "data-0")),
+        "learner": Security(tls=issue(ca, "learner", "learner-1")),
+    }
+    namesake = Security(tls=issue(ca, "observer", "learner-1", out=tmp_path / "observer"))
+    with tiny_coordinator(tiny_corpus, tmp_path / "run", {}, security) as (running, learner, _):
+        assert learner.worker_id == "learner-1"
+        other = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_OBSERVER, security=namesake)
+        try:
+            victim = pb.HeartbeatRequest(worker_id="learner-1", inner_steps=999_999)
+            for name, call in {
+                "Heartbeat": lambda: other.stub.Heartbeat(victim, timeout=5),
+                "Leave": lambda: other.stub.Leave(pb.LeaveRequest(worker_id="learner-1"), timeout=5),
+            }.items():
+                code, why = code_of(call)
+                assert code == grpc.StatusCode.PERMISSION_DENIED and "another caller" in why, (name, why)
+            join = pb.JoinRequest(role=pb.ROLE_OBSERVER, host="h", worker_id="learner-1")
+            code, why = code_of(lambda: other.stub.Join(join, timeout=5))
+            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "live under another caller" in why
+            assert "learner-1" in running.ledger.live_workers("compute", 30)
+            learner.heartbeat(pb.HeartbeatRequest())  # its own calls still work
+        finally:
+            other.close()
