@@ -91,6 +91,12 @@ def write_model(
     if fmt not in FORMATS:
         raise DilocoError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     out = Path(out)
+    save = getattr(model, "save_pretrained", None)
+    if fmt == "hf" and not callable(save):  # before the folder is made: nothing left behind
+        raise DilocoError(
+            f"model.factory {cfg.model.factory} has no Hugging Face form (no save_pretrained): "
+            "use --format safetensors"
+        )
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         params = {n: p.detach() for n, p in model.named_parameters()}
@@ -99,14 +105,11 @@ def write_model(
             json.dumps({"model": cfg.to_dict()["model"], "versions": versions}, indent=2)
         )
     else:
-        save = getattr(model, "save_pretrained", None)
-        if not callable(save):
-            raise DilocoError(
-                f"model.factory {cfg.model.factory} has no Hugging Face form (no save_pretrained): "
-                "use --format safetensors"
-            )
-        save(str(out))
-        from diloco.model.hf import save_tokenizer  # transformers: only for this format
+        from diloco.model.hf import mark_end_of_text, save_tokenizer  # transformers: only for this format
+        from diloco.tokenizer import load_tokenizer
+
+        mark_end_of_text(model, load_tokenizer(cfg.data.tokenizer).eot_id)
+        save(str(out))  # type: ignore[misc]
 
         save_tokenizer(cfg.data.tokenizer, str(out))
     return sorted(p for p in out.iterdir() if p.is_file())

@@ -34,6 +34,7 @@ class RecordedRun:
     tokens_trained: int
     tokens_merged: int
     tokens_prepared: int = 0
+    tokens_pushed: int = 0  # the ledger's count of tokens its pushes carried
     wire_bytes: int = 0  # the job's own (monitoring left out), every coordinator life's
     wire_join_bytes: int = 0  # of them, learners' joins (init and first pulls)
 
@@ -47,11 +48,20 @@ def recorded_run(workdir: Path) -> RecordedRun | None:
         meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('run_state', ?)", (WIRE_COUNTS,)))
         counters = dict(db.execute("SELECT name, value FROM counters").fetchall())
         prepared = db.execute("SELECT COALESCE(SUM(tokens), 0) FROM shards").fetchone()[0]
+        learners = [
+            json.loads(r[0] or "{}") for r in db.execute("SELECT stats FROM workers WHERE role = 'compute'")
+        ]
+    # Trained as the coordinator's status counts it (its pushed count, or the learners' own
+    # counts with earlier lives' when larger): a resumed job's figures subtract the same measure.
+    reported = int(counters.get("tokens_trained_by_earlier_lives", 0)) + sum(
+        int(stats.get("tokens_trained", 0)) for stats in learners
+    )
     return RecordedRun(
         meta.get("run_state") or RUNNING,
-        int(counters.get("tokens_trained", 0)),
+        max(int(counters.get("tokens_trained", 0)), reported),
         int(counters.get("tokens_merged", 0)),
         int(prepared),
+        int(counters.get("tokens_trained", 0)),
         *job_wire_bytes(json.loads(meta.get(WIRE_COUNTS) or "{}")),
     )
 

@@ -56,7 +56,7 @@ def stop_reason(
         wall_seconds: the job's training time, start to the last learner's exit.
         minutes: the job's time limit (--minutes; 0: none; None: not known).
         learner_ends: each learner's last leave reason, None where it never left (it died).
-        finish_reason: why the coordinator last changed the run's state (None: not known).
+        finish_reason: why the coordinator began to finish the run (None: not known).
     """
     ends = list(learner_ends.values())
     failed = sorted(w for w, e in learner_ends.items() if e not in NORMAL_ENDS)
@@ -96,12 +96,12 @@ def learner_ends(workdir: Path, learners: list[str]) -> dict[str, str | None]:
 
 
 def finish_reason(workdir: Path) -> str | None:
-    """Why the coordinator last changed the run's state (its ledger), or None."""
+    """Why the coordinator began to finish the run (its ledger), or None."""
     if not ledger_path(workdir).exists():
         return None
     try:
         with read_only(workdir) as db:
-            row = db.execute("SELECT value FROM meta WHERE key = 'run_state_reason'").fetchone()
+            row = db.execute("SELECT value FROM meta WHERE key = 'finish_reason'").fetchone()
     except sqlite3.Error:
         return None
     return row[0] if row else None

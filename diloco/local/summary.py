@@ -133,9 +133,15 @@ def few_outer_steps_warning(cfg: RunConfig, learners: int) -> str | None:
         f"each: {steps // h} outer step(s) at H = {h}. With fewer than {MIN_OUTER_STEPS}, DiLoCo has ended "
         f"2-6% above DDP at equal tokens; "
     )
-    if steps < MIN_OUTER_STEPS:
-        return said + f"even H = 1 gives only {steps}: a larger budget (--tokens) gives more."
-    better = steps // MIN_OUTER_STEPS
+    # An H the config check takes: a multiple of the fragments P, above the overlap τ.
+    p = cfg.sync.fragments
+    smallest = p * (cfg.sync.overlap_steps // p + 1)
+    better = (steps // MIN_OUTER_STEPS) // p * p
+    if better < smallest:
+        return (
+            said
+            + f"even H = {smallest} gives only {steps // smallest}: a larger budget (--tokens) gives more."
+        )
     return said + f"H = {better} (--set train.inner_steps={better}) gives {steps // better}."
 
 
@@ -201,7 +207,7 @@ def summarize(
     )
     job_trained = summary["job_tokens_trained"] = max(0, summary["tokens_trained"] - before.tokens_trained)
     job_merged = summary["job_tokens_merged"] = max(0, summary["tokens_merged"] - before.tokens_merged)
-    summary["job_tokens_pushed"] = max(0, d.get("tokens_pushed", 0) - before.tokens_trained)
+    summary["job_tokens_pushed"] = max(0, d.get("tokens_pushed", 0) - before.tokens_pushed)
     trained = max(1, job_trained)
     summary["wire_bytes"] = max(
         0, summary["wire_bytes"] - before.wire_bytes

@@ -42,6 +42,16 @@ class HFCausalLM(nn.Module):
         self.lm.save_pretrained(directory, safe_serialization=True)
 
 
+def mark_end_of_text(model: nn.Module, eot_id: int) -> None:
+    """The run's end-of-text as bos and eos of a Hugging Face model's config and generation config
+    (ours, or a user's own): from_config keeps the model type's defaults, Llama's 1 and 2, which
+    are bytes of the byte tokenizer and a quote in a trained one, and generate() stopped there."""
+    lm = getattr(model, "lm", model)
+    for held in (getattr(lm, "config", None), getattr(lm, "generation_config", None)):
+        if held is not None and hasattr(held, "eos_token_id"):
+            held.bos_token_id = held.eos_token_id = eot_id
+
+
 def causal_lm(
     *,
     vocab_size: int = 0,

@@ -234,8 +234,9 @@ def read_calibration(run_dir: str | Path) -> Calibration:
         run_dir=str(run),
         learners=int(s.get("learners", len(firsts) or 1)),
         wall_s=wall,
-        goodput=float(s.get("goodput", 0.0)),
-        goodput_after_start=float(s.get("goodput_after_start", 0.0)),
+        # null in a resumed run's summary (its busy seconds hold earlier jobs'): not measured, 0
+        goodput=float(s.get("goodput") or 0.0),
+        goodput_after_start=float(s.get("goodput_after_start") or 0.0),
         job_startup_s=job_startup,
         wind_down_s=max(0.0, started_at + wall - statistics.fmean(life.done_at for life in ended))  # type: ignore[misc]
         + statistics.fmean(flush)

@@ -106,6 +106,10 @@ def test_a_coordinator_that_names_the_own_loop_model_needs_nothing_more(
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert type(exported).__name__ == "LlamaForCausalLM" and exported.config.vocab_size == 257
     assert exported.config.architectures == ["LlamaForCausalLM"]  # what every loader knows
+    # End-of-text is the run's (the byte tokenizer's 256), not Llama's defaults (1 and 2, which are
+    # bytes): generate() stopped at them.
+    assert exported.config.eos_token_id == exported.generation_config.eos_token_id == 256
+    assert exported.config.bos_token_id == 256
 
 
 def test_eval_on_data_the_preprocess_was_not_written_for_is_one_line(tmp_path: Path) -> None:

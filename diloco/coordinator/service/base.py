@@ -251,7 +251,10 @@ class ServiceBase:
             if not lifecycle.may_enter(self.run_state, state):
                 return
             self.run_state = state
-            self.ledger.set_meta(run_state=state, run_state_reason=reason)
+            if state == lifecycle.FINISHING:  # why the run ends; "every learner left" comes after
+                self.ledger.set_meta(run_state=state, finish_reason=reason)
+            else:
+                self.ledger.set_meta(run_state=state)
             log.info("run %s (%s)", state, reason)
             self.cond.notify_all()
 

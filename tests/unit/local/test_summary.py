@@ -157,9 +157,11 @@ def test_a_budget_of_few_outer_steps_is_warned_about() -> None:
     )
     warning = few_outer_steps_warning(samples, learners=3) or ""
     assert "1,500 samples over 3 learners at batch 16 are 31 inner steps each: 3 outer step(s)" in warning
-    assert "H = 2 (--set train.inner_steps=2) gives 15" in warning
-    tiny = samples.with_overrides({"train.max_tokens": 300})  # 6 steps each: no H gives 12
-    assert "even H = 1 gives only 6" in (few_outer_steps_warning(tiny, learners=3) or "")
+    # The H it names is one the config check takes: a multiple of P = 2 above τ = 2.
+    assert "even H = 4 gives only 7: a larger budget" in warning
+    more = samples.with_overrides({"train.max_tokens": 6000, "train.inner_steps": 20})  # 125 steps each
+    assert "H = 10 (--set train.inner_steps=10) gives 12." in (few_outer_steps_warning(more, 3) or "")
+    assert few_outer_steps_warning(more.with_overrides({"train.inner_steps": 10}), 3) is None
 
 
 def test_goodput_is_merged_work_over_learner_time() -> None:

@@ -107,3 +107,14 @@ def test_scaling_keeps_measured_parts_and_the_stated_assumptions(run_dir: Path) 
 def test_a_dir_without_a_summary_says_so(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="summary.json"):
         read_calibration(tmp_path)
+
+
+def test_a_resumed_runs_summary_without_a_goodput_still_calibrates(run_dir: Path) -> None:
+    """A resumed job's goodput is null (its busy seconds hold earlier jobs'): tune, simulate
+    --calibrate and run --auto once failed on it with a TypeError."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (run_dir / "summary.json").write_text(
+        json.dumps({**summary, "goodput": None, "goodput_after_start": None})
+    )
+    cal = read_calibration(run_dir)
+    assert cal.goodput == 0.0 and cal.goodput_after_start == 0.0 and cal.learners == 2
