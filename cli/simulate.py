@@ -234,4 +234,5 @@ def tune(
         table.add_row(c.name, c.default, c.value, c.why)
     console = Console(width=160)
     console.print(table)
-    console.print("diloco run " + " ".join(f"--set {o}" for o in tuning.overrides()))
+    # One line however long: it is copied into a shell.
+    console.print("diloco run " + " ".join(f"--set {o}" for o in tuning.overrides()), soft_wrap=True)

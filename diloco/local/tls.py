@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from diloco.coordinator.workdir import workdir_holder
 from diloco.errors import DilocoError
 from diloco.security.certs import TlsFiles, init_ca, issue
 from diloco.security.transport import Security
@@ -63,6 +64,9 @@ def job_address(workdir: Path) -> tuple[str, Security]:
         raise DilocoError(
             f"{workdir} has no running coordinator (no {info.name}): is the job started?"
         ) from None
+    if info.exists() and workdir_holder(str(workdir)) is None:  # its file outlives it
+        ended = " (its results: summary.json)" if (workdir / "summary.json").exists() else ""
+        raise DilocoError(f"{workdir}'s coordinator is not running: the job has ended{ended}")
     if not (workdir / "tls" / "ca.key").exists():  # --no-tls: plaintext on loopback
         return address, Security()
     return address, Security(tls=run_certificates(workdir, {WATCHER: "observer"})[WATCHER])

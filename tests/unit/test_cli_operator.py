@@ -311,6 +311,9 @@ def test_finish_under_mutual_tls_takes_an_operator_certificate(tiny_corpus: Path
         assert code == 0 and json.loads(out)["run_state"] == "finished", out
     finally:
         running.stop()
+    # Its coordinator.json outlives it: asked after, the job has ended (not "connection refused").
+    code, out = cli("status", "--workdir", str(workdir))
+    assert code == 2 and "coordinator is not running: the job has ended" in one_error_line(out), out
 
 
 def test_finish_needs_an_address() -> None:
