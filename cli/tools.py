@@ -290,9 +290,16 @@ def certs_issue(
     host: Annotated[
         list[str] | None, typer.Option(help="a coordinator's address other than 127.0.0.1 (repeatable)")
     ] = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            help="replace another role's or name's <name>.crt/.key; the same role and name is replaced "
+            "anyway (rotation)"
+        ),
+    ] = False,
 ) -> None:
     """Issue a certificate for one worker (or the coordinator), signed by the run's CA."""
     from diloco.security.certs import issue
 
-    files = issue(out, role, name, out, tuple(host or ()))
+    files = issue(out, role, name, out, tuple(host or ()), force=force)
     typer.echo(f"--tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}")

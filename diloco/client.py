@@ -157,7 +157,7 @@ class CoordinatorClient:
                 except grpc.FutureTimeoutError:
                     pass
                 last_error = self._last_connect_error()
-                problem = handshake_problem(last_error, self.security)
+                problem = handshake_problem(last_error, self.security, self.address)
                 failing_since, give_up = give_up_on_handshake(problem, failing_since, time.monotonic())
                 if give_up:
                     raise DilocoError(f"cannot connect to the coordinator at {self.address}: {problem}")

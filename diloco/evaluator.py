@@ -23,10 +23,11 @@ import grpc
 import numpy as np
 import torch
 
-from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
+from diloco.client import RETRYABLE, WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig
 from diloco.data.shard import concat_columns, read_shard
+from diloco.errors import DilocoError
 from diloco.evaluate import evaluate
 from diloco.export import load_parameters
 from diloco.model.factory import build_model
@@ -224,5 +225,15 @@ def run_evaluator(address: str, stop: threading.Event | None = None, **options: 
     try:
         return Evaluator(address, stop, **options).run()
     except grpc.RpcError as e:
-        log.error("the coordinator stopped answering: %s", e.code().name)
-        return 1
+        # One line with the coordinator's reason, exit 2 (the CLI's DilocoError), as a data worker
+        # or learner says it: a refusal's details name what to change (the certificate's role).
+        raise DilocoError(rpc_failure_line(e.code(), e.details() or "")) from None
+
+
+def rpc_failure_line(code: grpc.StatusCode, details: str) -> str:
+    """What a failed coordinator call tells a person: an outage that outlasted the retries, or a
+    refusal, with the coordinator's own words."""
+    said = f"{code.name}: {details}" if details else code.name
+    if code in RETRYABLE:
+        return f"the coordinator stopped answering ({said})"
+    return f"the coordinator refused the evaluator ({said})"

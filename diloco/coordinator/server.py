@@ -35,8 +35,8 @@ from diloco.errors import DilocoError
 from diloco.observe.access import access_token
 from diloco.observe.events import RunEvents
 from diloco.observe.http import ObserveServer
+from diloco.security.guard import Guard
 from diloco.security.transport import (
-    Guard,
     Security,
     add_port,
     check_listen,
@@ -245,8 +245,10 @@ def start_coordinator(
     check_serving(security)  # a learner's certificate, say: refused here, not by every client
     if warning := check_listen(host, security):
         log.warning("%s", warning)
-    if observe is not None and (observe.http_port is not None or observe.metrics_port is not None):
-        check_listen(observe.host, security)  # the page too, before anything is written
+    serves_page = observe is not None and (observe.http_port is not None or observe.metrics_port is not None)
+    # The page too, before anything is written (a refusal raises; a warning is said once).
+    if serves_page and (page_warning := check_listen(observe.host, security)) and observe.host != host:
+        log.warning("%s", page_warning)
     check_port_free(host, port)
     if observe is not None:  # the page's and /metrics' ports too: a first start that fails on
         for observer_port in (observe.http_port, observe.metrics_port):  # them has written the ledger

@@ -9,17 +9,18 @@
 
 A role's settings come from its flags (`--tls-cert/--tls-key/--tls-ca`, `--token-file`,
 `--insecure`), which the CLI puts in the environment (DILOCO_TLS_CERT, DILOCO_TLS_KEY,
-DILOCO_TLS_CA, DILOCO_TOKEN, DILOCO_INSECURE), where every client of the process finds them.
+DILOCO_TLS_CA, DILOCO_TOKEN_FILE, DILOCO_INSECURE), where every client of the process finds them.
+DILOCO_TOKEN gives the token itself: checked and stripped as a file's is, and refused beside a
+token file (which of the two was meant is not ours to guess).
 """
 
 from __future__ import annotations
 
 import collections
-import hmac
+import datetime
 import ipaddress
 import os
 import socket
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,25 +29,19 @@ import grpc
 
 from diloco.clock import lasting
 from diloco.errors import DilocoError
-from diloco.plugins import a_or_an
-from diloco.security.certs import TlsFiles, serving_problem, subject_of
-from diloco.v1 import coordinator_pb2 as pb
+from diloco.security.certs import (
+    TlsFiles,
+    ca_dates_problem,
+    ca_problem,
+    certificate_problem,
+    dates_problem,
+    key_problem,
+    serving_problem,
+    subject_of,
+)
 
 ENV = {"cert": "DILOCO_TLS_CERT", "key": "DILOCO_TLS_KEY", "ca": "DILOCO_TLS_CA"}
 TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV = "DILOCO_TOKEN", "DILOCO_TOKEN_FILE", "DILOCO_INSECURE"
-
-# Who may call what (the certificate's role); Status is anyone's with an identity.
-ANY = ("learner", "data", "evaluator", "observer", "operator")
-ALLOWED: dict[str, tuple[str, ...]] = {
-    "Join": ANY, "Heartbeat": ANY, "Leave": ANY, "Status": ANY,
-    "LeaseChunk": ("data",), "CompleteChunk": ("data",), "FailChunk": ("data",),
-    "LeaseShard": ("learner",), "ReportShard": ("learner",), "InitParameters": ("learner",),
-    "PushDelta": ("learner",), "PullParameters": ("learner", "evaluator"),
-    "ReportEval": ("evaluator",), "Finish": ("operator",),
-}  # fmt: skip
-# The role a certificate must hold to join as each Role.
-JOIN_ROLE = {pb.ROLE_COMPUTE: ("learner",), pb.ROLE_DATA: ("data",), pb.ROLE_EVALUATOR: ("evaluator",),
-             pb.ROLE_OBSERVER: ("observer", "operator")}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -64,9 +59,7 @@ class Security:
         paths = {k: os.environ.get(v, "") for k, v in ENV.items()}
         if any(paths.values()) and not all(paths.values()):
             raise DilocoError("TLS needs all three of --tls-cert, --tls-key and --tls-ca")
-        token = os.environ.get(TOKEN_ENV, "")
-        if not token and os.environ.get(TOKEN_FILE_ENV):
-            token = read_token(os.environ[TOKEN_FILE_ENV])
+        token = token_from(os.environ.get(TOKEN_ENV, ""), os.environ.get(TOKEN_FILE_ENV, ""))
         return cls(
             TlsFiles(**paths) if all(paths.values()) else None, token, os.environ.get(INSECURE_ENV) == "1"
         )
@@ -81,16 +74,47 @@ class Security:
 
     def name(self) -> str | None:
         """The name in this role's certificate (its worker id), if it has one."""
-        return subject_of(Path(self.tls.cert).read_bytes())[1] if self.tls else None
+        if not self.tls:
+            return None
+        cert, _, _ = self.tls.read()
+        if problem := certificate_problem(cert):
+            raise DilocoError(
+                f"--tls-cert {self.tls.cert} {problem}: give the .crt `diloco certs issue` wrote"
+            )
+        return subject_of(cert)[1]
+
+
+def token_from(value: str, path: str) -> str:
+    """The run's token from DILOCO_TOKEN's `value` or the token file at `path` ("" for neither).
+    Both given: refused, since either could be the one meant (an exported variable left over, or
+    the flag just typed); the error names both."""
+    if value and path:
+        raise DilocoError(
+            f"both {TOKEN_ENV} and --token-file ({TOKEN_FILE_ENV}={path}) give a token: "
+            f"unset {TOKEN_ENV} or drop --token-file"
+        )
+    if path:
+        return read_token(path)
+    return check_token(value, TOKEN_ENV) if value else ""
 
 
 def read_token(path: str) -> str:
     try:
-        token = Path(path).read_text().strip()
+        token = Path(path).read_text()
     except OSError as e:
         raise DilocoError(f"cannot read the token file: {e}") from e
+    return check_token(token, path)
+
+
+def check_token(token: str, source: str) -> str:
+    """`token` without the whitespace around it (a file's newline, a pasted space), refused when
+    short enough to guess or when it cannot travel as a header value: the same from a file or
+    from the environment."""
+    token = token.strip()
     if len(token) < 16:
-        raise DilocoError(f"{path}: a token must be at least 16 characters")
+        raise DilocoError(f"{source}: a token must be at least 16 characters")
+    if not (token.isascii() and token.isprintable()):
+        raise DilocoError(f"{source}: a token must be printable ASCII on one line")
     return token
 
 
@@ -109,9 +133,15 @@ def is_loopback(host: str) -> bool:
 
 def check_listen(host: str, security: Security) -> str:
     """Refuse to serve plaintext beyond loopback (anyone reaching the port would drive the run);
-    returns a warning to print when --insecure allows it anyway."""
-    if security.mode != "none" or is_loopback(host):
+    returns a warning to print when --insecure allows it anyway, or when a token guards it: the
+    token travels unencrypted, so whoever sees the traffic holds it too."""
+    if security.mode == "mtls" or is_loopback(host):
         return ""
+    if security.mode == "token":
+        return (
+            f"serving on {host} with a token but without TLS: a token is sent in cleartext on every "
+            "call: anyone on the network path can read it; use mutual TLS beyond a trusted network"
+        )
     if not security.insecure:
         raise DilocoError(
             f"listening on {host} without TLS or a token lets anyone who reaches the port drive the run: "
@@ -122,11 +152,49 @@ def check_listen(host: str, security: Security) -> str:
     )
 
 
-def check_serving(security: Security) -> None:
-    """Refuse, at start, a certificate that clients would refuse from a server (a learner's, say):
-    otherwise the coordinator listens and every client fails its handshake."""
+def tls_problem(tls: TlsFiles, now: datetime.datetime) -> str:
+    """What is wrong with a role's three TLS files, naming the flag to fix ("" when nothing):
+    gRPC itself says only "Failed to create security handshaker" (a client, after its whole
+    connect timeout) or fails to bind (the coordinator, blamed on the port)."""
+    cert, key, ca = tls.read()
+    if problem := certificate_problem(cert):
+        return f"--tls-cert {tls.cert} {problem}: give the .crt `diloco certs issue` wrote"
+    if problem := key_problem(cert, key):
+        return f"--tls-key {tls.key} {problem} (--tls-cert {tls.cert}): give the .key issued with it"
+    if problem := ca_problem(ca):
+        return f"--tls-ca {tls.ca} {problem}: give the run's CA certificate (ca.crt of `diloco certs init`)"
+    if problem := ca_dates_problem(ca, now):
+        return (
+            f"--tls-ca {tls.ca} {problem}: make a new CA (`diloco certs init`) and issue every role's "
+            "certificate from it"
+        )
+    return ""
+
+
+def expiry_problem(tls: TlsFiles, now: datetime.datetime, whose: str) -> str:
+    """Why `whose` certificate is out of date, with the command that issues a new one ("" when in
+    date): its peers would refuse it, and say only that they do not trust it."""
+    cert = Path(tls.cert).read_bytes()
+    if not (problem := dates_problem(cert, now)):
+        return ""
+    role, name = subject_of(cert)
+    hosts = " --host <its address>" if role == "coordinator" else ""
+    return (
+        f"{whose} ({tls.cert}: {role or 'no role'} {name}) {problem}: issue a new one with diloco certs "
+        f"issue --out {Path(tls.ca).parent} --role {role or '<role>'} --name {name or '<name>'}{hosts}"
+    )
+
+
+def check_serving(security: Security, now: datetime.datetime | None = None) -> None:
+    """Refuse, at start and before anything is written, TLS files the coordinator cannot serve
+    with: a key not the certificate's, a CA file that is no certificate, an expired certificate,
+    a certificate clients would refuse from a server (a learner's, say). Otherwise gRPC fails to
+    bind (blamed on the port) or the coordinator listens and every client fails its handshake."""
     if not security.tls:
         return
+    now = now or datetime.datetime.now(datetime.UTC)
+    if problem := tls_problem(security.tls, now) or expiry_problem(security.tls, now, "--tls-cert"):
+        raise DilocoError(problem)
     cert, _, _ = security.tls.read()
     if problem := serving_problem(cert):
         ca_dir = Path(security.tls.ca).parent
@@ -134,6 +202,17 @@ def check_serving(security: Security) -> None:
             f"--tls-cert {security.tls.cert} {problem}; give the coordinator its own: "
             f"diloco certs issue --out {ca_dir} --role coordinator --name coordinator --host <its address>"
         )
+
+
+def check_client(security: Security, now: datetime.datetime | None = None) -> None:
+    """Refuse, before connecting, TLS files no handshake can succeed with: otherwise a key not
+    the certificate's waits out the connect timeout ("Failed to create security handshaker"), and
+    an expired certificate is refused by the coordinator as if another CA had issued it."""
+    if not security.tls:
+        return
+    now = now or datetime.datetime.now(datetime.UTC)
+    if problem := tls_problem(security.tls, now) or expiry_problem(security.tls, now, "your certificate"):
+        raise DilocoError(problem)
 
 
 # -- the client's side -------------------------------------------------------------------------
@@ -145,9 +224,12 @@ def check_serving(security: Security) -> None:
 HANDSHAKE_PATIENCE_S = 2.5
 
 
-def handshake_problem(last_error: str, security: Security) -> str:
+def handshake_problem(last_error: str, security: Security, address: str = "") -> str:
     """What gRPC's last connection error says about the two ends' security ("" when it is not a
-    handshake's failure: a coordinator that is down refuses the TCP connection instead)."""
+    handshake's failure: a coordinator that is down refuses the TCP connection instead).
+    `address`, the HOST:PORT dialled, names the host a coordinator's certificate must name."""
+    if "Hostname Verification Check failed" in last_error:
+        return hostname_problem(address, security)
     if "Tls handshake failed" in last_error or "Ssl handshake failed" in last_error:
         if "WRONG_VERSION_NUMBER" in last_error:
             return "the coordinator does not speak TLS: drop --tls-cert/--tls-key/--tls-ca, or start it with them"
@@ -171,6 +253,18 @@ def handshake_problem(last_error: str, security: Security) -> str:
             "--tls-cert/--tls-key/--tls-ca (a certificate from its CA: diloco certs issue)"
         )
     return ""
+
+
+def hostname_problem(address: str, security: Security) -> str:
+    """The coordinator's certificate does not name the host dialled (it was issued for another
+    address, or without --host): a certificate, not a network, problem, so no wait cures it."""
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else ""
+    out = Path(security.tls.ca).parent if security.tls else "<the CA's directory>"
+    return (
+        f"the coordinator's certificate does not name the address you dial{f' ({host})' if host else ''}: "
+        f"re-issue it with `diloco certs issue --out {out} --role coordinator --name <its name> "
+        f"--host {host or '<that address>'}` and restart it, or dial an address it names"
+    )
 
 
 def connect_cause(last_error: str) -> str:
@@ -229,6 +323,7 @@ def http2_frame_bytes(piece: int) -> int:
 
 def client_channel(address: str, security: Security, options: list[tuple[str, Any]]) -> grpc.Channel:
     if security.tls:
+        check_client(security)  # every client role is built here: its files are checked once, now
         cert, key, ca = security.tls.read()
         creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         return grpc.secure_channel(address, creds, options=options)
@@ -245,118 +340,3 @@ def add_port(server: grpc.Server, address: str, security: Security) -> int:
         creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
         return server.add_secure_port(address, creds)
     return server.add_insecure_port(address)
-
-
-def caller_problem(method: str, role: str, name: str, request: Any) -> str:
-    """Why this caller may not make this call ("" when it may): its role, and in the request the
-    worker id it acts as (its certificate's name) and, at join, the role it joins as."""
-    if role not in ALLOWED.get(method, ()):
-        return f"{a_or_an(role) if role else 'a certificate without a role'} may not call {method}"
-    worker_id = getattr(request, "worker_id", None)
-    if worker_id and worker_id != name:
-        return f"{name} ({role}) may not act as {worker_id!r}"
-    if method == "Join" and role not in JOIN_ROLE.get(request.role, ()):
-        return f"{a_or_an(role)} certificate may not join as {pb.Role.Name(request.role)}"
-    return ""
-
-
-# What a caller refused in token mode is told, by whether it sent a token at all.
-TOKEN_REFUSALS = {
-    True: "this coordinator needs its token: give --token-file (the run's token)",
-    False: "the token does not match this coordinator's: is --token-file the run's token?",
-}
-
-
-class Guard(grpc.ServerInterceptor):
-    """Every RPC checked before its handler runs: the token, or the certificate's role and name."""
-
-    def __init__(self, security: Security, on_refused: Callable[[str, str], None] | None = None):
-        self.security = security
-        self.on_refused = on_refused or (lambda method, why: None)
-        self._subjects: dict[bytes, tuple[str, str]] = {}
-
-    def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
-        method = details.method.rsplit("/", 1)[-1]
-        if self.security.mode == "token":
-            sent = dict(details.invocation_metadata or ()).get("authorization", "")
-            handler = continuation(details)
-            expected = f"Bearer {self.security.token}".encode()
-            if handler is None or hmac.compare_digest(sent.encode(), expected):
-                return handler
-            # Whether a token came says nothing of the right one; the comparison stays constant-time.
-            missing = not sent.removeprefix("Bearer").strip()
-            self.on_refused(method, "no token" if missing else "a wrong token")
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSALS[missing])
-        handler = continuation(details)
-        if self.security.mode != "mtls" or handler is None:
-            return handler
-        return self._checked(handler, method)
-
-    def _subject(self, context: grpc.ServicerContext) -> tuple[str, str]:
-        pem = (context.auth_context().get("x509_pem_cert") or [b""])[0]
-        if pem not in self._subjects:
-            self._subjects[pem] = subject_of(pem) if pem else ("", "")
-        return self._subjects[pem]
-
-    def _deny(self, context: grpc.ServicerContext, method: str, why: str) -> None:
-        self.on_refused(method, why)
-        context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-
-    def _checked(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        if handler.unary_unary or handler.unary_stream:
-            inner = handler.unary_unary or handler.unary_stream
-
-            def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                role, name = self._subject(context)
-                if why := caller_problem(method, role, name, request):
-                    self._deny(context, method, why)
-                return inner(request, context)
-
-            kind = (
-                grpc.unary_unary_rpc_method_handler
-                if handler.unary_unary
-                else grpc.unary_stream_rpc_method_handler
-            )
-            return kind(unary, handler.request_deserializer, handler.response_serializer)
-
-        inner_stream = handler.stream_unary
-
-        def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            role, name = self._subject(context)
-            if why := caller_problem(method, role, name, None):
-                self._deny(context, method, why)
-            return inner_stream(_header_checked(requests, name, role, method, self, context), context)
-
-        return grpc.stream_unary_rpc_method_handler(
-            stream, handler.request_deserializer, handler.response_serializer
-        )
-
-
-def _header_checked(
-    requests: Iterator[Any], name: str, role: str, method: str, guard: Guard, context: Any
-) -> Iterator[Any]:
-    """A streamed push or init: its header (the first message) must be the caller's own."""
-    for i, message in enumerate(requests):
-        header = message.header if i == 0 and message.WhichOneof("kind") == "header" else None
-        if header is not None and header.worker_id and header.worker_id != name:
-            guard._deny(context, method, f"{name} ({role}) may not act as {header.worker_id!r}")
-        yield message
-
-
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, why: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that refuses the call."""
-
-    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, why)
-
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(
-            refuse, handler.request_deserializer, handler.response_serializer
-        )
-    return grpc.stream_unary_rpc_method_handler(
-        refuse, handler.request_deserializer, handler.response_serializer
-    )

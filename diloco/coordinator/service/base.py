@@ -149,7 +149,6 @@ class ServiceBase:
         with contextlib.suppress(Exception):  # a ledger closed under us: the last sample stands
             self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
             self._save_refusals()
-        self._save_refusals()
         self.events.close()
 
     def wait_published(self, timeout_s: float = 30.0) -> bool:
@@ -309,6 +308,7 @@ class ServiceBase:
         wire = sum(self.wire.totals())
         self._progress_at = (now, merged, wire)
         self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
+        self._save_refusals()
         if last is None:
             return
         dt, dm, dw = now - last[0], merged - last[1], wire - last[2]

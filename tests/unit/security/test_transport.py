@@ -14,10 +14,10 @@ from diloco.config import RunConfig
 from diloco.coordinator.server import grpc_options, start_coordinator
 from diloco.errors import DilocoError
 from diloco.security.certs import TlsFiles, init_ca, issue, subject_of
+from diloco.security.guard import caller_problem
 from diloco.security.transport import (
     HANDSHAKE_PATIENCE_S,
     Security,
-    caller_problem,
     check_listen,
     give_up_on_handshake,
     handshake_problem,
@@ -155,7 +155,7 @@ def test_plaintext_beyond_loopback_is_refused_unless_insecure_is_said() -> None:
     with pytest.raises(DilocoError, match="anyone who reaches the port"):
         check_listen("0.0.0.0", Security())
     assert "--insecure" in check_listen("0.0.0.0", Security(insecure=True))
-    assert check_listen("0.0.0.0", Security(token="t" * 16)) == ""
+    assert "cleartext" in check_listen("0.0.0.0", Security(token="t" * 16))  # allowed, with a warning
 
 
 def test_a_handshake_that_keeps_failing_is_named_and_anything_else_is_waited_out() -> None:
