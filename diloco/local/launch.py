@@ -23,7 +23,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.live import Live
-from rich.markup import escape
 
 from diloco.client import CoordinatorClient
 from diloco.coordinator.held_out import no_eval_split_warning
@@ -33,20 +32,17 @@ from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
 from diloco.local.options import LocalRunOptions, default_run_config
 from diloco.local.outcome import (
     RecordedRun,
-    cause_lines,
     data_workers_failed,
     failure_causes,
     finished_run_refusal,
-    job_counts,
+    job_outcome,
     recorded_config,
     recorded_run,
     resume_notes,
-    run_failure,
     saving_failed,
 )
 from diloco.local.prepared import wait_until_prepared
 from diloco.local.procs import Child, ProcessGroup
-from diloco.local.stopping import quarantine_facts, quarantined_chunks
 from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
 from diloco.local.tls import SUPERVISOR, job_certificates, tls_args
 from diloco.security.certs import TlsFiles
@@ -225,15 +221,8 @@ class LocalRun:
     def _check_outcome(self, causes: dict[str, str], detail: dict[str, Any], seconds: float) -> None:
         """A job that merged nothing ends in its causes, not in a table of zeros; one that did
         still says what failed."""
-        quarantined = quarantine_facts(quarantined_chunks(self.workdir, detail.get("quarantined") or []))
-        quarantine = (int(detail.get("chunks_quarantined", 0)), quarantined["quarantine_reason"])
-        counts = job_counts(detail, self.before)
-        if problem := run_failure(causes, counts, seconds, self.workdir / "logs", quarantine):
-            raise DilocoError(problem)
-        if causes:
-            lines = escape("\n".join(cause_lines(causes)))  # a cause may hold [brackets]
-            self.console.print(f"[yellow]warning:[/] processes that failed (logs in {self.workdir / 'logs'}):\n"
-                               f"{lines}", highlight=False, soft_wrap=True)  # fmt: skip
+        if warning := job_outcome(causes, detail, self.before, seconds, self.workdir):
+            self.console.print(warning, highlight=False, soft_wrap=True)
 
     def run(self) -> dict[str, Any]:
         self._check_inputs()

@@ -19,7 +19,9 @@ from diloco.coordinator.lifecycle import FINISHED, RUNNING
 from diloco.coordinator.report import read_only, stored_run
 from diloco.coordinator.wirecount import WIRE_COUNTS, job_wire_bytes
 from diloco.coordinator.workdir import settings_not_used
+from diloco.errors import DilocoError
 from diloco.local.procs import ProcessGroup
+from diloco.local.stopping import quarantine_facts, quarantined_chunks
 
 # A cause is one line of the report: long enough for a model.init_from mismatch's first names.
 CAUSE_WIDTH = 240
@@ -222,3 +224,18 @@ def run_failure(
             "first (--minutes), or there was no data left to train on"
         )
     return None
+
+
+def job_outcome(
+    causes: dict[str, str], detail: dict[str, Any], before: RecordedRun | None, seconds: float, workdir: Path
+) -> str:
+    """After the job: raises its run_failure (it merged nothing), else the warning naming the
+    processes that failed ("" when none did)."""
+    quarantined = quarantine_facts(quarantined_chunks(workdir, detail.get("quarantined") or []))
+    quarantine = (int(detail.get("chunks_quarantined", 0)), quarantined["quarantine_reason"])
+    if problem := run_failure(causes, job_counts(detail, before), seconds, workdir / "logs", quarantine):
+        raise DilocoError(problem)
+    if not causes:
+        return ""
+    lines = escape("\n".join(cause_lines(causes)))  # a cause may hold [brackets]
+    return f"[yellow]warning:[/] processes that failed (logs in {workdir / 'logs'}):\n{lines}"
