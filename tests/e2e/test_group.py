@@ -139,7 +139,7 @@ def test_two_rank_learners_under_chaos_pass_the_audit(small_corpus: Path, tmp_pa
         # learner trains before it (40k tokens ended at 9 s, before any kill, on a quiet machine);
         # the wall time bounds the run on cores shared with other tests (a group's restart starts
         # three interpreters): the audit is what holds.
-        extra=["--tokens", "400000", "--minutes", "1.5", "--chaos-interval", "10",
+        extra=["--tokens", "400000", "--minutes", "1", "--chaos-interval", "10",
                "--chaos-roles", "learner"],
     )  # fmt: skip
     assert summary["audit_ok"], summary["audit_violations"]
