@@ -6,8 +6,9 @@ Opened read-only, so they can be asked while the coordinator runs, or after it i
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from diloco.coordinator.ledger import ledger_path
@@ -46,3 +47,12 @@ def stored_run(workdir: str | Path) -> tuple[str, list[int]]:
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     versions = {int(k.split(".")[1]): int(v) for k, v in meta.items() if k.startswith("fragment_version.")}
     return meta.get("config", "{}"), [versions[p] for p in sorted(versions)]
+
+
+def tokens_reported(earlier_lives: float, learner_stats: Iterable[str | None]) -> int:
+    """Tokens the learners say they trained: each one's latest count (its heartbeat stats, JSON),
+    plus the last counts of earlier lives of restarted learners (work a kill threw away was still
+    trained). The coordinator's status and a resumed job's starting point count it alike."""
+    return int(earlier_lives) + sum(
+        int(json.loads(s or "{}").get("tokens_trained", 0)) for s in learner_stats
+    )

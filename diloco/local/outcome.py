@@ -16,7 +16,7 @@ from rich.markup import escape
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import ledger_path
 from diloco.coordinator.lifecycle import FINISHED, RUNNING
-from diloco.coordinator.report import read_only, stored_run
+from diloco.coordinator.report import read_only, stored_run, tokens_reported
 from diloco.coordinator.wirecount import WIRE_COUNTS, job_wire_bytes
 from diloco.coordinator.workdir import settings_not_used
 from diloco.errors import DilocoError
@@ -50,14 +50,10 @@ def recorded_run(workdir: Path) -> RecordedRun | None:
         meta = dict(db.execute("SELECT key, value FROM meta WHERE key IN ('run_state', ?)", (WIRE_COUNTS,)))
         counters = dict(db.execute("SELECT name, value FROM counters").fetchall())
         prepared = db.execute("SELECT COALESCE(SUM(tokens), 0) FROM shards").fetchone()[0]
-        learners = [
-            json.loads(r[0] or "{}") for r in db.execute("SELECT stats FROM workers WHERE role = 'compute'")
-        ]
+        stats = [r[0] for r in db.execute("SELECT stats FROM workers WHERE role = 'compute'")]
     # Trained as the coordinator's status counts it (its pushed count, or the learners' own
     # counts with earlier lives' when larger): a resumed job's figures subtract the same measure.
-    reported = int(counters.get("tokens_trained_by_earlier_lives", 0)) + sum(
-        int(stats.get("tokens_trained", 0)) for stats in learners
-    )
+    reported = tokens_reported(counters.get("tokens_trained_by_earlier_lives", 0), stats)
     return RecordedRun(
         meta.get("run_state") or RUNNING,
         max(int(counters.get("tokens_trained", 0)), reported),

@@ -283,19 +283,11 @@ def subject_of(pem: bytes) -> tuple[str, str]:
 # -- checks of a role's files, before gRPC sees them (it says only "handshaker" or "port in use") --
 
 
-def certificate_problem(pem: bytes) -> str:
-    """Why `pem` is not a certificate ("" when it is)."""
+def certificate_problem(pem: bytes, bundle: bool = False) -> str:
+    """Why `pem` is not a certificate ("" when it is); `bundle`: one or more (the run's CA file)."""
+    load = x509.load_pem_x509_certificates if bundle else x509.load_pem_x509_certificate
     try:
-        x509.load_pem_x509_certificate(pem)
-    except ValueError:
-        return "is not a PEM certificate"
-    return ""
-
-
-def ca_problem(pem: bytes) -> str:
-    """Why `pem` cannot be the run's CA file ("" when it can): one or more PEM certificates."""
-    try:
-        x509.load_pem_x509_certificates(pem)
+        load(pem)
     except ValueError:
         return "is not a PEM certificate"
     return ""

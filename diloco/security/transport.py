@@ -32,7 +32,6 @@ from diloco.errors import DilocoError
 from diloco.security.certs import (
     TlsFiles,
     ca_dates_problem,
-    ca_problem,
     certificate_problem,
     dates_problem,
     key_problem,
@@ -161,7 +160,7 @@ def tls_problem(tls: TlsFiles, now: datetime.datetime) -> str:
         return f"--tls-cert {tls.cert} {problem}: give the .crt `diloco certs issue` wrote"
     if problem := key_problem(cert, key):
         return f"--tls-key {tls.key} {problem} (--tls-cert {tls.cert}): give the .key issued with it"
-    if problem := ca_problem(ca):
+    if problem := certificate_problem(ca, bundle=True):
         return f"--tls-ca {tls.ca} {problem}: give the run's CA certificate (ca.crt of `diloco certs init`)"
     if problem := ca_dates_problem(ca, now):
         return (

@@ -19,6 +19,7 @@ from diloco.coordinator.callers import Callers, RefusalLog, caller_of
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.workers import Reclaimed
+from diloco.coordinator.report import tokens_reported
 from diloco.coordinator.service.state import (
     RUN_STATES,
     FragmentState,
@@ -121,7 +122,10 @@ class ServiceBase:
             )
             log.warning("refused %s: %s%s", method, why, more)
 
-    def _save_refusals(self) -> None:
+    def _save_counts(self) -> None:
+        """The counts kept in memory into the ledger: the wire bytes (every life's, restored at
+        start) and the refusals since the last save."""
+        self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
         with self._refusals_lock:
             unsaved, self.refusals_unsaved = self.refusals_unsaved, 0
         if unsaved:
@@ -147,8 +151,7 @@ class ServiceBase:
         if self._publisher.is_alive():
             self._publisher.join(timeout=publish_timeout_s)
         with contextlib.suppress(Exception):  # a ledger closed under us: the last sample stands
-            self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
-            self._save_refusals()
+            self._save_counts()
         self.events.close()
 
     def wait_published(self, timeout_s: float = 30.0) -> bool:
@@ -307,8 +310,7 @@ class ServiceBase:
         merged = int(self.ledger.counter("tokens_merged"))
         wire = sum(self.wire.totals())
         self._progress_at = (now, merged, wire)
-        self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
-        self._save_refusals()
+        self._save_counts()
         if last is None:
             return
         dt, dm, dw = now - last[0], merged - last[1], wire - last[2]
@@ -322,10 +324,6 @@ class ServiceBase:
         )
 
     def _tokens_reported(self) -> int:
-        """Tokens the learners say they trained: each one's latest count, plus the last counts of
-        earlier lives of restarted learners (work a kill threw away was still trained)."""
-        total = int(self.ledger.counter("tokens_trained_by_earlier_lives"))
-        for w in self.ledger.workers():
-            if w["role"] == "compute":
-                total += int(json.loads(w["stats"]).get("tokens_trained", 0))
-        return total
+        """Tokens the learners say they trained (report.tokens_reported)."""
+        stats = [w["stats"] for w in self.ledger.workers() if w["role"] == "compute"]
+        return tokens_reported(self.ledger.counter("tokens_trained_by_earlier_lives"), stats)
