@@ -84,6 +84,17 @@ def export_run(workdir: str | Path, out: str | Path, fmt: str, factory: str | No
     return write_model(*global_model(workdir, factory), out, fmt)
 
 
+def export_config(cfg: RunConfig, versions: list[int]) -> dict:
+    """What a safetensors export says of its model: how to build it and, for a preprocess's model,
+    what its inputs were made by and what its labels name (the token fields mean nothing there)."""
+    model = cfg.to_dict()["model"]
+    if not cfg.data.preprocess:
+        return {"model": model, "tokenizer": cfg.data.tokenizer, "versions": versions}
+    model = {k: v for k, v in model.items() if k not in ("vocab_size", "seq_len")}
+    data = {"preprocess": cfg.data.preprocess, "classes": list(cfg.data.classes)}
+    return {"model": model, "data": data, "versions": versions}
+
+
 def write_model(
     cfg: RunConfig, model: nn.Module, versions: list[int], out: str | Path, fmt: str
 ) -> list[Path]:
@@ -101,9 +112,7 @@ def write_model(
     if fmt == "safetensors":
         params = {n: p.detach() for n, p in model.named_parameters()}
         save_weights(str(out / "model.safetensors"), params, {"versions": json.dumps(versions)})
-        (out / "config.json").write_text(
-            json.dumps({"model": cfg.to_dict()["model"], "versions": versions}, indent=2)
-        )
+        (out / "config.json").write_text(json.dumps(export_config(cfg, versions), indent=2))
     else:
         from diloco.model.hf import mark_end_of_text, save_tokenizer  # transformers: only for this format
         from diloco.tokenizer import load_tokenizer

@@ -50,7 +50,8 @@ class DataWorker:
         self.stop = stop or threading.Event()
         self.current_chunk: int | None = None
         self.chunks_done = 0
-        self.tokens_out = 0
+        self.tokens_out = 0  # a preprocess's shards count samples here (self.unit)
+        self.unit = "tokens"
         self.busy_s = 0.0
         self.started = time.monotonic()
 
@@ -66,6 +67,7 @@ class DataWorker:
         reply = self.client.join(self.connect_timeout_s)
         config = self.client.config
         assert config is not None
+        self.unit = "samples" if config.data.preprocess else "tokens"  # as the coordinator counts them
         with refusing(self.client, log):
             tokenizer = load_checked_tokenizer(config.data.tokenizer, reply.tokenizer_hash)
             maker = shard_maker(config, tokenizer)
@@ -74,7 +76,9 @@ class DataWorker:
             while not self.stop.is_set():
                 lease = self.client.lease_chunk()
                 if lease.done:
-                    log.info("nothing left to do (%d chunks, %d tokens)", self.chunks_done, self.tokens_out)
+                    log.info(
+                        "nothing left to do (%d chunks, %d %s)", self.chunks_done, self.tokens_out, self.unit
+                    )
                     break
                 if lease.retry_after_s > 0:
                     self.stop.wait(lease.retry_after_s)
@@ -165,13 +169,15 @@ class DataWorker:
         self.chunks_done += 1
         self.tokens_out += info.tokens
         log.info(
-            "chunk %d -> shard %d rows=%d tokens=%d in %.2fs (%.0f tokens/s)",
+            "chunk %d -> shard %d rows=%d %s=%d in %.2fs (%.0f %s/s)",
             lease.chunk_id,
             done.shard_id,
             info.rows,
+            self.unit,
             info.tokens,
             seconds,
             info.tokens / max(seconds, 1e-9),
+            self.unit,
         )
 
 

@@ -119,7 +119,7 @@ class GuardedServer:
         *,
         security: Security,
         access_token: str,
-        on_refused: Callable[[str, str], None] | None = None,
+        on_refused: Callable[[str, str, str], None] | None = None,
         name: str = "observe-http",
         what: str = "HTTP",
     ):
@@ -128,7 +128,7 @@ class GuardedServer:
         if warning := check_listen(host, security):  # the gRPC side's rule, and its --insecure
             log.warning("%s", warning)
         context = server_context(security.tls) if security.tls else None
-        mode, refused = security.mode, on_refused or (lambda method, why: None)
+        mode, refused = security.mode, on_refused or (lambda method, why, peer: None)
 
         class Handler(BaseHTTPRequestHandler):
             timeout = REQUEST_TIMEOUT_S
@@ -154,7 +154,9 @@ class GuardedServer:
                     cookie_key=server.cookie,
                 )
                 if not verdict.allowed:
-                    refused(f"http {path}", verdict.reason)
+                    refused(
+                        f"http {path}", verdict.reason, f"{self.client_address[0]}:{self.client_address[1]}"
+                    )
                     challenge = {"WWW-Authenticate": 'Bearer realm="diloco"'}
                     self._reply(401, TEXT, f"{verdict.reason}\n".encode(), challenge)
                     return
@@ -229,7 +231,7 @@ class ObserveServer(GuardedServer):
         page: bool,
         security: Security,
         access_token: str,
-        on_refused: Callable[[str, str], None] | None = None,
+        on_refused: Callable[[str, str, str], None] | None = None,
     ):
         routes: dict[str, Route] = {
             "/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(metrics.registry)),

@@ -4,6 +4,7 @@ name: the role decides which RPCs it may make, the name which worker it may act 
 
 from __future__ import annotations
 
+import functools
 import hmac
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,9 +53,10 @@ TOKEN_REFUSALS = {
 class Guard(grpc.ServerInterceptor):
     """Every RPC checked before its handler runs: the token, or the certificate's role and name."""
 
-    def __init__(self, security: Security, on_refused: Callable[[str, str], None] | None = None):
+    def __init__(self, security: Security, on_refused: Callable[[str, str, str], None] | None = None):
+        """`on_refused(method, why, peer)`: each refused call, with where it came from."""
         self.security = security
-        self.on_refused = on_refused or (lambda method, why: None)
+        self.on_refused = on_refused or (lambda method, why, peer: None)
         self._subjects: dict[bytes, tuple[str, str]] = {}
 
     def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
@@ -67,8 +69,8 @@ class Guard(grpc.ServerInterceptor):
                 return handler
             # Whether a token came says nothing of the right one; the comparison stays constant-time.
             missing = not sent.removeprefix("Bearer").strip()
-            self.on_refused(method, "no token" if missing else "a wrong token")
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSALS[missing])
+            counted = functools.partial(self.on_refused, method, "no token" if missing else "a wrong token")
+            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSALS[missing], counted)
         handler = continuation(details)
         if self.security.mode != "mtls" or handler is None:
             return handler
@@ -81,7 +83,7 @@ class Guard(grpc.ServerInterceptor):
         return self._subjects[pem]
 
     def _deny(self, context: grpc.ServicerContext, method: str, why: str) -> None:
-        self.on_refused(method, why)
+        self.on_refused(method, why, context.peer())
         context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
 
     def _checked(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -125,10 +127,14 @@ def _header_checked(
         yield message
 
 
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, why: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that refuses the call."""
+def _refusal(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, why: str, counted: Callable[[str], None]
+) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that refuses the call, `counted` with its peer (which
+    only the call's context knows: the interceptor sees the method and metadata alone)."""
 
     def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        counted(context.peer())
         context.abort(code, why)
 
     if handler.unary_unary:

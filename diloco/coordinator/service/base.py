@@ -15,7 +15,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, syncer
-from diloco.coordinator.callers import Callers, RefusalLog, caller_of
+from diloco.coordinator.callers import Callers, RefusalLog, caller_of, peer_host
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.workers import Reclaimed
@@ -110,8 +110,10 @@ class ServiceBase:
     def status_detail(self) -> dict:
         raise NotImplementedError  # StatusRPCs
 
-    def caller_refused(self, method: str, why: str) -> None:
-        """A call the guard refused (no identity, the wrong role, another's worker id): counted."""
+    def caller_refused(self, method: str, why: str, peer: str = "") -> None:
+        """A call the guard refused (no identity, the wrong role, another's worker id): counted.
+        `peer` (gRPC's `ipv4:HOST:PORT`) is where the logged one came from: a refusal without an
+        identity names no one else."""
         with self._refusals_lock:  # counted here, written to the ledger with each progress sample
             self.refusals_unsaved += 1
         self.metrics.calls_refused.labels(rpc=method).inc()
@@ -120,7 +122,8 @@ class ServiceBase:
             more = (
                 f" ({quiet} more like it in the {self._refusal_log.window_s:.0f} s before)" if quiet else ""
             )
-            log.warning("refused %s: %s%s", method, why, more)
+            origin = f" from {peer_host(peer)}" if peer else ""
+            log.warning("refused %s%s: %s%s", method, origin, why, more)
 
     def _save_counts(self) -> None:
         """The counts kept in memory into the ledger: the wire bytes (every life's, restored at
@@ -227,7 +230,7 @@ class ServiceBase:
 
     def _require_owner(self, worker_id: str, context: grpc.ServicerContext, method: str) -> None:
         if problem := self.callers.acting_problem(worker_id, caller_of(context)):
-            self.caller_refused(method, problem)
+            self.caller_refused(method, problem, context.peer())
             context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
 
     def _holds_enough(self, worker_id: str) -> bool:

@@ -53,7 +53,7 @@ class MembershipRPCs(ServiceBase):
         if problem := self.callers.join_problem(
             worker_id, caller_of(context), live, c.max_workers_per_caller
         ):
-            self.caller_refused("Join", problem)
+            self.caller_refused("Join", problem, context.peer())
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)  # clients retry: a lease may lapse
         self.ledger.join(worker_id, role, request.host or "?")
         self._roles[worker_id] = role

@@ -32,12 +32,16 @@ def config(tmp_path: Path, preprocess: str) -> RunConfig:
     })  # fmt: skip
 
 
-def test_a_preprocess_makes_shards_of_its_columns(tmp_path: Path) -> None:
+def test_a_preprocess_makes_shards_of_its_columns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     running = start_coordinator(config(tmp_path, "tests.toy_preprocess:rows"), str(tmp_path / "coord"))
+    caplog.set_level("INFO", logger="diloco.data")
     try:
         assert DataWorker(f"127.0.0.1:{running.port}").run() == 0
     finally:
         running.stop()
+    # The worker counts what the run counts: samples, not tokens.
+    assert re.search(r"rows=\d+ samples=\d+ in .* samples/s\)", caplog.text), caplog.text
+    assert "tokens" not in caplog.text and "400 samples)" in caplog.text
     shards = ledger_rows(tmp_path / "coord", "SELECT uri, checksum, rows, tokens FROM shards")
     assert sum(r[2] for r in shards) == 400 and all(r[2] == r[3] for r in shards)  # one sample a row
     shard = read_shard(shards[0][0], shards[0][1])

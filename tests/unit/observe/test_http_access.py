@@ -104,7 +104,7 @@ def observe_server(security: Security, token: str, refused: list[tuple[str, str]
         page=True,
         security=security,
         access_token=token,
-        on_refused=lambda method, why: refused.append((method, why)),
+        on_refused=lambda method, why, peer: refused.append((method, why)),
     )
 
 

@@ -80,7 +80,7 @@ def test_who_may_call_what() -> None:
 
 @pytest.mark.timeout(120)
 def test_mutual_tls_takes_each_callers_role_and_name_from_its_certificate(
-    tiny_corpus: Path, tmp_path: Path, certs: dict[str, Security]
+    tiny_corpus: Path, tmp_path: Path, certs: dict[str, Security], caplog: pytest.LogCaptureFixture
 ) -> None:
     running = coordinator(tiny_corpus, tmp_path / "run", certs["coordinator"])
     address = f"127.0.0.1:{running.port}"
@@ -116,6 +116,8 @@ def test_mutual_tls_takes_each_callers_role_and_name_from_its_certificate(
         operator = client(pb.ROLE_OBSERVER, certs["ops"])
         detail = operator.status()
         assert detail["security"] == "mtls" and detail["calls_refused"] >= 4
+        # The log says where each refused kind came from: a refusal may name no one else.
+        assert "refused LeaseChunk from 127.0.0.1: " in caplog.text, caplog.text
         assert operator.finish("asked by the operator").run_state == pb.RUN_STATE_FINISHING
     finally:
         for c in clients:
@@ -125,7 +127,7 @@ def test_mutual_tls_takes_each_callers_role_and_name_from_its_certificate(
 
 @pytest.mark.timeout(120)
 def test_the_token_mode_refuses_calls_without_the_token(
-    tiny_corpus: Path, tmp_path: Path, certs: dict[str, Security]
+    tiny_corpus: Path, tmp_path: Path, certs: dict[str, Security], caplog: pytest.LogCaptureFixture
 ) -> None:
     token = "s3cret-token-of-the-run"
     running = coordinator(tiny_corpus, tmp_path / "run", Security(token=token))
@@ -142,7 +144,9 @@ def test_the_token_mode_refuses_calls_without_the_token(
         assert "does not match this coordinator's" in said and token not in said
         assert "needs its token" in denied(lambda: none.join(10), grpc.StatusCode.UNAUTHENTICATED)
         assert right.join().worker_id
-        assert right.status()["security"] == "token"
+        status = right.status()
+        assert status["security"] == "token" and status["calls_refused"] == 2, status
+        assert "refused Join from 127.0.0.1: a wrong token" in caplog.text, caplog.text
     finally:
         for c in (with_tls, wrong, none, right):
             c.close()
