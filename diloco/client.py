@@ -382,7 +382,3 @@ class CoordinatorClient:
 def _role_name(role: int) -> str:
     names = {pb.ROLE_DATA: "data", pb.ROLE_COMPUTE: "learner", pb.ROLE_OBSERVER: "observer"}
     return {**names, pb.ROLE_EVALUATOR: "evaluator"}.get(role, "worker")
-
-
-def rpc_error_message(e: grpc.RpcError) -> str:
-    return f"{e.code().name}: {e.details()}"

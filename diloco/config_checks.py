@@ -44,6 +44,7 @@ def check_numbers(cfg: RunConfig) -> None:
     for key, value in non_negative.items():
         if not value >= 0:  # (not <: NaN is refused too)
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    check_limits(cfg)
     for key, value in {
         "train.beta1": t.beta1,
         "train.beta2": t.beta2,
@@ -51,6 +52,65 @@ def check_numbers(cfg: RunConfig) -> None:
     }.items():
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{key} must be in [0, 1), got {value}")
+
+
+def check_limits(cfg: RunConfig) -> None:
+    """The coordinator's and the data path's sizes, times and caps: a zero or a negative there
+    passed the check and then broke the run in its own way (no push slot ever free, a chain of
+    kept deltas that never shrinks, workers counted dead between their own heartbeats)."""
+    c, s, d = cfg.coordinator, cfg.sync, cfg.data
+    at_least: dict[str, tuple[float, float, str]] = {  # key: (value, least, what a zero would mean)
+        "model.vocab_size": (cfg.model.vocab_size, 0, " (0: the tokenizer's)"),
+        "data.chunk_bytes": (d.chunk_bytes, 1, ""),
+        "data.prefetch_batches": (d.prefetch_batches, 1, ""),
+        "sync.pull_chain": (s.pull_chain, 1, ""),
+        "sync.max_unreachable_s": (s.max_unreachable_s, 0, " (0: never stop stepping)"),
+        "sync.max_delta_norm_ratio": (s.max_delta_norm_ratio, 0, " (0: no outlier check)"),
+        "coordinator.stream_chunk_bytes": (c.stream_chunk_bytes, 1, ""),
+        "coordinator.max_push_bytes": (c.max_push_bytes, 1, ""),
+        "coordinator.grpc_workers": (c.grpc_workers, 1, ""),
+        "coordinator.max_chunk_attempts": (c.max_chunk_attempts, 1, ""),
+        "coordinator.max_inflight_pushes": (c.max_inflight_pushes, 1, ""),
+        "coordinator.push_base_s": (c.push_base_s, 0, ""),
+        "coordinator.max_workers_per_role": (c.max_workers_per_role, 1, ""),
+        "coordinator.max_workers_per_caller": (c.max_workers_per_caller, 0, " (0: no cap)"),
+        "coordinator.max_leases_per_worker": (c.max_leases_per_worker, 0, " (0: no cap)"),
+        "coordinator.max_pushes_per_caller": (c.max_pushes_per_caller, 0, " (0: no cap)"),
+        "coordinator.max_waiting_pulls_per_caller": (c.max_waiting_pulls_per_caller, 0, " (0: no cap)"),
+        "coordinator.max_waiting_pulls": (c.max_waiting_pulls, 0, " (0: no cap)"),
+        "coordinator.max_concurrent_rpcs": (c.max_concurrent_rpcs, 0, " (0: no cap)"),
+        "coordinator.min_publish_interval_s": (c.min_publish_interval_s, 0, ""),
+        "train.local_state_every_s": (cfg.train.local_state_every_s, 0, " (0: no local state)"),
+        "sync.grace_factor": (s.grace_factor, 0, " (0: close at quorum)"),
+        "eval.every_s": (cfg.eval.every_s, 0, ""),
+    }
+    for key, (value, least, zero) in at_least.items():
+        if not value >= least:  # NaN too
+            raise ConfigError(f"{key} must be >= {least}{zero}, got {value}")
+    positive = {
+        "sync.pull_wait_s": s.pull_wait_s,
+        "coordinator.lease_ttl_s": c.lease_ttl_s,
+        "coordinator.heartbeat_s": c.heartbeat_s,
+        "coordinator.push_idle_s": c.push_idle_s,
+        "coordinator.push_min_bytes_per_s": c.push_min_bytes_per_s,
+    }
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    if c.heartbeat_s >= c.lease_ttl_s:
+        raise ConfigError(
+            f"coordinator.heartbeat_s ({c.heartbeat_s:g}) must be below coordinator.lease_ttl_s "
+            f"({c.lease_ttl_s:g}): a worker is counted dead when no heartbeat came for a lease's time"
+        )
+    if 0 < s.max_delta_norm_ratio < 1:
+        raise ConfigError(
+            f"sync.max_delta_norm_ratio must be 0 (no check) or >= 1, got {s.max_delta_norm_ratio:g}: "
+            "below 1 it refuses a delta for being as large as the median of the recent ones"
+        )
+    if not 0 <= s.codec_level <= 22:
+        raise ConfigError(
+            f"sync.codec_level must be a zstd level, 1 to 22 (0: zstd's default), got {s.codec_level}"
+        )
 
 
 def check(cfg: RunConfig) -> None:

@@ -92,7 +92,8 @@ def _from_coordinator(address: str, factory: str | None) -> LoadedModel:
     client = CoordinatorClient(address, pb.ROLE_EVALUATOR, retry_deadline_s=10)
     try:
         reply = client.join(10)
-        assert client.config is not None
+        if client.config is None:  # (a join always brings it; not an assert: -O drops those)
+            raise DilocoError(f"{address}: the coordinator sent no run configuration")
         cfg = with_factory(client.config, factory)
         if not reply.fragment_versions:
             raise DilocoError(f"{address}: the run has no parameters yet")

@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
+
 from diloco.client import CoordinatorClient
 from diloco.compute import schedule
 from diloco.compute.held import HeldFragment
@@ -20,6 +22,7 @@ from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
 from diloco.compute.rows import RowBook, span_tokens
 from diloco.compute.sync_channel import SyncChannel
+from diloco.errors import DilocoError
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.learner")
@@ -106,5 +109,5 @@ class Heartbeats:
 
     def _ask_for_allowance(self, now: float) -> None:
         self._allowance_asked_at, self._asked_at_tokens = now, self.progress.tokens_trained
-        with contextlib.suppress(Exception):  # the heartbeat thread reports an outage
+        with contextlib.suppress(grpc.RpcError, DilocoError):  # the heartbeat thread reports an outage
             self._heartbeat()

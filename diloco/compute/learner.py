@@ -205,6 +205,9 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         starved_since: float | None = None
         item: Batch | object | None = None
         while True:
+            # The coordinator refusing this learner for good (a rotated token or certificate) ends
+            # it here, with that line: training on would only make pushes nobody merges.
+            self.channel.check()
             reason = schedule.loop_end(
                 stopped=self.stop.is_set(),
                 finishing=self.finishing.is_set() or self.channel.finishing.is_set(),

@@ -19,6 +19,8 @@ import grpc
 import torch
 
 from diloco.client import CoordinatorClient, backoff_delay
+from diloco.compute.rpc_outcome import Action, Outcome, rpc_outcome
+from diloco.errors import DilocoError
 from diloco.v1 import coordinator_pb2 as pb
 
 log = logging.getLogger("diloco.sync")
@@ -55,9 +57,15 @@ class Merged:
 
 class SyncChannel:
     def __init__(
-        self, client: CoordinatorClient, stop: threading.Event, pull_wait_s: float, held: Callable[[int], int]
+        self,
+        client: CoordinatorClient,
+        stop: threading.Event,
+        pull_wait_s: float,
+        held: Callable[[int], int],
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.client = client
+        self.clock = clock  # what unreachable_for counts in (tests move it by hand)
         self.held = held  # fragment -> the version the learner holds (deltas start there)
         self.stop = stop
         self.pull_wait_s = pull_wait_s
@@ -71,6 +79,9 @@ class SyncChannel:
         self._missed: list[tuple[int, float]] = []  # (push number, seconds it missed a round by)
         self.submitted = 0
         self._unreachable_since: float | None = None
+        # Set once the coordinator refuses this learner for good (rpc_outcome's FATAL): the
+        # learner ends with it (check) instead of training on with nothing of it merged.
+        self.refused: DilocoError | None = None
         self.pushes_refused = 0
         self.bytes_pushed = 0
         self._threads = [
@@ -112,10 +123,18 @@ class SyncChannel:
             return missed
 
     def wait_any(self, timeout_s: float) -> None:
-        """Sleep until a result arrives (or the timeout): synchronous mode's only wait."""
+        """Sleep until a result arrives (or the timeout): synchronous mode's only wait.
+        Raises the channel's refusal (check): a merge waited for would never come."""
         with self._cond:
-            if not self._results:
+            if not self._results and self.refused is None:
                 self._cond.wait(timeout_s)
+        self.check()
+
+    def check(self) -> None:
+        """Raise the coordinator's refusal of this learner, once there is one: the learner's
+        loop calls this each step, so it ends with that line (a DilocoError) at once."""
+        if self.refused is not None:
+            raise self.refused
 
     def coordinator_restarted(self) -> None:
         """A new coordinator epoch: pushes that were waiting for a merge may have been dropped.
@@ -134,7 +153,7 @@ class SyncChannel:
 
     def unreachable_for(self) -> float:
         since = self._unreachable_since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if since is None else self.clock() - since
 
     def idle(self) -> bool:
         with self._cond:
@@ -146,7 +165,15 @@ class SyncChannel:
         if ok:
             self._unreachable_since = None
         elif self._unreachable_since is None:
-            self._unreachable_since = time.monotonic()
+            self._unreachable_since = self.clock()
+
+    def _give_up(self, what: str, outcome: Outcome) -> None:
+        """The coordinator refuses this learner for good: keep the first reason, wake the learner."""
+        with self._cond:
+            if self.refused is None:
+                # Said by the learner, which ends on it (Learner.run logs it and leaves).
+                self.refused = DilocoError(f"the coordinator refuses this learner's {what}: {outcome.reason}")
+            self._cond.notify_all()
 
     def _push_forever(self) -> None:
         while not self.stop.is_set():
@@ -155,7 +182,8 @@ class SyncChannel:
             except queue.Empty:
                 continue
             try:
-                self._push_one(job)
+                if self.refused is None:  # refused for good: the queue drains, so idle() holds
+                    self._push_one(job)
             finally:
                 self.jobs.task_done()
 
@@ -172,14 +200,16 @@ class SyncChannel:
                 self._reachable(True)
             except grpc.RpcError as e:
                 # The same push_id on every retry: if a reply was lost, nothing happens twice.
-                self._reachable(
-                    e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                )
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    log.error("push of fragment %d refused as malformed: %s", p, e.details())
+                outcome = rpc_outcome(e.code(), e.details())
+                self._reachable(outcome.reachable)
+                if outcome.action is Action.FATAL:
+                    self._give_up("pushes", outcome)
+                    return
+                if outcome.action is Action.MALFORMED:
+                    log.error("push of fragment %d %s", p, outcome.reason)
                     reply = pb.PushReply(accepted=False, reason=e.details(), version=job.header.version)
                     break
-                log.warning("push of fragment %d failed (%s); retrying", p, e.code().name)
+                log.warning("push of fragment %d failed (%s); retrying", p, outcome.reason)
             except Exception:  # the thread must survive anything; the learner depends on it
                 if self.client.closed:
                     break
@@ -227,10 +257,14 @@ class SyncChannel:
             except Exception as e:  # the thread must survive anything; the learner depends on it
                 if self.client.closed:
                     return
-                self._reachable(not isinstance(e, grpc.RpcError))
-                log.warning(
-                    "pull failed (%s); retrying", e.code().name if isinstance(e, grpc.RpcError) else e
-                )
+                # Not a gRPC status (a broken stream's content): the coordinator answered.
+                outcome = rpc_outcome(e.code(), e.details()) if isinstance(e, grpc.RpcError) else None
+                self._reachable(outcome is None or outcome.reachable)
+                if outcome is not None and outcome.action is Action.FATAL:
+                    self._give_up("pulls", outcome)
+                    return
+                # MALFORMED too is tried again: what is wanted changes as pushes are answered.
+                log.warning("pull failed (%s); retrying", e if outcome is None else outcome.reason)
                 self.stop.wait(backoff_delay(attempt))
                 attempt += 1
                 continue

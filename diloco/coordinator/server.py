@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -9,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,8 +119,12 @@ class RunningCoordinator:
     def stop(self, grace_s: float = 2.0) -> None:
         for http in self.observers:
             http.stop()
+        # No new calls first: a push that came after the merger stopped would be answered "queued
+        # for merge" and never merged in this life. Calls under way get grace_s; the service's
+        # stop wakes the long-polling pulls among them.
+        stopped = self.server.stop(grace_s)
         self.service.stop()
-        self.server.stop(grace_s).wait()
+        stopped.wait()
         self.ledger.close()
         if self.workdir_lock is not None:
             self.workdir_lock.close()
@@ -268,13 +274,31 @@ def start_coordinator(
 def _serve(
     config: RunConfig, workdir: str, host: str, port: int, observe: ObservePorts | None, security: Security
 ) -> RunningCoordinator:
-    """start_coordinator's work once it holds the workdir: the ledger, the service, the ports."""
+    """start_coordinator's work once it holds the workdir: the ledger, the service, the ports.
+    Whatever it started is stopped again when a later step fails: a failed start that left the
+    server or the merger running would hold the ledger while the workdir's lock is let go."""
     ledger, config = open_ledger(config, workdir)
+    started: list[Callable[[], object]] = [ledger.close]  # undone in reverse on a failure
     try:
-        fingerprint = tokenizer_hash(config, ledger)
-    except DilocoError:
-        ledger.close()
+        return _serve_ledger(config, ledger, workdir, host, port, observe, security, started)
+    except BaseException:
+        for undo in reversed(started):
+            with contextlib.suppress(Exception):
+                undo()
         raise
+
+
+def _serve_ledger(
+    config: RunConfig,
+    ledger: Ledger,
+    workdir: str,
+    host: str,
+    port: int,
+    observe: ObservePorts | None,
+    security: Security,
+    started: list[Callable[[], object]],
+) -> RunningCoordinator:
+    fingerprint = tokenizer_hash(config, ledger)
     root = store_root(config, workdir)
     # Workers are told the store's root with the config, so each can check the shard URIs it is
     # given against it (diloco.store.uri_under), as the coordinator checks theirs.
@@ -287,6 +311,7 @@ def _serve(
         config, ledger, checkpoint_root, shard_root, tokenizer_hash=fingerprint, events=RunEvents(workdir),
         workdir=workdir,
     )  # fmt: skip
+    started.append(service.stop)  # its threads once started, its events file from now
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.coordinator.grpc_workers, thread_name_prefix="rpc"),
         options=grpc_options(config),
@@ -305,11 +330,12 @@ def _serve(
     except RuntimeError:
         bound = 0
     if not bound:
-        ledger.close()
         raise DilocoError(f"cannot listen on {host}:{port} (port in use or address unavailable)")
     server.start()
+    started.append(lambda: server.stop(None).wait())
     service.start()
     observers = start_observers(service, observe or ObservePorts(), security, workdir)
+    started.extend(o.stop for o in observers)
     address = f"{host}:{bound}"
     info = {"address": address, "port": bound, "pid": os.getpid(), "epoch": service.epoch}
     for o in sorted(observers, key=lambda o: not o.page):  # a /metrics of its own wins

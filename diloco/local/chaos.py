@@ -20,6 +20,8 @@ from diloco.local.procs import ProcessGroup
 
 # The roles chaos kills unless told: the job's own (not the evaluator, which only watches).
 CHAOS_ROLES = ("coordinator", "data", "learner")
+# Every role --chaos-roles may name.
+KILLABLE_ROLES = (*CHAOS_ROLES, "evaluator")
 # Warm spares per restarted role: two, so a second kill within a spare's warm-up (a few seconds
 # of imports) still finds one ready.
 SPARES_PER_ROLE = 2
@@ -35,6 +37,10 @@ class ChaosPlan:
     _bag: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
+        if not self.interval_s > 0:  # expovariate of a negative mean gives negative delays
+            raise ValueError(f"chaos interval must be > 0 s, got {self.interval_s}")
+        if unknown := set(self.roles) - set(KILLABLE_ROLES):
+            raise ValueError(f"chaos roles: unknown {', '.join(sorted(unknown))}")
         self.rng = random.Random(self.seed)
 
     def next_delay(self) -> float:

@@ -21,6 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 from rich.console import Console
 from rich.live import Live
 
@@ -245,11 +246,13 @@ class LocalRun:
         ):
             if warning:
                 self.console.print(f"[yellow]warning:[/] {warning}")
+        opened: list[CoordinatorClient] = []
         try:
             address = self._start_coordinator()
             if warning := no_eval_split_warning(self.workdir, self.config):
                 self.console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
             observer = CoordinatorClient(address, pb.ROLE_OBSERVER, security=self._supervisor_security())
+            opened.append(observer)
             self._start_data_workers(address)
             if self.options.prepare_first:
                 reading = wait_until_prepared(
@@ -264,9 +267,10 @@ class LocalRun:
             train_seconds = time.monotonic() - started
             self._wind_down(observer)
             detail = self._final_status(observer, detail)
-            observer.close()
             causes = failure_causes(self.group)
         finally:
+            for client in opened:  # its channel too when the watch failed
+                client.close()
             self._stop_children()
         self._check_outcome(causes, detail, train_seconds)
         o = self.options
@@ -295,7 +299,7 @@ class LocalRun:
     def _status(self, observer: CoordinatorClient) -> dict[str, Any] | None:
         try:
             return observer.status(once=True)
-        except Exception:
+        except (grpc.RpcError, DilocoError):  # unreachable for now; anything else is a bug to see
             return None
 
     def _final_status(self, observer: CoordinatorClient, last: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from diloco.config import RunConfig
+from diloco.errors import DilocoError
+from diloco.local.chaos import KILLABLE_ROLES
 
 
 def default_run_config() -> RunConfig:
@@ -55,6 +57,29 @@ class LocalRunOptions:
     # Every chunk made into a shard before the first learner starts (no bound on ready shards):
     # on one machine the learners then have its cores to themselves (diloco.local.prepared).
     prepare_first: bool = False
+
+    def __post_init__(self) -> None:
+        """Refused here, in one line naming the flag, whoever builds the options (the CLI, a script):
+        a negative chaos interval once killed a process every 0.5 s."""
+        if (
+            self.learners < 1
+            or self.data_workers < 1
+            or not self.learner_ranks
+            or min(self.learner_ranks) < 1
+        ):
+            raise DilocoError("--learners, --learner-ranks and --data-workers must be at least 1")
+        if not self.chaos_interval >= 0:
+            raise DilocoError(f"--chaos-interval must be >= 0 (0: no chaos), got {self.chaos_interval}")
+        if unknown := set(self.chaos_roles) - set(KILLABLE_ROLES):
+            raise DilocoError(
+                f"--chaos-roles: unknown role(s) {', '.join(sorted(unknown))} (roles: {', '.join(KILLABLE_ROLES)})"
+            )
+        if self.data_parallel not in ("ddp", "fsdp"):
+            raise DilocoError(f"--data-parallel must be ddp or fsdp, not {self.data_parallel!r}")
+        if not self.slow_learner >= 1:
+            raise DilocoError(f"--slow-learner must be >= 1 (1: none slower), got {self.slow_learner}")
+        if not self.minutes >= 0 or self.tokens < 0:
+            raise DilocoError("--minutes and --tokens must be >= 0")
 
     def ranks_of(self, learner: int) -> int:
         return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1

@@ -63,14 +63,6 @@ class Security:
             TlsFiles(**paths) if all(paths.values()) else None, token, os.environ.get(INSECURE_ENV) == "1"
         )
 
-    def to_env(self) -> dict[str, str]:
-        env = {ENV[k]: getattr(self.tls, k) for k in ENV} if self.tls else {}
-        if self.token:
-            env[TOKEN_ENV] = self.token
-        if self.insecure:
-            env[INSECURE_ENV] = "1"
-        return env
-
     def name(self) -> str | None:
         """The name in this role's certificate (its worker id), if it has one."""
         if not self.tls:

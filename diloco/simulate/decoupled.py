@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from diloco.simulate import rules
+from diloco.simulate.books import Books, Context
 from diloco.simulate.costs import group_pace, slow_count
-from diloco.simulate.engine import Books, Context
 from diloco.simulate.failures import SparePool, chip_failures, coordinator_failures
 
 

@@ -15,12 +15,14 @@ Outputs, per run:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
+
+from diloco.simulate import decoupled, dp, sync_diloco
+from diloco.simulate.books import Books, context
 from diloco.simulate.config import SimConfig
-from diloco.simulate.costs import SyncTimes, sync_times
-from diloco.simulate.rules import KeptState
 
 MODES = ("dp", "elastic-dp", "sync-diloco", "decoupled")
 
@@ -32,38 +34,6 @@ def need_simpy() -> Any:
     except ImportError:
         raise ImportError("the simulator needs simpy: pip install 'diloco[simulate]'") from None
     return simpy
-
-
-@dataclass
-class Timeline:
-    """How long at least one program stepped: the count of stepping programs over time."""
-
-    stepping: int = 0
-    since: float = 0.0
-    total: float = 0.0
-
-    def set(self, now: float, stepping: int) -> None:
-        if self.stepping > 0:
-            self.total += now - self.since
-        self.stepping, self.since = stepping, now
-
-
-@dataclass
-class Books:
-    """Chip-seconds by where they went, and the run's counters."""
-
-    allocated: float
-    useful: float = 0.0
-    wasted: float = 0.0
-    failures: int = 0
-    restarts: int = 0
-    halted_s: float = 0.0
-    uptime: Timeline = field(default_factory=Timeline)
-    reasons: dict[str, int] = field(default_factory=dict)
-
-    def count(self, reason: str) -> None:
-        """Tally a decision by its action word (the reason's detail varies)."""
-        self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
 
 @dataclass(frozen=True)
@@ -87,37 +57,8 @@ class Result:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class Context:
-    """What every mode's process needs, computed once per run."""
-
-    cfg: SimConfig
-    sync: SyncTimes
-    end_s: float  # when stepping stops (the horizon less the wind-down)
-    kept: KeptState
-
-
-def context(cfg: SimConfig) -> Context:
-    cfg.check()
-    sync = sync_times(cfg.link, cfg.outer, cfg.step_s)
-    kept = KeptState(
-        step_s=cfg.step_s / cfg.step_efficiency,
-        state_every_s=cfg.recovery.state_every_s,
-        state_lag_s=cfg.recovery.state_lag_s,
-        state_survives=cfg.recovery.state_survives,
-        push_interval_s=sync.push_interval_s / cfg.step_efficiency,
-        fragments=cfg.outer.fragments,
-        push_s=sync.push_s,
-    )
-    return Context(cfg, sync, max(0.0, cfg.horizon_s - cfg.wind_down_s), kept)
-
-
 def simulate(cfg: SimConfig, mode: str) -> Result:
     """Run one mode of one job; the same cfg (seed included) gives the same Result."""
-    import numpy as np
-
-    from diloco.simulate import decoupled, dp, sync_diloco
-
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
     simpy = need_simpy()

@@ -31,8 +31,9 @@ def test_a_bad_sync_value_is_refused_naming_its_key(section: str, key: str, valu
 def test_the_defaults_and_an_outer_warmup_are_valid() -> None:
     config = RunConfig()
     config.validate()
-    config.sync.outer_warmup_rounds = 10
-    config.validate()
+    for rounds in (0, 1, 50):  # none, the least, longer than the default's
+        config.sync.outer_warmup_rounds = rounds
+        config.validate()
 
 
 # -- config -------------------------------------------------------------------------------------------

@@ -203,9 +203,10 @@ def test_the_coordinator_listens_where_its_service_and_probes_point() -> None:
 
 
 def test_every_worker_dials_the_coordinator_service() -> None:
-    for workload, container in containers():
-        if workload != "diloco-coordinator":
-            assert parsed(container_argv(container))["coordinator"] == service_address(), workload
+    workers = [(w, c) for w, c in containers() if w != "diloco-coordinator"]
+    assert {"diloco-data", "diloco-learners"} <= {w for w, _ in workers}, workers  # both roles are there
+    for workload, container in workers:
+        assert parsed(container_argv(container))["coordinator"] == service_address(), workload
 
 
 def test_secrets_and_config_maps_they_name_exist_with_those_keys() -> None:

@@ -10,6 +10,11 @@ from diloco.coordinator.ledger.db import DROPPED_BY_RESTART, LedgerBase, _bump
 from diloco.coordinator.ledger.records import MergeRecord
 
 
+class PushRecorded(Exception):
+    """record_push of a push_id the ledger holds already (and not as dropped by a restart): two
+    copies of one push arrived together, and the other was recorded first. Answer it as a retry."""
+
+
 class PushesTable(LedgerBase):
     def push_state(self, push_id: str) -> sqlite3.Row | None:
         rows = self._q("SELECT * FROM pushes WHERE push_id = ?", (push_id,))
@@ -31,20 +36,29 @@ class PushesTable(LedgerBase):
         """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
 
         Spans must lie inside their shard and not overlap each other (else the push is malformed
-        and refused). Rows already merged or pending for someone else (a learner that lost its
-        lease, then came back) are cut out of the spans: the delta still merges, but those rows
-        are counted once, by whoever had them first. That is the guard against counting twice.
-        Rows of the same worker's own pending or merged push make it re-sent work (`_resent`):
-        recorded as dropped, and refused.
+        and refused, and only its `released` shards change: nothing of it is recorded). Rows
+        already merged or pending for someone else (a learner that lost its lease, then came
+        back) are cut out of the spans: the delta still merges, but those rows are counted once,
+        by whoever had them first. That is the guard against counting twice. Rows of the same
+        worker's own pending or merged push make it re-sent work (`_resent`): recorded as
+        dropped, and refused. Raises PushRecorded when `push_id` is recorded already.
         """
         resent = None
         with self._tx() as db:
+            # Checked in this transaction, not by the caller before it: a retry that arrives while
+            # the first copy still streams has read "not recorded" too.
+            prior = db.execute("SELECT state, reason FROM pushes WHERE push_id = ?", (push_id,)).fetchone()
             # A push the last coordinator dropped with its open round is taken afresh: it never
             # merged, and its rows are checked again below like any new push's.
-            revived = db.execute(
-                "SELECT 1 FROM pushes WHERE push_id = ? AND state = 'dropped' AND reason = ?",
-                (push_id, DROPPED_BY_RESTART),
-            ).fetchone()
+            revived = prior is not None and tuple(prior) == ("dropped", DROPPED_BY_RESTART)
+            if prior is not None and not revived:
+                raise PushRecorded(push_id)
+            if state == "pending" and (problem := self._span_problem(db, spans)):
+                # Refused before anything is changed (a revived push keeps its dropped row). Its
+                # released shards still go back: the learner has let them go whatever the answer,
+                # and held they would wait out their lease for nobody.
+                self._release(db, worker_id, released)
+                return problem
             if revived:  # its first recording's counts are undone: they are made again below
                 old = db.execute(
                     "SELECT shard_id, row_start, row_end FROM spans WHERE push_id = ?", (push_id,)
@@ -55,20 +69,11 @@ class PushesTable(LedgerBase):
                 db.execute("DELETE FROM spans WHERE push_id = ?", (push_id,))
                 db.execute("DELETE FROM pushes WHERE push_id = ?", (push_id,))
             if state == "pending":
-                by_shard: dict[int, list[leases.Range]] = {}
-                for sid, a, b in spans:
-                    by_shard.setdefault(sid, []).append((a, b))
-                if any(leases.overlaps(ranges) for ranges in by_shard.values()):
-                    return "spans of this push overlap each other"
-                kept: list[tuple[int, int, int]] = []
-                for sid, a, b in spans:
-                    shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
-                    if shard is None or not 0 <= a < b <= shard["rows"]:
-                        return f"span {sid}:[{a},{b}) is not inside a known shard"
                 resent = None if revived else self._resent(db, worker_id, spans)
                 if resent is not None:
                     state, reason = "dropped", resent
                     spans = []
+                kept: list[tuple[int, int, int]] = []
                 for sid, a, b in spans:
                     fresh = leases.subtract((a, b), self._spans(db, sid, ("merged", "pending")))
                     kept.extend((sid, x, y) for x, y in fresh)
@@ -94,17 +99,34 @@ class PushesTable(LedgerBase):
                     "INSERT INTO spans(shard_id, row_start, row_end, push_id) VALUES (?, ?, ?, ?)",
                     [(sid, a, b, push_id) for sid, a, b in spans],
                 )
-            for sid in released:
-                db.execute(
-                    "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
-                    "WHERE id = ? AND holder = ? AND state = 'leased'",
-                    (sid, worker_id),
-                )
+            self._release(db, worker_id, released)
             # Trained tokens are counted from the rows the push names, not from its `tokens`
             # field: with several fragments every fragment's push reports the same tokens.
             _bump(db, "tokens_trained", self._span_tokens(db, spans))
             _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
         return resent
+
+    def _span_problem(self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]]) -> str | None:
+        """Why a push's spans are malformed (overlapping each other, or outside their shard), or None."""
+        by_shard: dict[int, list[leases.Range]] = {}
+        for sid, a, b in spans:
+            by_shard.setdefault(sid, []).append((a, b))
+        if any(leases.overlaps(ranges) for ranges in by_shard.values()):
+            return "spans of this push overlap each other"
+        for sid, a, b in spans:
+            shard = db.execute("SELECT rows FROM shards WHERE id = ?", (sid,)).fetchone()
+            if shard is None or not 0 <= a < b <= shard["rows"]:
+                return f"span {sid}:[{a},{b}) is not inside a known shard"
+        return None
+
+    def _release(self, db: sqlite3.Connection, worker_id: str, released: Sequence[int]) -> None:
+        """The shards the push says its learner holds no more: back to the pool (its own leases only)."""
+        for sid in released:
+            db.execute(
+                "UPDATE shards SET state = 'ready', holder = NULL, lease_expires = NULL "
+                "WHERE id = ? AND holder = ? AND state = 'leased'",
+                (sid, worker_id),
+            )
 
     def _resent(
         self, db: sqlite3.Connection, worker_id: str, spans: Sequence[tuple[int, int, int]]

@@ -12,6 +12,7 @@ import torch
 from diloco.coordinator import limits, syncer
 from diloco.coordinator.callers import caller_of
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
+from diloco.coordinator.ledger.rows import PushRecorded
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     PUSH_SLOT_WAIT_S,
@@ -140,8 +141,10 @@ class PushRPCs(ServiceBase):
             # A delta of more than H steps is compared per H steps; a shorter one as it is (it
             # is smaller, never an outlier for being short).
             norm_per_h = norm / max(1.0, header.inner_steps / self.config.train.inner_steps)
+        with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
+            recent = tuple(frag.recent_norms)
         # An outlier is refused like a stale push: recorded with its reason, its rows left to train.
-        outlier = limits.norm_outlier(norm_per_h, frag.recent_norms, self.config.sync.max_delta_norm_ratio)
+        outlier = limits.norm_outlier(norm_per_h, recent, self.config.sync.max_delta_norm_ratio)
         with self.cond:
             reply, fold = self._accept_push(header, tensors, empty, outlier)
             if fold is not None and norm_per_h > 0:
@@ -177,9 +180,10 @@ class PushRPCs(ServiceBase):
                 self.cond.notify_all()
 
     def _known_push_reply(self, header: pb.TensorHeader) -> pb.PushReply:
-        """The answer to a push the ledger holds already (a retry after a lost reply, or a learner
-        asking again after our restart). A merged push answers with the version just before its
-        merge, so the learner's "newer than" pull returns the merge that holds it at once.
+        """The answer to a push the ledger holds already (a retry after a lost reply, a copy sent
+        again while the first still streamed, or a learner asking again after our restart). A
+        merged push answers with the version just before its merge, so the learner's "newer than"
+        pull returns the merge that holds it at once.
 
         Read under the lock the merger and the publisher hold, so a merge is either unpublished
         (in memory) or committed to the ledger, never neither. Read apart, a publish between the
@@ -235,6 +239,27 @@ class PushRPCs(ServiceBase):
         }
         return decoded, None
 
+    def _record_push(
+        self,
+        header: pb.TensorHeader,
+        spans: list[tuple[int, int, int]],
+        released: list[int],
+        stale: str | None,
+    ) -> str | None:
+        """The push in the ledger, pending or (stale) dropped; the ledger's refusal, or None."""
+        return self.ledger.record_push(
+            header.push_id,
+            header.worker_id,
+            header.fragment,
+            header.version,
+            header.inner_steps,
+            header.tokens,
+            spans,
+            released,
+            state="dropped" if stale else "pending",
+            reason=stale or "",
+        )
+
     def _accept_push(
         self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool, refuse: str = ""
     ) -> tuple[pb.PushReply, tuple[RoundSum, float, float] | None]:
@@ -263,21 +288,12 @@ class PushRPCs(ServiceBase):
             or None
         )
         # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
-        refusal = (
-            self.ledger.record_push(
-                header.push_id,
-                header.worker_id,
-                header.fragment,
-                header.version,
-                header.inner_steps,
-                header.tokens,
-                spans,
-                released,
-                state="dropped" if stale else "pending",
-                reason=stale or "",
-            )
-            or stale
-        )
+        try:
+            refusal = self._record_push(header, spans, released, stale) or stale
+        except PushRecorded:
+            # Another copy of this push (a client's retry while the first still streamed) was
+            # recorded after this one read "not recorded": answered as any retry is.
+            return self._known_push_reply(header), None
         if refusal is not None:
             log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
             return pb.PushReply(accepted=False, reason=refusal, version=frag.version), None

@@ -224,13 +224,11 @@ def test_rows_already_trained_by_another_push_are_counted_once(ledger):
 
 def test_record_push_refuses_spans_overlapping_each_other(ledger):
     (sid,) = with_train_shard(ledger)
+    # Malformed (one learner trains each row once per push): refused, and nothing recorded.
     reason = push(ledger, "p1", [(sid, 0, 5), (sid, 3, 7)])
-    if reason is not None:  # refused (the fix this test expects most)...
-        assert "overlap" in reason
-        assert ledger.push_state("p1") is None
-    else:  # ...or accepted, but then each of rows 0..6 counts once
-        commit_merge(ledger, 0, 1, ["p1"], 0, 0, None, "quorum")
-        assert ledger.counter("tokens_merged") == 7 * TOKENS_PER_ROW
+    assert reason == "spans of this push overlap each other"
+    assert ledger.push_state("p1") is None
+    assert ledger.counter("pushes_received") == ledger.counter("tokens_trained") == 0
 
 
 def test_record_push_refuses_spans_outside_the_shard(ledger):

@@ -87,3 +87,34 @@ def test_a_job_on_a_workdir_in_use_is_refused_before_it_touches_anything(tmp_pat
         holder.kill()
         holder.wait(10)
     assert workdir_holder(str(tmp_path)) is None
+
+
+@pytest.mark.timeout(60)
+def test_a_start_that_fails_after_serving_stops_what_it_started(
+    tiny_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+    import threading
+
+    from diloco.config import RunConfig
+    from diloco.coordinator import server as server_module
+
+    def failing_observers(*args: object, **kwargs: object) -> None:
+        raise OSError("the page's port went away")
+
+    cfg = RunConfig().with_overrides({"data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536})
+    with socket.socket() as s:  # a port of its own, to ask after the failure
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(server_module, "start_observers", failing_observers)
+    with pytest.raises(OSError, match="went away"):
+        start_coordinator(cfg, str(tmp_path), port=port)
+    # The server, the merger, the publisher and the ticker it had started are gone, and so is the
+    # ledger's hold: a second start on the workdir serves it alone.
+    alive = {t.name for t in threading.enumerate()}
+    assert not alive & {"merger", "publisher", "syncer-tick"}, alive
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass
+    monkeypatch.undo()
+    again = start_coordinator(cfg, str(tmp_path))
+    again.stop()

@@ -24,6 +24,27 @@ from diloco.config import ConfigError, RunConfig
         ("train.batch_size", 0),
         ("sync.outer_lr", -0.7),
         ("sync.outer_momentum", 1.0),
+        # The coordinator's sizes, times and caps (each once passed and broke the run its own way).
+        ("sync.pull_chain", 0),
+        ("sync.pull_wait_s", 0.0),
+        ("sync.codec_level", 23),
+        ("sync.max_delta_norm_ratio", 0.5),
+        ("sync.max_unreachable_s", float("nan")),
+        ("sync.grace_factor", float("nan")),
+        ("coordinator.max_inflight_pushes", 0),
+        ("coordinator.lease_ttl_s", -1.0),
+        ("coordinator.heartbeat_s", 0.0),
+        ("coordinator.heartbeat_s", 30.0),  # not below the lease's 30 s: workers counted dead
+        ("coordinator.grpc_workers", 0),
+        ("coordinator.max_chunk_attempts", 0),
+        ("coordinator.max_workers_per_role", 0),
+        ("coordinator.max_push_bytes", 0),
+        ("coordinator.push_idle_s", 0.0),
+        ("data.chunk_bytes", 0),
+        ("data.prefetch_batches", 0),
+        ("model.vocab_size", -1),
+        ("train.local_state_every_s", float("nan")),
+        ("eval.every_s", float("nan")),
     ],
 )
 def test_a_number_out_of_range_is_refused_naming_its_key(key: str, value: float) -> None:
@@ -33,5 +54,8 @@ def test_a_number_out_of_range_is_refused_naming_its_key(key: str, value: float)
 
 def test_the_edges_of_each_range_are_accepted() -> None:
     edges = {"train.lr": 0.0, "train.weight_decay": 0.0, "train.warmup_steps": 0, "train.grad_clip": 0.0,
-             "train.beta1": 0.0, "sync.outer_momentum": 0.0, "sync.outer_lr": 1.0}  # fmt: skip
+             "train.beta1": 0.0, "sync.outer_momentum": 0.0, "sync.outer_lr": 1.0, "sync.pull_chain": 1,
+             "sync.max_delta_norm_ratio": 0.0, "sync.max_unreachable_s": 0.0, "sync.codec_level": 0,
+             "coordinator.max_workers_per_caller": 0, "coordinator.max_concurrent_rpcs": 0,
+             "coordinator.heartbeat_s": 29.0}  # fmt: skip
     RunConfig().with_overrides(edges).validate()
