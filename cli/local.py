@@ -9,6 +9,7 @@ import typer
 
 from cli.common import ConfigOpt, DataParallelChoice, ModelOpt, SetOpt, build_config, clear_errors
 from diloco.errors import DilocoError
+from diloco.local.options import LocalRunOptions
 
 
 def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> list[str]:
@@ -35,9 +36,11 @@ def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> li
 def run(
     minutes: Annotated[
         float, typer.Option(help="wall-clock budget (0: until the data or token budget ends)")
-    ] = 5.0,
-    tokens: Annotated[int, typer.Option(help="token budget over all learners (0: none)")] = 0,
-    learners: Annotated[int, typer.Option(help="learner processes (M)")] = 2,
+    ] = LocalRunOptions.minutes,
+    tokens: Annotated[
+        int, typer.Option(help="token budget over all learners (0: none)")
+    ] = LocalRunOptions.tokens,
+    learners: Annotated[int, typer.Option(help="learner processes (M)")] = LocalRunOptions.learners,
     learner_ranks: Annotated[
         str,
         typer.Option(
@@ -48,7 +51,7 @@ def run(
     data_parallel: Annotated[
         DataParallelChoice, typer.Option(help="inside a learner of several ranks: ddp, or fsdp (sharded)")
     ] = DataParallelChoice.ddp,
-    data_workers: Annotated[int, typer.Option(help="data worker processes")] = 2,
+    data_workers: Annotated[int, typer.Option(help="data worker processes")] = LocalRunOptions.data_workers,
     workdir: Annotated[Path | None, typer.Option(help="run directory (default: ./runs/<name>)")] = None,
     name: Annotated[str | None, typer.Option(help="run name (default: run-<date>-<time>)")] = None,
     model: ModelOpt = None,
@@ -76,7 +79,9 @@ def run(
         str | None,
         typer.Option(help="how merged fragments come back: fp32 (whole) or bf16 | int8 | int4 steps"),
     ] = None,
-    slow_learner: Annotated[float, typer.Option(help="make one learner FACTOR× slower (experiments)")] = 1.0,
+    slow_learner: Annotated[
+        float, typer.Option(help="make one learner FACTOR× slower (experiments)")
+    ] = LocalRunOptions.slow_learner,
     chaos_interval: Annotated[
         float, typer.Option(help="SIGKILL a random process (coordinator too) every ~SECONDS and restart it")
     ] = 0.0,
@@ -97,7 +102,7 @@ def run(
     ] = None,
     tls: Annotated[
         bool, typer.Option(help="mutual TLS between the job's processes (certificates in <workdir>/tls)")
-    ] = True,
+    ] = LocalRunOptions.tls,
     auto: Annotated[
         Path | None,
         typer.Option(
@@ -111,7 +116,7 @@ def run(
     link_rtt: Annotated[str, typer.Option(help="with --auto: that link's round trip, e.g. 50ms")] = "50ms",
     host: Annotated[
         str, typer.Option(help="the address the coordinator listens on and every process dials")
-    ] = "127.0.0.1",
+    ] = LocalRunOptions.host,
     prepare_first: Annotated[
         bool,
         typer.Option(
@@ -128,7 +133,7 @@ def run(
     ] = "",
 ) -> None:
     """Run a whole job on this machine: coordinator, data workers and learners as processes."""
-    from diloco.local.launch import LocalRunOptions, default_run_config, run_local
+    from diloco.local.launch import default_run_config, run_local
 
     try:
         ranks = tuple(int(r) for r in learner_ranks.split(",") if r.strip())

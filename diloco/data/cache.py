@@ -152,48 +152,66 @@ class ShardCache:
             self.path_for(uri, checksum).unlink(missing_ok=True)
 
     def entries(self) -> list[tuple[float, int, Path]]:
-        """(mtime, size, path) of each cached copy, least recently used first."""
-        found: list[tuple[float, int, Path]] = []
+        """(mtime, size, path) of each cached copy, least recently used first (reads only)."""
+        return sorted(
+            ((mtime, size, path) for mtime, size, path in self._listing() if path.name.endswith(SUFFIX)),
+            key=lambda e: (e[0], e[2].name),
+        )
+
+    def _listing(self) -> list[tuple[float, int, Path]]:
+        """(mtime, size, path) of every file in the directory, copies and temporary files alike."""
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return found
-        now = time.time()
+            return []
+        found = []
         for name in names:
             path = self.directory / name
             try:
                 st = path.stat()
             except OSError:
                 continue  # removed meanwhile
-            if name.endswith(SUFFIX):
-                found.append((st.st_mtime, st.st_size, path))
-            elif ".tmp-" in name and now - st.st_mtime > STALE_TMP_S:
-                with contextlib.suppress(OSError):
-                    path.unlink(missing_ok=True)
-        found.sort(key=lambda e: (e[0], e[2].name))
+            found.append((st.st_mtime, st.st_size, path))
         return found
 
     def size_bytes(self) -> int:
         return sum(size for _, size, _ in self.entries())
 
     def evict(self, keep: Path | None = None) -> int:
-        """Delete least recently used copies until the total is within the limit; returns how many."""
-        entries = self.entries()
-        total = sum(size for _, size, _ in entries)
-        removed = 0
-        for _, size, path in entries:
-            if total <= self.max_bytes:
-                break
-            if path == keep:
-                continue
+        """Delete least recently used copies until the total is within the limit (and temporary
+        files a killed writer left); returns how many copies went."""
+        for path in stale_temporaries(self._listing(), time.time()):
             with contextlib.suppress(OSError):
                 path.unlink(missing_ok=True)
-            total -= size  # gone, by us or by another process
+        removed = 0
+        for path in lru_evictions(self.entries(), self.max_bytes, keep):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)  # gone, by us or by another process
             removed += 1
         if removed:
             with self._lock:
                 self.stats.evicted += removed
         return removed
+
+
+def lru_evictions(entries: list[tuple[float, int, Path]], max_bytes: int, keep: Path | None) -> list[Path]:
+    """The copies to delete, least recently used first (`entries` in that order), until the rest fit
+    in `max_bytes`; never `keep` (the copy just written)."""
+    total = sum(size for _, size, _ in entries)
+    doomed = []
+    for _, size, path in entries:
+        if total <= max_bytes:
+            break
+        if path != keep:
+            doomed.append(path)
+            total -= size
+    return doomed
+
+
+def stale_temporaries(listing: list[tuple[float, int, Path]], now: float) -> list[Path]:
+    """Temporary files older than STALE_TMP_S: a writer killed between write and rename left them
+    (a live writer's are younger)."""
+    return [path for mtime, _, path in listing if ".tmp-" in path.name and now - mtime > STALE_TMP_S]
 
 
 def open_cache(setting: str, max_bytes: int) -> ShardCache | None:

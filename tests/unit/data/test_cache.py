@@ -15,7 +15,15 @@ import torch
 from diloco import store
 from diloco.compute.batch import Batch, RowSpan
 from diloco.compute.prefetch import DONE, ShardPrefetcher
-from diloco.data.cache import ShardCache, default_cache_dir, open_cache, read_shard_via
+from diloco.data.cache import (
+    STALE_TMP_S,
+    ShardCache,
+    default_cache_dir,
+    lru_evictions,
+    open_cache,
+    read_shard_via,
+    stale_temporaries,
+)
 from diloco.data.shard import ShardCorrupt, encode_shard, write_shard
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -340,3 +348,23 @@ def test_prefetcher_mixes_rows_of_several_shards_in_a_batch_and_delivers_each_ro
         assert got[-1][0].row_end == 64
         assert np.array_equal(np.concatenate([r for _, r in got]), rows.astype(np.int64))
         assert [span.last_of_shard for span, _ in got] == [False] * (len(got) - 1) + [True]
+
+
+def test_eviction_takes_the_least_recently_used_first_and_never_the_copy_just_written() -> None:
+    a, b, c = Path("a.shard"), Path("b.shard"), Path("c.shard")
+    entries = [(1.0, 40, a), (2.0, 40, b), (3.0, 40, c)]  # least recently used first
+    assert lru_evictions(entries, 100, keep=None) == [a]
+    assert lru_evictions(entries, 80, keep=None) == [a]
+    assert lru_evictions(entries, 79, keep=None) == [a, b]
+    assert lru_evictions(entries, 79, keep=a) == [b, c]  # the new copy stays, however old its mtime
+    assert lru_evictions(entries, 120, keep=None) == []
+
+
+def test_only_temporary_files_older_than_an_hour_are_stale() -> None:
+    now = 10_000.0
+    listing = [
+        (now - STALE_TMP_S - 1, 5, Path("x.shard.tmp-1-dead")),
+        (now - 10, 5, Path("y.shard.tmp-2-live")),  # a writer at work
+        (now - STALE_TMP_S - 1, 5, Path("z.shard")),  # an old copy is evicted by size, not age
+    ]
+    assert stale_temporaries(listing, now) == [Path("x.shard.tmp-1-dead")]
