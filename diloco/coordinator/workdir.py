@@ -107,20 +107,38 @@ def lock_workdir(workdir: str) -> IO[str]:
     return held
 
 
-# The job's, not the run's: a resume names itself anew.
-NOT_THE_RUNS = frozenset({"name"})
+# The job's, not the run's: a resume names itself anew; each process takes its own cores and device.
+NOT_THE_RUNS = frozenset({"name", "train.threads", "train.device"})
+# How the coordinator serves, not what the run trains: a restart may change these (more handler
+# threads, a longer lease, a higher cap), which a run started with a wrong one needs.
+OPERATIONAL = "coordinator."
+
+
+def resumed_config(given: RunConfig, stored: RunConfig) -> tuple[RunConfig, list[str]]:
+    """The settings a restarted run goes on with: those recorded at its first start, but for the
+    operational ones (coordinator.*) set at this restart (another value than both the default
+    and the record's); and those taken, each as "coordinator.lease_ttl_s = 60.0 (was 30.0)"."""
+    now, then, default = flatten(given.to_dict()), flatten(stored.to_dict()), flatten(RunConfig().to_dict())
+    taken = {
+        key: value
+        for key, value in now.items()
+        if key.startswith(OPERATIONAL) and value != default.get(key) and value != then.get(key)
+    }
+    said = [f"{key} = {value!r} (was {then.get(key)!r})" for key, value in taken.items()]
+    return (stored.with_overrides(taken) if taken else stored), said
 
 
 def settings_not_used(given: RunConfig, stored: RunConfig) -> list[str]:
-    """The settings given at a restart that differ from those the run recorded at its first start,
-    which win (a run does not change its model, data or schedule under its checkpoints), each as
-    "train.lr = 0.01 (the run's: 0.001)": said, not silently dropped."""
-    now, then = flatten(given.to_dict()), flatten(stored.to_dict())
+    """The settings set at a restart (not at their default) that differ from those the run
+    recorded at its first start, which win (a run does not change its model, data or schedule
+    under its checkpoints), each as "train.lr = 0.01 (the run's: 0.001)": said, not dropped in
+    silence."""
+    now, then, default = flatten(given.to_dict()), flatten(stored.to_dict()), flatten(RunConfig().to_dict())
     differ = []
     for key, value in now.items():
         if key in NOT_THE_RUNS or key not in then or then[key] == value:
             continue
-        if key == "model.vocab_size" and value == 0:  # 0: "the tokenizer's", recorded filled in
+        if value == default.get(key):  # not set now (model.vocab_size 0: "the tokenizer's", too)
             continue
         differ.append(f"{key} = {value!r} (the run's: {then[key]!r})")
     return differ

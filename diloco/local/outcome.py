@@ -18,7 +18,7 @@ from diloco.coordinator.ledger import ledger_path
 from diloco.coordinator.lifecycle import FINISHED, RUNNING
 from diloco.coordinator.report import read_only, stored_run, tokens_reported
 from diloco.coordinator.wirecount import WIRE_COUNTS, job_wire_bytes
-from diloco.coordinator.workdir import settings_not_used
+from diloco.coordinator.workdir import resumed_config, settings_not_used
 from diloco.errors import DilocoError
 from diloco.local.procs import ProcessGroup
 from diloco.local.stopping import quarantine_facts, quarantined_chunks
@@ -83,6 +83,9 @@ def resume_notes(before: RecordedRun | None, workdir: Path, config: RunConfig) -
         f"resuming the run in {workdir}: {before.tokens_merged:,} {unit} merged ({before.tokens_trained:,} "
         "trained) before this job; the rates at the end are this job's own"
     ]
+    recorded, taken = resumed_config(config, recorded)
+    if taken:
+        notes.append("at this restart: " + escape("; ".join(taken)))
     if differ := settings_not_used(config, recorded):
         notes.append(
             "[yellow]warning:[/] the run keeps the settings it started with; not used: "

@@ -171,7 +171,7 @@ def test_a_runs_classes_are_recorded_at_its_start_and_label_every_later_read(tmp
     from PIL import Image
 
     from diloco.config import RunConfig
-    from diloco.coordinator.server import open_ledger
+    from diloco.coordinator.run_record import open_ledger
     from diloco.errors import DilocoError
     from diloco.results import dataset_columns
 
