@@ -25,7 +25,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 ConfigOpt = Annotated[
     Path | None,
     # Rich reads "[model]" as markup and drops it: the brackets are escaped.
-    typer.Option("--config", help=r"run.toml with \[model], \[data], \[train], \[sync], \[coordinator]"),
+    typer.Option(
+        "--config", help=r"run.toml with \[model], \[data], \[train], \[sync], \[coordinator], \[eval]"
+    ),
 ]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="override any config key: section.key=value (repeatable)")

@@ -10,6 +10,7 @@ import typer
 from cli.common import ConfigOpt, DataParallelChoice, ModelOpt, SetOpt, build_config, clear_errors
 from diloco.errors import DilocoError
 from diloco.local.options import LocalRunOptions
+from diloco.simulate.costs import LINK_BANDWIDTH, LINK_RTT
 
 
 def auto_overrides(run_dir: Path, bandwidth: str, rtt: str, learners: int) -> list[str]:
@@ -112,8 +113,8 @@ def run(
     ] = None,
     link_bandwidth: Annotated[
         str, typer.Option(help="with --auto: each learner's link, e.g. 1Gbit")
-    ] = "1Gbit",
-    link_rtt: Annotated[str, typer.Option(help="with --auto: that link's round trip, e.g. 50ms")] = "50ms",
+    ] = LINK_BANDWIDTH,
+    link_rtt: Annotated[str, typer.Option(help="with --auto: that link's round trip, e.g. 50ms")] = LINK_RTT,
     host: Annotated[
         str, typer.Option(help="the address the coordinator listens on and every process dials")
     ] = LocalRunOptions.host,
@@ -140,6 +141,16 @@ def run(
     except ValueError:
         raise DilocoError(f"--learner-ranks: numbers separated by commas, not {learner_ranks!r}") from None
     roles = tuple(r.strip() for r in chaos_roles.split(",") if r.strip())
+    if sync and (
+        given := [
+            f
+            for f, v in (("--quorum", quorum), ("--fragments", fragments), ("--overlap", overlap))
+            if v is not None
+        ]
+    ):
+        raise DilocoError(f"--sync sets quorum, fragments and overlap itself: drop {', '.join(given)}")
+    if auto is None and (link_bandwidth, link_rtt) != (LINK_BANDWIDTH, LINK_RTT):
+        raise DilocoError("--link-bandwidth and --link-rtt describe the link for --auto: give --auto RUN too")
     # --auto's choices go over a --config file (a full dump would otherwise undo them); --set
     # and the dedicated flags still go over --auto.
     tuned = auto_overrides(auto, link_bandwidth, link_rtt, learners) if auto is not None else []

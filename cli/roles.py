@@ -89,9 +89,14 @@ def compute(
     device: Annotated[
         str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: the run's config)")
     ] = None,
-    threads: Annotated[int | None, typer.Option(help="torch intra-op threads for this learner")] = None,
+    # The same ranges as the config keys these stand for (train.threads >= 0), checked as they are
+    # parsed: before torchrun starts or anything connects.
+    threads: Annotated[
+        int | None, typer.Option(min=0, help="torch intra-op threads for this learner (0: torch's default)")
+    ] = None,
     slow_factor: Annotated[
-        float, typer.Option(help="make this learner FACTOR× slower (straggler experiments)")
+        float,
+        typer.Option(min=1.0, help="make this learner FACTOR× slower, FACTOR >= 1 (straggler experiments)"),
     ] = 1.0,
     connect_timeout: ConnectOpt = 60.0,
     worker_id: WorkerIdOpt = None,
@@ -101,7 +106,8 @@ def compute(
     ] = None,
     metrics_port: MetricsPortOpt = None,
     nproc: Annotated[
-        int, typer.Option(help="ranks in this learner: starts torchrun with N ranks (DDP or FSDP inside)")
+        int,
+        typer.Option(min=1, help="ranks in this learner: starts torchrun with N ranks (DDP or FSDP inside)"),
     ] = 1,
     data_parallel: Annotated[
         DataParallelChoice,
@@ -132,12 +138,14 @@ def compute(
 @clear_errors
 def evaluator(
     coordinator: CoordinatorOpt,
+    # The same ranges as eval.every_s (>= 0) and eval.threads (>= 1), checked before connecting.
     every: Annotated[
-        float | None, typer.Option(help="seconds between evaluations (default: the run's eval.every_s)")
+        float | None,
+        typer.Option(min=0.0, help="seconds between evaluations (default: the run's eval.every_s)"),
     ] = None,
     device: Annotated[str | None, typer.Option(help="auto | cpu | cuda | cuda:N (default: cpu)")] = None,
     threads: Annotated[
-        int | None, typer.Option(help="torch intra-op threads (default: eval.threads)")
+        int | None, typer.Option(min=1, help="torch intra-op threads (default: eval.threads)")
     ] = None,
     connect_timeout: ConnectOpt = 60.0,
     worker_id: WorkerIdOpt = None,

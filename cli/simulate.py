@@ -106,6 +106,8 @@ def simulate(
     ] = None,
 ) -> None:
     """Goodput at scale: DP, elastic DP and DiLoCo learners under chip failures (a simpy model)."""
+    if as_json and plot is not None:  # --json prints one object and returns: the plot was never drawn
+        raise DilocoError("--plot cannot be used with --json (JSON is printed alone): drop one")
     from diloco.simulate import config as c
     from diloco.simulate import report, sweep
     from diloco.simulate.costs import parse_bandwidth, parse_duration
@@ -199,21 +201,25 @@ def tune(
     """Recommend H, fragments, overlap, codec and chunk size for a measured step time and a link."""
     from diloco.simulate.config import LinkConfig
     from diloco.simulate.costs import parse_bandwidth, parse_duration
-    from diloco.simulate.tune import recommend, recommend_for_run
+    from diloco.simulate.tune import check_inputs, recommend, recommend_for_run
 
     try:
+        gbps, rtt_s = parse_bandwidth(bandwidth), parse_duration(rtt)
+        # Every flag at once, before a run directory is read: one line names each bad one.
+        check_inputs(step_s=step_s, params=params, bandwidth_gbps=gbps, rtt_s=rtt_s, learners=learners)
         if calibrate is not None:
             tuning = recommend_for_run(
-                str(calibrate), bandwidth_gbps=parse_bandwidth(bandwidth), rtt_s=parse_duration(rtt),
-                learners=learners, step_s=step_s, params=params,
-            )  # fmt: skip
-            step, size = tuning.step_s, tuning.params
-        elif step_s and params:
-            step, size = step_s, params
-            link = LinkConfig(
-                params=size, bandwidth_gbps=parse_bandwidth(bandwidth), rtt_s=parse_duration(rtt)
+                str(calibrate),
+                bandwidth_gbps=gbps,
+                rtt_s=rtt_s,
+                learners=learners,
+                step_s=step_s,
+                params=params,
             )
-            tuning = recommend(step_s=step, link=link)
+            step, size = tuning.step_s, tuning.params
+        elif step_s is not None and params is not None:
+            step, size = step_s, params
+            tuning = recommend(step_s=step, link=LinkConfig(params=size, bandwidth_gbps=gbps, rtt_s=rtt_s))
         else:
             raise DilocoError("give --calibrate RUN_DIR, or both --step-s and --params")
     except (ValueError, FileNotFoundError) as e:

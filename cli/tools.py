@@ -34,8 +34,9 @@ def status(
     watch: Annotated[
         float,
         typer.Option(
+            min=0.0,
             help="refresh every SECONDS until Ctrl-C (0: once); a coordinator that does not answer "
-            "(restarting) is waited for"
+            "(restarting) is waited for",
         ),
     ] = 0.0,
     refreshes: Annotated[int, typer.Option(hidden=True, help="with --watch: stop after N (tests)")] = 0,
@@ -200,7 +201,9 @@ def eval_(
         str | None,
         typer.Option(help="evaluate on this data (made like the run's) instead of the held-out split"),
     ] = None,
-    max_batches: Annotated[int, typer.Option(help="batches of train.batch_size rows at most (0: all)")] = 64,
+    max_batches: Annotated[
+        int, typer.Option(min=0, help="batches of train.batch_size rows at most (0: all)")
+    ] = 64,
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
     device: DeviceOpt = "auto",
     model: RunModelOpt = None,
@@ -227,7 +230,7 @@ def generate(
     coordinator: LiveOpt = None,
     prompt: Annotated[str, typer.Option(help="the text to continue")] = "def ",
     tokens: Annotated[int, typer.Option(min=1, help="tokens to sample")] = 200,
-    temperature: Annotated[float, typer.Option(help="sampling temperature (0: greedy)")] = 0.8,
+    temperature: Annotated[float, typer.Option(help="sampling temperature, >= 0 (0: greedy)")] = 0.8,
     seed: Annotated[
         int, typer.Option(help="sampling seed: the same seed gives the same text on one device")
     ] = 0,
@@ -235,8 +238,10 @@ def generate(
     model: RunModelOpt = None,
 ) -> None:
     """A token model continues the prompt."""
+    from diloco.evaluate import check_sampling
     from diloco.results import generate_text, load_model
 
+    check_sampling(tokens, temperature)  # before a model is loaded (or a coordinator called)
     loaded = load_model(run, coordinator, model)
     typer.echo(generate_text(loaded, prompt, tokens, temperature, seed, device))
 

@@ -3,6 +3,7 @@ and why (a ConfigError), before any role acts on it."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 CODECS = ("fp32", "bf16", "int8", "int4")
 MERGES = ("mean", "token", "rda")
 SHORT_PUSH_SCALES = ("balanced", "none")
+GRPC_INT_MAX = 2**31 - 1
 
 
 def is_device_spec(spec: str) -> bool:
@@ -42,8 +44,8 @@ def check_numbers(cfg: RunConfig) -> None:
         "sync.outer_lr": s.outer_lr,
     }
     for key, value in non_negative.items():
-        if not value >= 0:  # (not <: NaN is refused too)
-            raise ConfigError(f"{key} must be >= 0, got {value}")
+        if not 0 <= value < math.inf:  # (not <: NaN is refused too; and an infinite step)
+            raise ConfigError(f"{key} must be >= 0 and finite, got {value}")
     check_limits(cfg)
     for key, value in {
         "train.beta1": t.beta1,
@@ -106,6 +108,10 @@ def check_limits(cfg: RunConfig) -> None:
         raise ConfigError(
             f"sync.max_delta_norm_ratio must be 0 (no check) or >= 1, got {s.max_delta_norm_ratio:g}: "
             "below 1 it refuses a delta for being as large as the median of the recent ones"
+        )
+    if c.max_message_bytes > GRPC_INT_MAX:  # gRPC's channel arguments are C ints
+        raise ConfigError(
+            f"coordinator.max_message_bytes must be at most {GRPC_INT_MAX}, got {c.max_message_bytes}"
         )
     if not 0 <= s.codec_level <= 22:
         raise ConfigError(

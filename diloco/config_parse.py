@@ -48,7 +48,18 @@ def unknown_key(dotted: str) -> str:
     section, _, leaf = dotted.rpartition(".")
     if section == "model" and leaf in _FACTORY_KEYS:
         return f"unknown config key {dotted!r}: the model's own settings are model.kwargs.{leaf}"
+    elsewhere = keys_named(leaf)
+    if elsewhere:  # a key put in the wrong section (train.quorum): name where it lives
+        return f"unknown config key {dotted!r}: did you mean {' or '.join(elsewhere)}?"
     return f"unknown config key {dotted!r}"
+
+
+def keys_named(leaf: str) -> list[str]:
+    """The run config's dotted keys whose last part is `leaf` ("quorum" -> ["sync.quorum"])."""
+    # Imported here: diloco.config imports this module, and says what the keys are.
+    from diloco.config import RunConfig
+
+    return sorted(k for k in flatten(RunConfig().to_dict()) if k.rpartition(".")[2] == leaf)
 
 
 # Free-form tables: keys of the user's choosing, values kept as TOML gives them.

@@ -3,6 +3,7 @@ model's loss, and a text sample."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from diloco.errors import DilocoError
 from diloco.model.contract import column_tensor, loss_and_metrics
 
 
@@ -87,6 +89,15 @@ def unigram_entropy(token_arrays: Iterable[np.ndarray], vocab_size: int) -> floa
     return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0 turns -0.0 (one distinct token) into 0.0
 
 
+def check_sampling(max_new_tokens: int, temperature: float) -> None:
+    """Refuse what cannot be sampled, naming `diloco generate`'s flag: a negative temperature
+    divides the logits by a negative number (the least likely tokens come first: junk)."""
+    if max_new_tokens < 0:
+        raise DilocoError(f"--tokens must be >= 0, got {max_new_tokens}")
+    if not 0 <= temperature < math.inf:  # NaN too
+        raise DilocoError(f"--temperature must be >= 0 (0: greedy), got {temperature:g}")
+
+
 def sample_text(
     model: nn.Module,
     tokenizer: Any,
@@ -101,6 +112,7 @@ def sample_text(
     """The prompt followed by up to max_new_tokens sampled tokens, decoded; it stops at the first
     end-of-text token. The same seed gives the same text on the same device. `window`: the longest
     context the model takes (the run's model.seq_len)."""
+    check_sampling(max_new_tokens, temperature)
     ids = tokenizer.encode(prompt) or [tokenizer.eot_id]  # an empty prompt starts a new document
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = torch.Generator(device=torch.device(device))

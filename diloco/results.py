@@ -46,6 +46,7 @@ class LoadedModel:
     source: str  # where its parameters came from, for the output
     eval_shards: list[dict[str, Any]]  # the run's held-out split: {"uri", "checksum"}
     versions: list[int]  # the published versions it holds ([] for a weights file)
+    eval_chunks: int = 0  # chunks in the held-out split, made into shards or not yet
 
 
 def load_model(run: str | Path | None, coordinator: str | None, factory: str | None = None) -> LoadedModel:
@@ -68,7 +69,9 @@ def _from_run(path: Path, factory: str | None) -> LoadedModel:
         workdir = path
         cfg, model, versions = global_model(path, factory)
         source = f"{path} at versions {versions}"
-    return LoadedModel(cfg, model.eval(), source, held_out_shards(workdir), versions)
+    return LoadedModel(
+        cfg, model.eval(), source, held_out_shards(workdir), versions, held_out_chunks(workdir)
+    )
 
 
 def held_out_shards(workdir: Path) -> list[dict[str, Any]]:
@@ -78,6 +81,12 @@ def held_out_shards(workdir: Path) -> list[dict[str, Any]]:
             "SELECT uri, checksum FROM shards WHERE split = 'eval' ORDER BY chunk_id"
         ).fetchall()
     return [{"uri": u, "checksum": c} for u, c in shards]
+
+
+def held_out_chunks(workdir: Path) -> int:
+    """How many chunks the run's held-out split has (its shards may not be made yet)."""
+    with read_only(workdir) as db:
+        return int(db.execute("SELECT COUNT(*) FROM chunks WHERE split = 'eval'").fetchone()[0])
 
 
 def _stored_config(workdir: Path) -> str:
@@ -100,12 +109,13 @@ def _from_coordinator(address: str, factory: str | None) -> LoadedModel:
         model = build_model(cfg.model, seed=cfg.train.seed)
         pulled = {n: t for _, ts in client.pull(list(range(reply.num_fragments))) for n, t in ts.items()}
         load_parameters(model, pulled, address, cfg.model.factory)
-        split = client.status().get("eval_split", {}).get("shards", [])
+        held_out = client.status().get("eval_split", {})
+        split, eval_chunks = held_out.get("shards", []), int(held_out.get("chunks", 0))
         versions = list(reply.fragment_versions)
     finally:
         client.leave("done")
         client.close()
-    return LoadedModel(cfg, model.eval(), f"{address} at versions {versions}", split, versions)
+    return LoadedModel(cfg, model.eval(), f"{address} at versions {versions}", split, versions, eval_chunks)
 
 
 def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray], str]:
@@ -131,6 +141,11 @@ def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray]
 
 
 def held_out_columns(loaded: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
+    if not loaded.eval_shards and loaded.eval_chunks:
+        raise DilocoError(
+            f"the run's held-out split ({loaded.eval_chunks} chunks) has no shards yet: data workers make "
+            "them as the run goes (or give --dataset)"
+        )
     if not loaded.eval_shards:
         raise DilocoError("the run has no held-out split: give --dataset")
     shards = [read_shard(s["uri"], s["checksum"]) for s in loaded.eval_shards]

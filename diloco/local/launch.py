@@ -30,7 +30,7 @@ from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.workdir import check_same_dataset, dataset_files, recorded_dataset, workdir_holder
 from diloco.errors import DilocoError, Terminated
 from diloco.local.chaos import CHAOS_ROLES, ChaosMonkey, ChaosPlan
-from diloco.local.options import LocalRunOptions, default_run_config
+from diloco.local.options import LocalRunOptions, default_run_config, learner_id
 from diloco.local.outcome import (
     RecordedRun,
     data_workers_failed,
@@ -177,14 +177,14 @@ class LocalRun:
         o = self.options
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
-            args += ["--worker-id", f"learner-{i}"]
+            args += ["--worker-id", learner_id(i)]
             args += ["--state-dir", str(self.workdir / "learner-state")]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             if o.ranks_of(i) > 1:
                 args += ["--nproc", str(o.ranks_of(i)), "--data-parallel", o.data_parallel]
             prefix = shlex.split(o.learner_prefix.format(i=i)) if o.learner_prefix else None
-            self.group.spawn(f"learner-{i}", "learner", [*args, *self._tls(f"learner-{i}")], prefix=prefix)
+            self.group.spawn(learner_id(i), "learner", [*args, *self._tls(learner_id(i))], prefix=prefix)
         if (
             self.config.eval.every_s > 0 or self.config.eval.every_merges > 0
         ):  # the held-out loss of the global model, while it trains
@@ -240,9 +240,11 @@ class LocalRun:
         )
         for note in resume_notes(self.before, self.workdir, self.config):
             self.console.print(note, highlight=False, soft_wrap=True)
+        # About a run's start: a resumed run goes on with its recorded settings and what it did.
+        fresh = self.before is None
         for warning in (
-            cold_start_warning(self.config),
-            few_outer_steps_warning(self.config, self.options.learners),
+            cold_start_warning(self.config) if fresh else None,
+            few_outer_steps_warning(self.config, self.options.learners) if fresh else None,
         ):
             if warning:
                 self.console.print(f"[yellow]warning:[/] {warning}")
@@ -285,7 +287,7 @@ class LocalRun:
                             train_seconds=train_seconds, started_at=started_at)  # fmt: skip
         summary.update(
             report,
-            ranks_per_learner={f"learner-{i}": o.ranks_of(i) for i in range(o.learners)},
+            ranks_per_learner={learner_id(i): o.ranks_of(i) for i in range(o.learners)},
             kills=self.chaos.kills if self.chaos else {},
             # Every kill as it happened (wall clock, process, role), to line merges up against.
             kill_log=self.chaos.kill_log if self.chaos else [],

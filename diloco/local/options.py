@@ -21,6 +21,12 @@ def default_run_config() -> RunConfig:
     return cfg
 
 
+def learner_id(i: int) -> str:
+    """The worker id of a local job's i-th learner (the same in every job on a workdir: a resumed
+    learner finds its local state by it)."""
+    return f"learner-{i}"
+
+
 @dataclass
 class LocalRunOptions:
     config: RunConfig = field(default_factory=default_run_config)

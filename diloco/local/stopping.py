@@ -90,8 +90,8 @@ def learner_ends(workdir: Path, learners: list[str]) -> dict[str, str | None]:
     one that never left. The last leave counts: under chaos a killed learner's next life leaves."""
     ends: dict[str, str | None] = dict.fromkeys(learners)
     for e in read_events(workdir / METRICS_LOG, last=KEEP_EVENTS):
-        if e.get("kind") == "leave" and e.get("role") == "compute":
-            ends[str(e.get("worker_id"))] = e.get("reason") or ""
+        if e.get("kind") == "leave" and e.get("role") == "compute" and str(e.get("worker_id")) in ends:
+            ends[str(e.get("worker_id"))] = e.get("reason") or ""  # (others: not among `learners`)
     return ends
 
 

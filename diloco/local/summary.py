@@ -10,6 +10,7 @@ from typing import Any
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
+from diloco.local.options import learner_id
 from diloco.local.outcome import RecordedRun
 from diloco.local.stopping import (
     finish_reason,
@@ -241,7 +242,7 @@ def summarize(
     by_learner = {w["worker_id"]: w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in timed}
     summary["utilization_per_learner"] = [round(u, 4) for u in by_learner.values()]
     summary["utilization_by_learner"] = {wid: round(u, 4) for wid, u in by_learner.items()}
-    slow = f"learner-{learners - 1}" if slow_learner > 1.0 else None
+    slow = learner_id(learners - 1) if slow_learner > 1.0 else None
     summary["slow_learner"] = slow
     others = [u for wid, u in summary["utilization_by_learner"].items() if wid != slow]
     summary["utilization_min_others"] = min(others) if others else 0.0
@@ -315,7 +316,12 @@ def summarize(
     }
     summary.update(evaluate_final_or_say_why(d, cfg, workdir, tokenizer))
     summary.update(quarantine_facts(quarantined_chunks(workdir, d.get("quarantined") or [])))
-    ends = learner_ends(workdir, [w["worker_id"] for w in d.get("workers", []) if w["role"] == "compute"])
+    # This job's learners only: a resumed run's ledger also holds those of the jobs before it.
+    ours = {learner_id(i) for i in range(learners)}
+    ends = learner_ends(
+        workdir,
+        [w["worker_id"] for w in d.get("workers", []) if w["role"] == "compute" and w["worker_id"] in ours],
+    )
     stop = stop_reason(
         tokens_merged=summary["tokens_merged"], budget=cfg.train.max_tokens, wall_seconds=train_seconds,
         minutes=minutes, learner_ends=ends, finish_reason=finish_reason(workdir),

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from diloco.coordinator.workdir import workdir_holder
 from diloco.errors import DilocoError
+from diloco.local.options import learner_id
 from diloco.security.certs import TlsFiles, init_ca, issue
 from diloco.security.transport import Security
 
@@ -41,7 +42,7 @@ def job_certificates(workdir: Path, learners: int, data_workers: int, host: str)
     coordinator's names `host` too when the job serves beyond loopback."""
     names = {"coordinator": "coordinator", "evaluator": "evaluator"}
     names.update({f"data-{i}": "data" for i in range(data_workers)})
-    names.update({f"learner-{i}": "learner" for i in range(learners)})
+    names.update({learner_id(i): "learner" for i in range(learners)})
     return run_certificates(workdir, names, coordinator_hosts=(host,) if host != "127.0.0.1" else ())
 
 

@@ -8,7 +8,8 @@ with a simulation; this package is that simulation, fed with what this project m
     costs.py       bytes on the wire, sync times, a slow slice's toll
     rules.py       what a failure does in each mode: pure functions returning a decision and a reason
     failures.py    every failure of a run, drawn up front from one seeded generator
-    engine.py      the simpy clock, the books, simulate(cfg, mode) -> Result
+    books.py       the books (where the chip-time went) and a run's context, shared by the modes
+    engine.py      the simpy clock, simulate(cfg, mode) -> Result
     dp.py, sync_diloco.py, decoupled.py   one process per mode
     calibrate.py   a real run's costs, and the configs that replay it or scale it up
     sweep.py       goodput over chip counts (the paper's figure), and one input moved at a time

@@ -14,6 +14,8 @@ from diloco.simulate.config import SECONDS_PER_YEAR, LinkConfig, OuterConfig, Si
 
 # Bits per parameter before zstd, as diloco.wire.codecs lays them out: int8 and int4 carry one
 # 2-byte scale per block of 64 values.
+# The link `diloco tune` and `diloco run --auto` plan for unless told: a datacenter-to-datacenter one.
+LINK_BANDWIDTH, LINK_RTT = "1Gbit", "50ms"
 CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.0 + 16 / 64, "int4": 4.0 + 16 / 64}
 
 

@@ -18,9 +18,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
-
-from diloco.simulate import decoupled, dp, sync_diloco
 from diloco.simulate.books import Books, context
 from diloco.simulate.config import SimConfig
 
@@ -59,6 +56,10 @@ class Result:
 
 def simulate(cfg: SimConfig, mode: str) -> Result:
     """Run one mode of one job; the same cfg (seed included) gives the same Result."""
+    import numpy as np  # here: a CLI that imports the package for its configs stays light
+
+    from diloco.simulate import decoupled, dp, sync_diloco
+
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r} (one of {', '.join(MODES)})")
     simpy = need_simpy()

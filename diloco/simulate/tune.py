@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, replace
 
 from diloco.config_checks import CODECS  # most precise first
+from diloco.errors import DilocoError
 from diloco.simulate.config import LinkConfig, OuterConfig
 from diloco.simulate.costs import CODEC_BITS, sync_times, transfer_seconds
 
@@ -76,6 +77,29 @@ def link_load(link: LinkConfig, h: int, step_s: float) -> float:
     return (transfer_seconds(link.params, link) - link.rtt_s / 2) / (h * step_s)
 
 
+def check_inputs(
+    *,
+    step_s: float | None = None,
+    params: float | None = None,
+    bandwidth_gbps: float = 1.0,
+    rtt_s: float = 0.0,
+    learners: int = 1,
+) -> None:
+    """Refuse what no step, model or link can be (a negative step time gave "a push every
+    -25.0 s"), naming `diloco tune`'s flag; None: measured later (--calibrate)."""
+    problems = [
+        f"{flag} must be > 0, got {value:g}"
+        for flag, value in (("--step-s", step_s), ("--params", params), ("--bandwidth", bandwidth_gbps))
+        if value is not None and not 0 < value < math.inf  # NaN and inf too
+    ]
+    if not 0 <= rtt_s < math.inf:
+        problems.append(f"--rtt must be >= 0, got {rtt_s:g} s")
+    if learners < 1:
+        problems.append(f"--learners must be >= 1, got {learners}")
+    if problems:
+        raise DilocoError("; ".join(problems))
+
+
 def recommend(
     *,
     step_s: float,
@@ -89,6 +113,7 @@ def recommend(
     tokens_per_s: one learner's training speed; with tokens_per_chunk (what a chunk of
     chunk_bytes became) it sizes the data chunks.
     """
+    check_inputs(step_s=step_s, params=link.params, bandwidth_gbps=link.bandwidth_gbps, rtt_s=link.rtt_s)
     fits = True
     pick = next(
         ((h, c) for h in H_CHOICES for c in CODECS
@@ -165,6 +190,7 @@ def recommend_for_run(
     learners' tokens/s is shared by `learners`. step_s and params, given, replace the measured ones."""
     from diloco.simulate.calibrate import read_calibration
 
+    check_inputs(step_s=step_s, params=params, bandwidth_gbps=bandwidth_gbps, rtt_s=rtt_s, learners=learners)
     cal = read_calibration(run_dir)
     step, size = step_s or cal.step_s, params or cal.params
     if not step or not size:

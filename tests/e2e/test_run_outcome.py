@@ -28,7 +28,7 @@ def error_lines(stderr: str) -> list[str]:
 def test_a_negative_learning_rate_is_refused_before_anything_starts(tmp_path: Path) -> None:
     result = run_cli(["run", "--set", "train.lr=-1", "--workdir", str(tmp_path / "run")], timeout=50)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == ["error: train.lr must be >= 0, got -1.0"]
+    assert result.stderr.strip().splitlines() == ["error: train.lr must be >= 0 and finite, got -1.0"]
     assert not (tmp_path / "run").exists()
 
 

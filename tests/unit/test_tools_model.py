@@ -120,3 +120,17 @@ def test_eval_on_data_the_preprocess_was_not_written_for_is_one_line(tmp_path: P
     cfg = RunConfig().with_overrides({"data.preprocess": "tests.toy_models:needs_label"})
     with pytest.raises(DilocoError, match=r"tests.toy_models:needs_label.*KeyError"):
         dataset_columns(cfg, str(tmp_path / "notes.txt"))
+
+
+def test_eval_before_the_held_out_shards_are_made_says_so() -> None:
+    """A run whose held-out chunks are not shards yet is not a run without a held-out split."""
+    import torch.nn as nn
+
+    from diloco.errors import DilocoError
+    from diloco.results import LoadedModel, held_out_columns
+
+    waiting = LoadedModel(RunConfig(), nn.Linear(1, 1), "x", [], [1], eval_chunks=2)
+    with pytest.raises(DilocoError, match=r"held-out split \(2 chunks\) has no shards yet"):
+        held_out_columns(waiting)
+    with pytest.raises(DilocoError, match="the run has no held-out split: give --dataset"):
+        held_out_columns(LoadedModel(RunConfig(), nn.Linear(1, 1), "x", [], [1]))

@@ -45,6 +45,8 @@ from diloco.config import ConfigError, RunConfig
         ("model.vocab_size", -1),
         ("train.local_state_every_s", float("nan")),
         ("eval.every_s", float("nan")),
+        ("train.lr", float("inf")),
+        ("coordinator.max_message_bytes", 99_999_999_999),  # once an OverflowError in gRPC
     ],
 )
 def test_a_number_out_of_range_is_refused_naming_its_key(key: str, value: float) -> None:

@@ -82,6 +82,8 @@ def test_learner_ends_are_the_last_leave_of_each(tmp_path: Path) -> None:
         {"kind": "leave", "role": "data", "worker_id": "data-0", "reason": "done"},
         {"kind": "leave", "role": "compute", "worker_id": "learner-0", "reason": "no more data"},
         {"kind": "join", "role": "compute", "worker_id": "learner-2"},
+        # An earlier job's learner on the same workdir (this job runs two): not this job's failure.
+        {"kind": "leave", "role": "compute", "worker_id": "learner-3", "reason": "stopped"},
     ]
     (tmp_path / METRICS_LOG).write_text("".join(json.dumps(e) + "\n" for e in events))
     ends = learner_ends(tmp_path, ["learner-0", "learner-1"])
