@@ -46,6 +46,7 @@ from diloco.local.prepared import wait_until_prepared
 from diloco.local.procs import Child, ProcessGroup
 from diloco.local.summary import cold_start_warning, few_outer_steps_warning, job_report, summarize
 from diloco.local.tls import SUPERVISOR, job_certificates, tls_args
+from diloco.model.factory import kwargs_problem
 from diloco.security.certs import TlsFiles
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
@@ -218,6 +219,8 @@ class LocalRun:
             raise DilocoError(refusal)
         check_same_dataset(recorded_dataset(str(self.workdir)), self.config, str(self.workdir))
         dataset_files(self.config)
+        if self.before is None and (problem := kwargs_problem(self.config.model)):
+            raise DilocoError(problem)  # (a resumed run builds the model it recorded)
 
     def _check_outcome(self, causes: dict[str, str], detail: dict[str, Any], seconds: float) -> None:
         """A job that merged nothing ends in its causes, not in a table of zeros; one that did

@@ -33,6 +33,24 @@ def factory_kwargs(fn: Callable[..., Any], model: ModelConfig) -> dict[str, Any]
     return kwargs
 
 
+def kwargs_problem(model: ModelConfig) -> str | None:
+    """Why model.kwargs cannot be given to the factory, or None: a name the function does not take
+    (unless it takes **kwargs). Said before a job starts, not by every learner at its first build."""
+    fn = resolve(model.factory, "model.factory")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    if unknown := sorted(set(model.kwargs) - set(params)):
+        taken = ", ".join(n for n, p in params.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+        return (
+            f"model.kwargs {', '.join(unknown)}: {model.factory} takes none of that name (it takes: {taken})"
+        )
+    return None
+
+
 def build_model(model: ModelConfig, vocab_size: int = 0, seed: int = 0) -> nn.Module:
     """A freshly initialised model on CPU; the same seed gives the same parameters. `vocab_size`,
     when given, stands in for model.vocab_size (0 there: "take it from the tokenizer").

@@ -189,3 +189,13 @@ def test_a_model_whose_normalization_keeps_running_statistics_is_refused_at_buil
     cfg = ModelConfig(factory="tests.toy_models:batchnorm_mlp", kwargs={})
     with pytest.raises(ModelContractError, match="keep running statistics"):
         build_model(cfg, vocab_size=9)
+
+
+def test_a_kwarg_the_factory_does_not_take_is_named_before_any_learner_builds() -> None:
+    from diloco.config import ModelConfig
+    from diloco.model.factory import kwargs_problem
+
+    said = kwargs_problem(ModelConfig(kwargs={"bogus": 3, "n_layer": 2}))
+    assert said is not None and said.startswith("model.kwargs bogus: diloco.model.gpt:gpt takes none")
+    assert "n_layer" in said  # what it does take
+    assert kwargs_problem(ModelConfig(kwargs={"n_layer": 2})) is None
