@@ -14,6 +14,7 @@ import typer
 
 from cli.common import clear_errors
 from diloco.errors import DilocoError
+from diloco.simulate.costs import LINK_BANDWIDTH, LINK_RTT
 
 PAPER_CHIPS = "150000,300000,600000,1200000,2400000"
 
@@ -191,8 +192,10 @@ def tune(
     calibrate: Annotated[
         Path | None, typer.Option(help="a finished `diloco run` workdir: its step time, model")
     ] = None,
-    bandwidth: Annotated[str, typer.Option(help="each learner's link to the syncer, e.g. 1Gbit")] = "1Gbit",
-    rtt: Annotated[str, typer.Option(help="that link's round trip, e.g. 50ms")] = "50ms",
+    bandwidth: Annotated[
+        str, typer.Option(help="each learner's link to the syncer, e.g. 1Gbit")
+    ] = LINK_BANDWIDTH,
+    rtt: Annotated[str, typer.Option(help="that link's round trip, e.g. 50ms")] = LINK_RTT,
     learners: Annotated[int, typer.Option(help="M: learners the measured tokens/s was shared by")] = 2,
     step_s: Annotated[float | None, typer.Option(help="seconds per inner step (default: measured)")] = None,
     params: Annotated[float | None, typer.Option(help="model parameters (default: measured)")] = None,
