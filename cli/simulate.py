@@ -109,19 +109,23 @@ def simulate(
     """Goodput at scale: DP, elastic DP and DiLoCo learners under chip failures (a simpy model)."""
     if as_json and plot is not None:  # --json prints one object and returns: the plot was never drawn
         raise DilocoError("--plot cannot be used with --json (JSON is printed alone): drop one")
+    if as_json and as_markdown:  # one output format: JSON used to win silently
+        raise DilocoError("--markdown cannot be used with --json (each is a whole output): drop one")
     from diloco.simulate import config as c
     from diloco.simulate import report, sweep
     from diloco.simulate.costs import parse_bandwidth, parse_duration
     from diloco.simulate.failures import read_trace
 
     try:
+        if plot is not None:  # before the sweep: a bad path used to fail after every run
+            report.check_plot_path(plot)
         failure_trace, trace_units = read_trace(trace) if trace else (None, None)
         base = c.SimConfig(
             hours=hours, seed=seed, slice_chips=slice_chips, step_s=step_s, dp_exposed_comm_s=dp_exposed_comm_s,
             failure=c.FailureConfig(mtbi_years=mtbi_years, weibull_shape=weibull_shape, trace=failure_trace,
                                     trace_units=trace_units, coordinator_mtbi_s=coordinator_mtbi_s),
             recovery=c.RecoveryConfig(restart_s=restart_s, startup_s=startup_s, reconfigure_s=reconfigure_s,
-                                      repair_s=repair_s, spares=None if spares < 0 else spares,
+                                      repair_s=repair_s, spares=None if spares == -1 else spares,
                                       state_every_s=state_every_s, state_survives=not state_lost,
                                       coordinator_restart_s=coordinator_restart_s),
             link=c.LinkConfig(params=params, codec=codec, bandwidth_gbps=parse_bandwidth(bandwidth),
@@ -132,14 +136,17 @@ def simulate(
             straggler=c.StragglerConfig(jitter_sigma=jitter_sigma, slow_share=slow_share, slow_factor=slow_factor),
         )  # fmt: skip
         chip_counts, ms = _ints(chips, "--chips"), _ints(learners, "--learners")
-        cal = None
+        cal = replay = None
         if calibrate is not None:
-            from diloco.simulate.calibrate import read_calibration, scaled_config
+            from diloco.simulate.calibrate import read_calibration, replay_config, scaled_config
+            from diloco.simulate.engine import simulate as run_one
 
             cal = read_calibration(calibrate)
             base = scaled_config(cal, base)
-        base.check()
+            replay = run_one(replay_config(cal), "decoupled")
         results = sweep.series(base, chips=chip_counts, learners=ms, sync_diloco=sync_diloco)
+        largest = base.with_(chips=max(chip_counts), learners=max(ms))
+        sens = sweep.sensitivity(largest) if sensitivity else None
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise DilocoError(str(e)) from None
     if as_json:
@@ -148,33 +155,26 @@ def simulate(
     from rich.console import Console
 
     console = Console(width=160)
-    if cal is not None:
-        from diloco.simulate.calibrate import SCALED_ASSUMPTIONS, replay_config
-        from diloco.simulate.engine import simulate as run_one
+    if cal is not None and replay is not None:
+        from diloco.simulate.calibrate import SCALED_ASSUMPTIONS
 
         console.print("[bold]measured[/bold] (" + str(calibrate) + ")")
         for line in report.calibration_lines(cal):
             console.print(f"  {line}")
-        replay = run_one(replay_config(cal), "decoupled")
         console.print(
             f"  this run replayed from its own kills: goodput {replay.goodput:.1%} (measured {cal.goodput:.1%})"
         )
         console.print("[bold]carried to the large job[/bold]: " + "; ".join(SCALED_ASSUMPTIONS))
-    sens = sweep.sensitivity(base.with_(chips=max(chip_counts), learners=max(ms))) if sensitivity else None
     if as_markdown:
         typer.echo(report.markdown(results))
         if sens is not None:
             typer.echo("")
-            typer.echo(
-                report.sensitivity_markdown(sens, base.with_(chips=max(chip_counts), learners=max(ms)))
-            )
+            typer.echo(report.sensitivity_markdown(sens, largest))
     else:
         console.print(report.goodput_table(results))
         console.print(report.detail_table(results))
         if sens is not None:
-            console.print(
-                report.sensitivity_markdown(sens, base.with_(chips=max(chip_counts), learners=max(ms)))
-            )
+            console.print(report.sensitivity_markdown(sens, largest))
     console.print("[bold]assumptions[/bold] (not measured here):")
     for line in report.assumptions(replace(base, chips=max(chip_counts))):
         console.print(f"  - {line}")
@@ -182,7 +182,7 @@ def simulate(
         return
     try:
         path = report.plot(results, plot, title=f"MTBI {mtbi_years:g} y/chip, {hours:g} h, seed {seed}")
-    except ImportError as e:
+    except (ImportError, ValueError, OSError) as e:  # e.g. a folder without write permission
         raise DilocoError(str(e)) from None
     console.print(f"plot: {path}")
 

@@ -68,12 +68,11 @@ def status(
     address, security = coordinator_target(coordinator, workdir)
     client = CoordinatorClient(address, pb.ROLE_OBSERVER, retry_deadline_s=5, security=security)
     try:
-        client.wait_ready(5)
         from rich.console import Console, Group
         from rich.text import Text
 
         console = Console(width=160)
-        if watch > 0 and not as_json:
+        if watch > 0 and not as_json:  # no wait_ready: a coordinator not answering yet is waited for
             from rich.live import Live
 
             live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
@@ -91,11 +90,22 @@ def status(
             def fetch() -> dict[str, Any]:
                 return client.status(STATUS_TIMEOUT_S, once=True)
 
-            from diloco.observe.watch import watch_status
+            from diloco.observe.watch import job_ended, watch_status
+            from diloco.security.transport import handshake_problem
 
             with live or contextlib.nullcontext():
-                watch_status(fetch, show, watch, refreshes=refreshes or None)  # until Ctrl-C (exit 130)
+                watch_status(  # until Ctrl-C (exit 130), or the finished run's coordinator is gone
+                    fetch,
+                    show,
+                    watch,
+                    refreshes=refreshes or None,
+                    ended=(lambda: job_ended(workdir))
+                    if workdir is not None and coordinator is None
+                    else (lambda: None),
+                    handshake=lambda details: handshake_problem(details, client.security, address),
+                )
             return
+        client.wait_ready(5)
         detail = client.status()
     finally:
         client.close()
@@ -197,6 +207,14 @@ DeviceOpt = Annotated[
 def eval_(
     run: RunArg = None,
     coordinator: LiveOpt = None,
+    workdir: Annotated[
+        Path | None,
+        typer.Option(
+            help="a live `diloco run` job's workdir: its latest published model, pulled from its "
+            "coordinator with an evaluator's certificate from the job's CA (RUN instead reads the "
+            "ledger's, no coordinator needed)"
+        ),
+    ] = None,
     dataset: Annotated[
         str | None,
         typer.Option(help="evaluate on this data (made like the run's) instead of the held-out split"),
@@ -208,20 +226,24 @@ def eval_(
     device: DeviceOpt = "auto",
     model: RunModelOpt = None,
 ) -> None:
-    """The model's loss (and metrics) on the run's held-out split or on your data."""
+    """The model's loss (and metrics) on the run's held-out split or on your data: of a run's
+    directory (RUN, read offline), or a live run's latest model (--coordinator, or --workdir of a
+    `diloco run` job)."""
     from diloco.results import evaluate_loaded, load_model
 
-    result = evaluate_loaded(load_model(run, coordinator, model), dataset, max_batches or None, device)
+    loaded = load_model(run, coordinator, model, workdir)
+    result = evaluate_loaded(loaded, dataset, max_batches or None, device)
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
+    unit = f" {result['loss_unit']}" if result.get("loss_unit") else ""
     typer.echo(f"model {result['model']}")
     typer.echo(f"data {result['data']}: {result['rows']:,} rows")
-    typer.echo(f"loss {result['loss']:.4f}")
+    typer.echo(f"loss {result['loss']:.4f}{unit}")
     for name, value in sorted(result["metrics"].items()):
         typer.echo(f"{name} {value:.4f}")
     if result.get("baseline_loss") is not None:
-        typer.echo(f"unigram baseline {result['baseline_loss']:.4f}")
+        typer.echo(f"unigram baseline {result['baseline_loss']:.4f}{unit}")
 
 
 @clear_errors

@@ -314,13 +314,17 @@ class CoordinatorClient:
     def _piece_bytes(self) -> int:
         return self.config.coordinator.stream_chunk_bytes if self.config else 1 << 20
 
-    def init_parameters(self, tensors: Mapping[str, torch.Tensor]) -> pb.InitParametersReply:
+    def init_parameters(
+        self, tensors: Mapping[str, torch.Tensor], averaged: frozenset[str] = frozenset()
+    ) -> pb.InitParametersReply:
+        """The run's initial tensors; `averaged`: those that are running statistics (merged as a
+        plain mean)."""
         from diloco.wire.tensors import stream_tensors  # torch: only roles that stream tensors
 
         def once() -> pb.InitParametersReply:
             header = pb.TensorHeader(worker_id=self.worker_id)
             return self.stub.InitParameters(
-                stream_tensors(header, tensors, self._piece_bytes()), timeout=300.0
+                stream_tensors(header, tensors, self._piece_bytes(), averaged), timeout=300.0
             )
 
         return self._retry(once, "init")

@@ -25,7 +25,7 @@ from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.report import stored_run
 from diloco.coordinator.workdir import store_root
 from diloco.errors import DilocoError
-from diloco.model.contract import layout_difference
+from diloco.model.contract import layout_difference, synced_tensors
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
 
@@ -43,10 +43,12 @@ def with_factory(cfg: RunConfig, factory: str | None) -> RunConfig:
 def load_parameters(
     model: nn.Module, params: Mapping[str, torch.Tensor], source: str, factory: str
 ) -> nn.Module:
-    """Copy `params` into `model` (cast to its dtypes). Weights of another model are refused in one
-    line naming the tensors that differ: copying them would fail on the first missing name."""
+    """Copy `params` into `model` (cast to its dtypes): its parameters and running statistics
+    (contract.synced_tensors). Weights of another model are refused in one line naming the tensors
+    that differ: copying them would fail on the first missing name."""
+    mine = synced_tensors(model)
     diff = layout_difference(
-        {n: (tuple(p.shape), "") for n, p in model.named_parameters()},
+        {n: (tuple(p.shape), "") for n, p in mine.items()},
         {n: (tuple(t.shape), "") for n, t in params.items()},
     )
     if diff:
@@ -55,7 +57,7 @@ def load_parameters(
             "give the factory of the model that made them with --model package.module:function"
         )
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in mine.items():
             p.copy_(params[name])
     return model
 
@@ -110,7 +112,7 @@ def write_model(
         )
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
-        params = {n: p.detach() for n, p in model.named_parameters()}
+        params = {n: p.detach() for n, p in synced_tensors(model).items()}  # the statistics too
         save_weights(str(out / "model.safetensors"), params, {"versions": json.dumps(versions)})
         (out / "config.json").write_text(json.dumps(export_config(cfg, versions), indent=2))
     else:

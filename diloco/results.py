@@ -2,6 +2,8 @@
 
     diloco eval RUN [--dataset URI]            loss (and metrics) on the held-out split, or on your data
     diloco eval --coordinator HOST:PORT        the live run's latest published model
+    diloco eval --workdir W                    the same, of a live `diloco run` job (its address and
+                                               an evaluator's certificate from its CA)
     diloco generate RUN --prompt TEXT          a token model continues the prompt
 
 RUN is a run's directory (the coordinator's workdir), or a weights file inside one (e.g. its
@@ -14,10 +16,12 @@ temporary directory.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -33,6 +37,7 @@ from diloco.evaluate import EvalResult, can_sample, evaluate, sample_text, unigr
 from diloco.export import global_model, load_parameters, with_factory
 from diloco.model.factory import build_model
 from diloco.model.weights import load_weights
+from diloco.security.transport import Security
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -49,13 +54,57 @@ class LoadedModel:
     eval_chunks: int = 0  # chunks in the held-out split, made into shards or not yet
 
 
-def load_model(run: str | Path | None, coordinator: str | None, factory: str | None = None) -> LoadedModel:
-    """The run's model with its parameters; `factory`: build this model instead of the run's."""
-    if (run is None) == (coordinator is None):
-        raise DilocoError("give a run directory (or a weights file in one), or --coordinator HOST:PORT")
+def load_model(
+    run: str | Path | None,
+    coordinator: str | None,
+    factory: str | None = None,
+    workdir: Path | None = None,
+) -> LoadedModel:
+    """The run's model with its parameters; `factory`: build this model instead of the run's.
+    `workdir`: a live `diloco run` job's, whose coordinator is asked (as `coordinator` would be)
+    with an evaluator's certificate from the job's CA."""
+    if sum(x is not None for x in (run, coordinator, workdir)) != 1:
+        raise DilocoError(
+            "give one of: a run directory (or a weights file in one), --coordinator HOST:PORT, "
+            "or --workdir of a live `diloco run`"
+        )
+    if workdir is not None:
+        address, security = job_evaluator(workdir)
+        return _from_coordinator(address, factory, security)
     if coordinator:
         return _from_coordinator(coordinator, factory)
     return _from_run(Path(run), factory)  # type: ignore[arg-type]
+
+
+# The certificate `diloco eval --workdir` pulls a job's model with: an evaluator's of its own
+# (tls/eval.crt), not the job's evaluator's: joining under its name would take that one's place.
+EVAL_TOOL = "eval"
+
+
+def job_evaluator(
+    workdir: Path, certificates: Callable[[Path, dict[str, str]], dict[str, Any]] | None = None
+) -> tuple[str, Security | None]:
+    """A live `diloco run` job's coordinator address (its coordinator.json) and the identity to pull
+    its model with: identity flags given, those; a job under mutual TLS, an evaluator's certificate
+    from its CA (made once); a --no-tls job, none."""
+    from diloco.local.tls import job_address, run_certificates
+
+    address, job_security = job_address(workdir)
+    if Security.from_env().mode != "none":  # an identity given: it is used
+        return address, None
+    if job_security.tls is None:
+        return address, job_security
+    made = (certificates or run_certificates)(workdir, {EVAL_TOOL: "evaluator"})
+    return address, Security(tls=made[EVAL_TOOL])
+
+
+def refused_join_line(address: str, details: str) -> str:
+    """A coordinator that refused `diloco eval`'s join (PERMISSION_DENIED): what identity it takes."""
+    return (
+        f"the coordinator at {address} refused to let this evaluator join: {details} (eval --coordinator "
+        "takes an evaluator's certificate: diloco certs issue --role evaluator; for a `diloco run` "
+        "job, give --workdir instead)"
+    )
 
 
 def _from_run(path: Path, factory: str | None) -> LoadedModel:
@@ -96,11 +145,16 @@ def _stored_config(workdir: Path) -> str:
         raise DilocoError(f"{e}: a weights file is read beside its run's ledger") from e
 
 
-def _from_coordinator(address: str, factory: str | None) -> LoadedModel:
+def _from_coordinator(address: str, factory: str | None, security: Security | None = None) -> LoadedModel:
     """The live run's latest published model, pulled as an evaluator would."""
-    client = CoordinatorClient(address, pb.ROLE_EVALUATOR, retry_deadline_s=10)
+    client = CoordinatorClient(address, pb.ROLE_EVALUATOR, retry_deadline_s=10, security=security)
     try:
-        reply = client.join(10)
+        try:
+            reply = client.join(10)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.PERMISSION_DENIED:
+                raise
+            raise DilocoError(refused_join_line(address, e.details() or "")) from None
         if client.config is None:  # (a join always brings it; not an assert: -O drops those)
             raise DilocoError(f"{address}: the coordinator sent no run configuration")
         cfg = with_factory(client.config, factory)
@@ -137,7 +191,22 @@ def dataset_columns(cfg: RunConfig, dataset: str) -> tuple[dict[str, np.ndarray]
         except Exception as e:  # the user's preprocess, on data it was not written for
             made_by = f"data.preprocess {d.data.preprocess}" if d.data.preprocess else "the run's tokenizer"
             raise DilocoError(f"{made_by} failed on {dataset!r}: {type(e).__name__}: {e}") from e
-    return concat_columns(shards), shards[0].unit
+    columns, unit = concat_columns(shards), shards[0].unit
+    if not min(len(c) for c in columns.values()):
+        raise DilocoError(no_rows_line(d, dataset, unit))
+    return columns, unit
+
+
+def no_rows_line(cfg: RunConfig, dataset: str, unit: str) -> str:
+    """Why --dataset gives nothing to evaluate on: a token run packs rows of model.seq_len + 1
+    tokens and drops the shorter rest; a preprocess run kept no sample."""
+    if unit == UNIT_TOKENS:
+        return (
+            f"--dataset {dataset} made no rows of model.seq_len + 1 = {cfg.model.seq_len + 1} tokens: "
+            "give more text"
+        )
+    by = f" (data.preprocess {cfg.data.preprocess} kept none)" if cfg.data.preprocess else ""
+    return f"--dataset {dataset} made no samples{by}: give more data"
 
 
 def held_out_columns(loaded: LoadedModel) -> tuple[dict[str, np.ndarray], str]:
@@ -163,6 +232,7 @@ def evaluate_loaded(
     out: dict[str, Any] = {"model": loaded.source, "data": dataset or "held-out split", "rows": result.rows,
                            "loss": result.loss, "metrics": result.metrics}  # fmt: skip
     if unit == UNIT_TOKENS:
+        out["loss_unit"] = "nats/token"  # as the run's tables say it
         vocab = loaded.cfg.model.vocab_size
         out["baseline_loss"] = unigram_entropy([columns["input_ids"][: result.rows]], vocab)
     return out

@@ -170,15 +170,18 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
         )
         if summary.get(key, 0.0) >= 0.001
     ]
+    # Shares of one whole (summary.time_shares: each learner's last life), so they add to 100% at most.
     table.add_row(
         "learner utilization",
-        f"{summary['utilization']:.1%}" + (f" (waited {', '.join(waited)})" if waited else ""),
+        f"{summary['utilization']:.1%} in inner steps"
+        + (f"; of the rest, waited {', '.join(waited)}" if waited else "")
+        + " (each learner's last life)",
     )
     if lowest := lowest_learner_text(summary.get("utilization_by_learner") or {}):
         table.add_row("  lowest learner", lowest)
     table.add_row(
         "data",
-        f"{summary.get('data_tokens_per_s', 0.0):,.0f} {unit}/s prepared, "
+        f"{summary.get('data_tokens_per_s', 0.0):,.0f} {unit} prepared per second of the run's wall time, "
         f"learners waited {summary.get('data_stall_share', 0.0):.1%} of the time",
     )
     table.add_row("wall time", f"{summary['wall_seconds']:.0f} s")
@@ -212,7 +215,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
     run.add_row(
         "chunks", f"{d['chunks_done']}/{d['chunks_total']} done, {d['chunks_quarantined']} quarantined"
     )
-    run.add_row("shards", f"{d['shards_total']} ({d['shards_consumed']} consumed)")
+    run.add_row("shards", shards_text(d))
     run.add_row(
         d.get("unit", "tokens"),
         f"prepared {d['tokens_prepared']:,}, trained {d['tokens_trained']:,}, merged {d['tokens_merged']:,}",
@@ -232,7 +235,17 @@ def status_tables(detail: dict[str, Any]) -> Group:
         )
     for w in d["workers"]:
         workers.add_row(*worker_cells(w))
+    workers.caption = f"{d.get('unit', 'tokens')}/s: per second of work (a learner's in inner steps, a data worker's on chunks)"
     return Group(run, workers)
+
+
+def shards_text(d: dict[str, Any]) -> str:
+    """The shards made, of them the train shards learners trained rows of, and those every row
+    of which merged (a shard is consumed only then: a run that stops part-way through its data,
+    or mixes rows from many shards, may consume few or none while it trains on all of them)."""
+    started = d.get("shards_started")
+    trained = "" if started is None else f"{started} train with rows trained, "
+    return f"{d['shards_total']} ({trained}{d['shards_consumed']} with every row merged)"
 
 
 def worker_cells(w: dict[str, Any]) -> list[str]:

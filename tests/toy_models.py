@@ -58,7 +58,7 @@ TOY_CONSTANT = 3
 
 
 def batchnorm_mlp(**_: object) -> nn.Module:
-    """A model with BatchNorm's running statistics: refused at build (only parameters are merged)."""
+    """A model with BatchNorm's running statistics (they travel with its parameters)."""
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
 
 

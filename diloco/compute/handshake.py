@@ -22,7 +22,14 @@ from diloco.compute.held import HeldFragment
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.fragments import assign_fragments
-from diloco.model.contract import layout_difference, parameter_layout
+from diloco.model.contract import (
+    ModelContractError,
+    group_running_stats_problem,
+    layout_difference,
+    parameter_layout,
+    running_stats,
+    synced_tensors,
+)
 from diloco.model.factory import build_model
 from diloco.model.optim import make_inner_optimizer
 from diloco.model.weights import check_matches, load_weights
@@ -42,7 +49,7 @@ class Joined:
     device: torch.device
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    params: dict[str, torch.nn.Parameter]
+    params: dict[str, torch.Tensor]  # parameters and running statistics (contract.synced_tensors)
     frags: list[HeldFragment]
 
 
@@ -81,13 +88,18 @@ def join_run(
     else:
         model, optimizer = own
         chosen = next(model.parameters()).device
-    params = dict(model.named_parameters())
+    if place is not None:  # a torchrun group: its ranks' running statistics are not kept in step
+        with refusing(client, log):
+            if problem := group_running_stats_problem(model, cfg.model.factory):
+                raise ModelContractError(problem)
+    params = synced_tensors(model)  # the parameters and the normalization layers' running statistics
     plan = assign_fragments([(n, p.numel()) for n, p in params.items()], cfg.sync.fragments)
     mark("model")  # tokenizer check, model and optimizer built
     if reply.needs_init:
         with refusing(client, log):
             offered = initial_parameters(params, cfg)
-        log.info("init parameters: %s", client.init_parameters(offered).reason)
+        averaged = frozenset(running_stats(model))
+        log.info("init parameters: %s", client.init_parameters(offered, averaged).reason)
     return Joined(reply, cfg, chosen, model, optimizer, params, [HeldFragment(names) for names in plan])
 
 

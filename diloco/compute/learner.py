@@ -135,7 +135,9 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         if cfg.train.compile:  # the wrapper shares the parameters; names stay the model's own
             self.train_model = torch.compile(self.train_model)
         self.progress.ranks = self.group.world if self.group else 1
-        self.progress.params = sum(p.numel() for p in self.params.values())
+        self.progress.params = sum(
+            p.numel() for p in self.model.parameters()
+        )  # (for MFU: not the statistics)
         self.progress.peak_flops = peak_flops(self.device)
         self.startup.mark("pull")
         log.info(

@@ -50,7 +50,7 @@ class KeepsLocalState:
     client: CoordinatorClient
     overrides: LocalOverrides
     device: torch.device
-    params: dict[str, torch.nn.Parameter]
+    params: dict[str, torch.Tensor]  # parameters and running statistics (contract.synced_tensors)
     optimizer: torch.optim.Optimizer
     frags: list[HeldFragment]
     residual: dict[str, torch.Tensor]

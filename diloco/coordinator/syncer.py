@@ -371,6 +371,7 @@ def outer_step(
     nesterov: bool,
     fraction: float = 1.0,
     consume: bool = False,
+    averaged: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SGD with (Nesterov) momentum on the outer gradient, as torch.optim.SGD does it.
 
@@ -380,11 +381,21 @@ def outer_step(
     fraction of an outer step: the momentum decays by μ^f and pushes by f·μ·m, so k rounds of 1/k
     each move about as far as one full round — not k times the momentum. f = 1 is the plain step.
     With `consume`, outer_grad's fp32 tensors may be overwritten (no allocation for the update).
+
+    The tensors named in `averaged` (running statistics) take θ ← θ − g: the mean of what the
+    pushes hold (g is the global value less theirs), no momentum. They are averages already, and a
+    step of lr·(1 + μ) the gap would overshoot: a running variance that fell could go below zero.
     """
     decay = mu**fraction
     new_params: dict[str, torch.Tensor] = {}
     new_momentum: dict[str, torch.Tensor] = {}
     for name, theta in params.items():
+        if name in averaged:
+            new_params[name] = torch.sub(theta.to(torch.float32), outer_grad[name].to(torch.float32)).to(
+                theta.dtype
+            )
+            new_momentum[name] = momentum[name]  # zero: never used
+            continue
         g = outer_grad[name].to(torch.float32)
         m = torch.add(g, momentum[name], alpha=decay)
         # Fused forms of g + f·μ·m (Nesterov) and f·m + (1 − f)·g: one pass each, no temporaries.

@@ -4,6 +4,7 @@ and the final model evaluated on the held-out split."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +83,50 @@ COLD_START_MAX_H = 200
 
 
 def job_startup_seconds(log_dir: Path, started_at: float) -> float:
-    """Mean over learners of the time from the job's start to their first inner step (first life)."""
+    """Mean over learners of the time from the job's start to their first inner step in this job
+    (the first life that stepped after `started_at`: a resumed run's logs also hold the lives of
+    the jobs before it)."""
     firsts = []
     for log in sorted(log_dir.glob("learner-*.log")):
         lives = read_startups(log.read_text(errors="replace"))
-        if lives:
-            firsts.append(max(0.0, lives[0].first_step_at - started_at))
+        ours = [life for life in lives if life.first_step_at >= started_at]
+        if ours:
+            firsts.append(ours[0].first_step_at - started_at)
     return sum(firsts) / len(firsts) if firsts else 0.0
+
+
+def run_evals(workdir: Path) -> list[dict[str, Any]] | None:
+    """Every evaluation the ledger holds, oldest first (None: no ledger). The coordinator's final
+    status can be read before the evaluator reports its last evaluation (the final model's)."""
+    from diloco.coordinator.ledger import ledger_path
+    from diloco.coordinator.report import read_only
+
+    if not ledger_path(workdir).exists():
+        return None
+    with read_only(workdir) as db:
+        rows = db.execute(
+            "SELECT at, worker_id, versions, tokens_merged, loss, metrics, rows, seconds FROM evals ORDER BY id"
+        ).fetchall()
+    return [
+        {"at": at, "worker_id": wid, "fragment_versions": json.loads(versions), "tokens_merged": merged,
+         "loss": loss, "metrics": json.loads(metrics), "rows": n, "seconds": seconds}
+        for at, wid, versions, merged, loss, metrics, n, seconds in rows
+    ]  # fmt: skip
+
+
+def time_shares(w: dict[str, Any]) -> dict[str, float]:
+    """A learner's time (its last life) in shares of one whole: inner steps (utilization), data
+    stall, syncer waits and token-budget waits. The whole is its wall time, or the sum of the
+    parts where that is larger (the final flush's syncer wait comes after its wall clock stopped):
+    the shares never add to more than 1."""
+    parts = {
+        "utilization": w.get("busy_seconds", 0.0),
+        "data_stall_share": w.get("data_stall_seconds", 0.0),
+        "sync_wait_share": w.get("sync_wait_seconds", 0.0),
+        "budget_wait_share": w.get("budget_wait_seconds", 0.0),
+    }
+    whole = max(float(w.get("wall_seconds") or 0.0), sum(parts.values()))
+    return {k: v / whole if whole > 0 else 0.0 for k, v in parts.items()}
 
 
 def cold_start_warning(cfg: RunConfig) -> str | None:
@@ -183,8 +221,9 @@ def summarize(
         "tokens_prepared": d.get("tokens_prepared", 0),
         "first_loss": d.get("first_loss"),
         "train_metrics": d.get("train_metrics") or {},
-        # The global model's held-out loss while the run trained (the evaluator's reports).
-        "evals": d.get("evals") or [],
+        # The global model's held-out loss while the run trained (the evaluator's reports, every
+        # one: the ledger's, read after the run, holds the final model's that the status may not).
+        "evals": run_evals(workdir) or d.get("evals") or [],
         # The run's curves on disk (diloco.observe.events): `tensorboard --logdir`, or plot the jsonl.
         "metrics_log": str(workdir / METRICS_LOG),
         "tensorboard_dir": str(workdir / TENSORBOARD_DIR) if (workdir / TENSORBOARD_DIR).exists() else None,
@@ -239,7 +278,9 @@ def summarize(
     summary["trained_tokens_per_s"] = job_trained / max(train_seconds, 1e-9)
     summary["merged_tokens_per_s"] = job_merged / max(train_seconds, 1e-9)
     timed = [w for w in d.get("workers", []) if w["role"] == "compute" and w.get("wall_seconds")]
-    by_learner = {w["worker_id"]: w.get("busy_seconds", 0.0) / w["wall_seconds"] for w in timed}
+    # Each share over the same whole (time_shares): utilization and the waits add up to 1 at most.
+    shares = {w["worker_id"]: time_shares(w) for w in timed}
+    by_learner = {wid: sh["utilization"] for wid, sh in shares.items()}
     summary["utilization_per_learner"] = [round(u, 4) for u in by_learner.values()]
     summary["utilization_by_learner"] = {wid: round(u, 4) for wid, u in by_learner.items()}
     slow = learner_id(learners - 1) if slow_learner > 1.0 else None
@@ -247,19 +288,15 @@ def summarize(
     others = [u for wid, u in summary["utilization_by_learner"].items() if wid != slow]
     summary["utilization_min_others"] = min(others) if others else 0.0
     summary["utilization"] = mean_of(list(by_learner.values()))
-    summary["data_stall_share"] = mean_of(
-        [w.get("data_stall_seconds", 0.0) / w["wall_seconds"] for w in timed]
-    )
+    summary["data_stall_share"] = mean_of([sh["data_stall_share"] for sh in shares.values()])
     summary.update(
         data_plane_metrics(
             {**d, "tokens_prepared": d.get("tokens_prepared", 0) - before.tokens_prepared}, train_seconds
         )
     )
-    summary["sync_wait_share"] = mean_of([w.get("sync_wait_seconds", 0.0) / w["wall_seconds"] for w in timed])
+    summary["sync_wait_share"] = mean_of([sh["sync_wait_share"] for sh in shares.values()])
     # The token budget's end game: waits for the last allowances that more steps followed.
-    summary["budget_wait_share"] = mean_of(
-        [w.get("budget_wait_seconds", 0.0) / w["wall_seconds"] for w in timed]
-    )
+    summary["budget_wait_share"] = mean_of([sh["budget_wait_share"] for sh in shares.values()])
     # One fragment's pull as the learners timed it, arrival to arrival: the coordinator's own
     # clock (transfers.pull_seconds_mean) stops with most of the bytes still in its buffers.
     pulled = sum(w.get("pulled_fragments", 0) for w in timed)

@@ -8,7 +8,8 @@
                                             over the held-out rows like the loss
 
 Optionally `model.logits(input_ids)` -> (B, T, vocab) makes a token model sample text.
-The coordinator never sees any of this: only the named tensors of `named_parameters()`.
+The coordinator never sees any of this: only named tensors, those of `named_parameters()` and the
+running statistics of normalization layers (synced_tensors).
 """
 
 from __future__ import annotations
@@ -75,25 +76,45 @@ def _scalar_metric(name: object, value: Any, where: str) -> torch.Tensor:
     return metric.reshape(())
 
 
-def running_stats_problem(model: nn.Module, factory: str) -> str | None:
-    """Why a model cannot be trained here, or None: normalization layers that keep running
-    statistics (BatchNorm's running_mean and running_var) change buffers, not parameters, and only
-    parameters are merged, checkpointed and exported: the global model would be evaluated, and
-    exported, with its initial statistics (measured: a 3-class CNN at 100% training accuracy
-    evaluated at 32%). Batch statistics in eval too (track_running_stats=False), or GroupNorm or
-    LayerNorm, train and evaluate as intended."""
-    tracking = [
-        name or type(m).__name__
+# The buffers of a normalization layer that training changes and evaluation reads.
+RUNNING_STATS = ("running_mean", "running_var")
+
+
+def running_stats(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The running statistics of the model's normalization layers (BatchNorm's mean and variance),
+    by their names in `named_buffers()`: learners push them with the parameters and the coordinator
+    merges them as a plain mean (they are averages themselves: the outer step's momentum would
+    overshoot a variance below zero), so the global model evaluates with statistics, not its
+    initial ones. num_batches_tracked stays each learner's (it matters only with momentum=None)."""
+    owners = {
+        name
         for name, m in model.named_modules()
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-    ]
-    if not tracking:
+    }
+    stats = {}
+    for name, buffer in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if owner in owners and leaf in RUNNING_STATS and buffer is not None and buffer.is_floating_point():
+            stats[name] = buffer
+    return stats
+
+
+def synced_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor that travels: the parameters, then the running statistics (running_stats)."""
+    return {**dict(model.named_parameters()), **running_stats(model)}
+
+
+def group_running_stats_problem(model: nn.Module, factory: str) -> str | None:
+    """Why a learner of several ranks cannot train this model, or None: each rank keeps its own
+    running statistics (DDP takes rank 0's at every forward, FSDP none), so the ones a group
+    pushes would be one rank's batches only; not kept in step yet."""
+    if not (stats := running_stats(model)):
         return None
-    shown = ", ".join(tracking[:3]) + (f" and {len(tracking) - 3} more" if len(tracking) > 3 else "")
+    shown = ", ".join(sorted({n.rpartition(".")[0] for n in stats})[:3])
     return (
-        f"model.factory {factory}: {shown} keep running statistics, which diloco does not merge (only "
-        "parameters travel), so the global model would evaluate with its initial ones: build them with "
-        "track_running_stats=False (batch statistics in eval too), or use GroupNorm or LayerNorm"
+        f"model.factory {factory}: {shown} keep running statistics, which a learner of several ranks "
+        "(--nproc) does not keep in step across its ranks: run one process per learner, or build them "
+        "with track_running_stats=False, or use GroupNorm or LayerNorm"
     )
 
 

@@ -24,6 +24,9 @@ METRICS_LOG = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 # Events kept in memory for the page (a week-long run has far more; the file keeps them all).
 KEEP_EVENTS = 50_000
+# A progress event's rates are over at least this long (ProgressWindow): longer than the spacing
+# of merges, so a sample between two merges does not read 0 and the next one twice the rate.
+RATE_WINDOW_S = 30.0
 
 
 def scalars(event: dict[str, Any]) -> Iterable[tuple[str, float, int]]:
@@ -43,6 +46,32 @@ def scalars(event: dict[str, Any]) -> Iterable[tuple[str, float, int]]:
         for key in ("merged_tokens_per_s", "wire_bytes_per_token", "learners_alive"):
             if event.get(key) is not None:
                 yield f"run/{key}", float(event[key]), step
+
+
+class ProgressWindow:
+    """Merged tokens per second and wire bytes per merged token over the last RATE_WINDOW_S of
+    progress samples (each sample: its time, the tokens merged so far and, where it says, the
+    wire bytes so far). Over one sample interval (5 s) the rate alternates between 0 and twice
+    the truth whenever merges are spaced wider than that."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.window_s = window_s
+        self._samples: collections.deque[tuple[float, int, int | None]] = collections.deque()
+
+    def add(self, at: float, merged: int, wire: int | None) -> dict[str, float | None]:
+        """The rates up to this sample (the first sample alone: none), and it kept for later."""
+        # The newest sample at least window_s old starts the window; older ones are not needed.
+        while len(self._samples) >= 2 and at - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        out: dict[str, float | None] = {}
+        if self._samples and at > self._samples[0][0]:
+            t0, m0, w0 = self._samples[0]
+            dm = merged - m0
+            out["merged_tokens_per_s"] = round(max(0, dm) / (at - t0), 1)
+            if wire is not None and w0 is not None:
+                out["wire_bytes_per_token"] = round((wire - w0) / dm, 1) if dm > 0 else None
+        self._samples.append((at, merged, wire))
+        return out
 
 
 class RunEvents:
@@ -71,6 +100,13 @@ class RunEvents:
                 self._file.write("\n")
             if tensorboard:
                 self._writer = _tensorboard_writer(self.directory / TENSORBOARD_DIR)
+        self._window = ProgressWindow()
+        self._last_step: dict[str, int] = {}  # per TensorBoard tag: its last step written
+        for event in self._recent:  # an earlier life's: the window and the steps go on from them
+            if event["kind"] == "progress":
+                self._window.add(event["at"], int(event.get("tokens_merged") or 0), event.get("wire_bytes"))
+            for tag, _, step in scalars(event):
+                self._next_step(tag, step)
 
     @property
     def log_path(self) -> Path | None:
@@ -80,16 +116,30 @@ class RunEvents:
     def tensorboard_dir(self) -> Path | None:
         return self.directory / TENSORBOARD_DIR if self._writer is not None and self.directory else None
 
+    def _next_step(self, tag: str, step: int) -> int:
+        """`step` (the tokens merged), or one past the tag's last one: TensorBoard's steps of a
+        tag increase, where several learner reports (or evals) can come at one tokens_merged."""
+        step = max(step, self._last_step.get(tag, -1) + 1)
+        self._last_step[tag] = step
+        return step
+
     def record(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"kind": kind, "at": round(self.clock(), 3), **fields}
         with self._lock:
+            if kind == "progress" and "tokens_merged" in fields:
+                # The rates over RATE_WINDOW_S, not over the one interval the caller measured.
+                event.update(
+                    self._window.add(event["at"], int(fields["tokens_merged"] or 0), fields.get("wire_bytes"))
+                )
             self._recent.append(event)
             if self._file is not None:
                 self._file.write(json.dumps(event, sort_keys=True) + "\n")
                 self._file.flush()
             if self._writer is not None:
                 for tag, value, step in scalars(event):
-                    self._writer.add_scalar(tag, value, global_step=step, walltime=event["at"])
+                    self._writer.add_scalar(
+                        tag, value, global_step=self._next_step(tag, step), walltime=event["at"]
+                    )
         return event
 
     def recent(self, kinds: Iterable[str] | None = None) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ it happens, in histograms and counters. Each coordinator has a registry of its o
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ from prometheus_client.registry import Collector
 BYTE_BUCKETS = tuple(float(4**k) for k in range(5, 17))
 SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 AUDIT_EVERY_S = 60.0
+# The ledger meta key the transfer sums and counts are kept under across coordinator lives.
+TRANSFER_COUNTS = "transfer_counts"
 
 
 class CoordinatorMetrics:
@@ -28,12 +31,16 @@ class CoordinatorMetrics:
 
     def __init__(self, detail: Callable[[], dict[str, Any]], workdir: str | Path | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
+        # Every PushDelta call, from its first piece to the reply: those that carried tensors, and
+        # "nothing this round" or "shards released" pushes that carried none.
         self.push_seconds = Histogram(
-            "diloco_push_seconds", "Time to receive one delta push, from its first piece to the reply",
+            "diloco_push_seconds",
+            "Time to receive one delta push call (with tensors or without), first piece to reply",
             buckets=SECONDS_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        # Only the pushes that carried tensors: its count can be below push_seconds' count.
         self.push_bytes = Histogram(
-            "diloco_push_bytes", "Tensor bytes of one delta push, as encoded on the wire",
+            "diloco_push_bytes", "Tensor bytes of one delta push that carried tensors, as encoded on the wire",
             buckets=BYTE_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.pull_seconds = Histogram(
@@ -51,12 +58,21 @@ class CoordinatorMetrics:
             "diloco_calls_refused", "Calls refused for their identity (token, role, worker id)", ["rpc"],
             registry=self.registry,
         )  # fmt: skip
+        # Every known label value at 0 from the start: increase() and rate() then see the first
+        # refusal (a series that first appears at 1 reads as no increase).
+        for reason in known_push_refusals():
+            self.pushes_refused.labels(reason=reason)
+        for rpc in known_rpcs():
+            self.calls_refused.labels(rpc=rpc)
+        # Earlier coordinator lives' transfer sums and counts (restore_transfers): the run's
+        # transfers are every life's, as its wire bytes are.
+        self._earlier: dict[str, float] = {}
+        self._earlier_lock = threading.Lock()
+        self.transfers_restored = False
         self.registry.register(StatusCollector(detail, workdir))
 
-    def transfers(self) -> dict[str, float]:
-        """Mean seconds and bytes of one push and of one learner pull so far, from the histograms:
-        what the wire costs per fragment, for status and the summary (and a sync-time model to
-        be checked against)."""
+    def _this_life(self) -> dict[str, float]:
+        """This life's sums and counts of the transfer histograms: {"<name>_sum", "<name>_count"}."""
         out: dict[str, float] = {}
         for name, histogram, labels in (
             ("push", self.push_seconds, {}), ("push_bytes", self.push_bytes, {}),
@@ -68,15 +84,69 @@ class CoordinatorMetrics:
                     if all(sample.labels.get(k) == v for k, v in labels.items()):
                         total += sample.value if sample.name.endswith("_sum") else 0.0
                         count += sample.value if sample.name.endswith("_count") else 0.0
-            key = f"{name}_mean" if name.endswith("bytes") else f"{name}_seconds_mean"
-            out[key] = round(total / count, 6) if count else 0.0
-            if not name.endswith("bytes"):
-                out[f"{name}es" if name == "push" else f"{name}s"] = int(count)
+            out[f"{name}_sum"], out[f"{name}_count"] = total, count
         return out
+
+    def transfer_counts(self) -> dict[str, float]:
+        """Every life's transfer sums and counts so far: what the ledger keeps (TRANSFER_COUNTS)
+        for the next life to restore."""
+        with self._earlier_lock:
+            earlier = dict(self._earlier)
+        now = self._this_life()
+        return {k: now[k] + float(earlier.get(k, 0.0)) for k in now}
+
+    def restore_transfers(self, saved: dict[str, float] | None) -> None:
+        """Add earlier lives' counts (transfer_counts'), once per life: later calls do nothing."""
+        with self._earlier_lock:
+            if self.transfers_restored:
+                return
+            self.transfers_restored = True
+            for k, v in (saved or {}).items():
+                self._earlier[str(k)] = self._earlier.get(str(k), 0.0) + float(v)
+
+    def transfers(self) -> dict[str, float]:
+        """Mean seconds and bytes of one push and of one learner pull over the run (every
+        coordinator life whose counts were restored), for status and the summary.
+
+        `pushes`: PushDelta calls timed (push_seconds_mean is over them), tensor-less ones
+        included; `pushes_with_tensors`: those that carried tensors (push_bytes_mean is over
+        them); `pulls`: learner pulls (pull_seconds_mean and pull_bytes_mean are over them)."""
+        c = self.transfer_counts()
+
+        def mean(name: str) -> float:
+            return round(c[f"{name}_sum"] / c[f"{name}_count"], 6) if c[f"{name}_count"] else 0.0
+
+        return {
+            "push_seconds_mean": mean("push"),
+            "pushes": int(c["push_count"]),
+            "push_bytes_mean": mean("push_bytes"),
+            "pushes_with_tensors": int(c["push_bytes_count"]),
+            "pull_seconds_mean": mean("pull"),
+            "pulls": int(c["pull_count"]),
+            "pull_bytes_mean": mean("pull_bytes"),
+        }
 
     def refused(self, reason: str) -> None:
         # The reason's first words: a label, not a message (versions and numbers left out).
         self.pushes_refused.labels(reason=reason_label(reason)).inc()
+
+
+def known_push_refusals() -> list[str]:
+    """The labels of the refusals a push can get (reason_label of each), for series at 0."""
+    from diloco.coordinator.syncer import staleness_refusal
+
+    reasons = [
+        staleness_refusal(0, 0, 1), staleness_refusal(0, 2, 1), "stalled stream", "malformed",
+        "spans of this push overlap each other", "span 1:[0,1) is not inside a known shard",
+    ]  # fmt: skip
+    return sorted({reason_label(r) for r in reasons if r})
+
+
+def known_rpcs() -> list[str]:
+    """The coordinator's RPC names, as the guard labels a refused call."""
+    from diloco.v1 import coordinator_pb2 as pb
+
+    return sorted(m.name for m in pb.DESCRIPTOR.services_by_name["Coordinator"].methods)
 
 
 def reason_label(reason: str) -> str:
@@ -182,7 +252,10 @@ class StatusCollector(Collector):
             labels=["worker"],
         )
         trained = CounterMetricFamily(
-            "diloco_learner_tokens_trained", "Tokens a learner trained, this life", labels=["worker"]
+            # Not diloco_learner_tokens_trained: the learner's own /metrics serves that name.
+            "diloco_learner_life_tokens_trained",
+            "Tokens a learner trained in its current life, as its heartbeats told the coordinator",
+            labels=["worker"],
         )
         data_rate = GaugeMetricFamily(
             "diloco_data_worker_tokens_per_second", "A data worker's speed while it works", labels=["worker"]

@@ -95,6 +95,7 @@ class Calibration:
     learner_tokens_per_s: float = 0.0  # all learners together, each over its own training time
     chunk_bytes: int = 0  # data.chunk_bytes: raw bytes per chunk
     tokens_per_chunk: float = 0.0  # tokens a chunk became, on average
+    resumed: bool = False  # summary.json's resumed_from: this job went on from an earlier one's ledger
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -268,7 +269,21 @@ def read_calibration(run_dir: str | Path) -> Calibration:
         learner_tokens_per_s=float(s.get("learner_tokens_per_s", 0.0)),
         chunk_bytes=int(cfg.get("data", {}).get("chunk_bytes", 0)),
         tokens_per_chunk=s.get("tokens_prepared", 0) / max(1, s.get("chunks_done", 0)),
+        resumed=s.get("resumed_from") is not None,
     )
+
+
+def check_whole_job(cal: Calibration) -> None:
+    """Refuse to simulate from a resumed run: its learner logs hold the earlier jobs' lives too
+    (their kills, restarts and final flushes), its summary's goodput is not measured (null), and
+    the costs read from them mixed two jobs (goodput 0.0%, a loss per kill with no kill, a 55 s
+    wind-down). `diloco tune` still reads it: a step time and a model size do not mix."""
+    if cal.resumed:
+        raise ValueError(
+            f"--calibrate {cal.run_dir}: a resumed run (summary.json resumed_from is set): its logs and "
+            "counts mix this job with the earlier one(s), so its costs and goodput are not this job's; "
+            "calibrate from a run started afresh in a new workdir"
+        )
 
 
 def replay_config(
@@ -283,6 +298,7 @@ def replay_config(
     With kill_every_s (mean seconds between kills of each learner) failures are a Poisson
     process at that rate (what the chaos supervisor draws); without it, the run's own kill times.
     """
+    check_whole_job(cal)
     m = cal.learners
     if kill_every_s:
         failure = FailureConfig(
@@ -324,6 +340,7 @@ SCALED_ASSUMPTIONS = (
 
 def scaled_config(cal: Calibration, base: SimConfig, *, syncer_shards: int = 64) -> SimConfig:
     """A large job (`base`) with the calibration's measured parts in place."""
+    check_whole_job(cal)
     software = sum(cal.restart_phases_s.get(p, 0.0) for p in PHASES if p not in ("process", "pull"))
     # zstd's gain depends on the codec (fp32 exponents compress, packed int4 hardly): only the
     # same codec's measurement carries over.

@@ -19,11 +19,19 @@ lists them beside the table):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from diloco.config import SyncConfig, TrainConfig
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
+# What SimConfig.check() lets through: every failure is drawn up front and walked one by one
+# (about 16 us each with 16 learners), so these bound a run to about a minute and its memory to
+# tens of MB. The paper's largest job is 2.4 M chips: ~6,600 failures a day.
+MAX_FAILURES = 1_000_000
+MAX_CHIPS = 10**9
+MAX_LEARNERS = 10_000
+MAX_SLICES = 10_000_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,24 +190,105 @@ class SimConfig:
         """A copy with some top-level fields changed."""
         return replace(self, **changes)  # type: ignore[arg-type]
 
+    @property
+    def expected_failures(self) -> float:
+        """Chip failures a run draws on average: N chips x T / MTBI (a Weibull slice's renewals
+        average the same over a long horizon). Every one is drawn up front and walked in time."""
+        return self.chips * self.horizon_s / (self.failure.mtbi_years * SECONDS_PER_YEAR)
+
     def check(self) -> None:
-        """Refuse inputs that make no sense, with the reason."""
-        problems = []
-        if self.chips < 1:
-            problems.append(f"chips must be >= 1, got {self.chips}")
-        if self.hours <= 0:
-            problems.append(f"hours must be > 0, got {self.hours}")
-        if self.step_s <= 0:
-            problems.append(f"step_s must be > 0, got {self.step_s}")
-        if self.failure.mtbi_years <= 0:
-            problems.append(f"mtbi_years must be > 0, got {self.failure.mtbi_years}")
-        if self.outer.fragments < 1 or self.outer.inner_steps < 1:
-            problems.append("inner_steps and fragments must be >= 1")
-        if self.outer.quorum < 1:
-            problems.append(f"quorum must be >= 1, got {self.outer.quorum}")
-        if self.link.bandwidth_gbps <= 0:
-            problems.append(f"bandwidth must be > 0, got {self.link.bandwidth_gbps} Gbit/s")
+        """Refuse inputs that make no sense, or that the simulator cannot run in minutes, with the
+        reason and the field's name: every problem at once, so one line names each."""
+        problems: list[str] = []
+        f, r, link, o, s = self.failure, self.recovery, self.link, self.outer, self.straggler
+
+        def finite(name: str, value: float | None, *, low: float = 0.0, strict: bool = True) -> bool:
+            # `not low < x < inf` also catches NaN, which every plain comparison lets through.
+            if value is None:
+                return True
+            ok = (low < value if strict else low <= value) and value < math.inf
+            if not ok:
+                problems.append(f"{name} must be {'>' if strict else '>='} {low:g}, got {value:g}")
+            return ok
+
+        if not 1 <= self.chips <= MAX_CHIPS:
+            problems.append(f"chips must be in [1, {MAX_CHIPS:.0e}], got {self.chips:g}")
+        if self.learners < 1:
+            problems.append(f"learners must be >= 1, got {self.learners}")
+        elif 1 <= self.chips <= MAX_CHIPS and not self.m <= min(self.chips, MAX_LEARNERS):
+            # Each learner needs a chip; the engine keeps every learner and visits all of them at
+            # each failure, so tens of thousands make a run take hours.
+            problems.append(f"learners (M) must be <= chips and <= {MAX_LEARNERS:,}, got M = {self.m:,} "
+                            f"for {self.chips:,} chips")  # fmt: skip
+        if self.slice_chips < 1:
+            problems.append(f"slice_chips must be >= 1, got {self.slice_chips}")
+        hours_ok = finite("hours", self.hours)
+        finite("step_s", self.step_s)
+        finite("dp_exposed_comm_s", self.dp_exposed_comm_s, strict=False)
         if not 0 < self.step_efficiency <= 1:
             problems.append(f"step_efficiency must be in (0, 1], got {self.step_efficiency}")
+        finite("job_startup_s", self.job_startup_s, strict=False)
+        finite("wind_down_s", self.wind_down_s, strict=False)
+        # failures
+        mtbi_ok = finite("mtbi_years", f.mtbi_years)
+        finite("weibull_shape", f.weibull_shape)
+        finite("coordinator_mtbi_s", f.coordinator_mtbi_s)
+        drawn = f.trace is None and hours_ok and mtbi_ok and 1 <= self.chips <= MAX_CHIPS
+        if drawn and self.expected_failures > MAX_FAILURES:
+            # Drawn up front (failures.chip_failures): 1e20 chips asked numpy for 81 PiB, 1e12 ran
+            # for ever. A million failures take about a minute per mode.
+            problems.append(
+                f"chips x hours / mtbi_years gives {self.expected_failures:.3g} expected failures per run, "
+                f"over the simulator's cap of {MAX_FAILURES:,}: lower chips or hours, or raise mtbi_years"
+            )
+        elif drawn and f.weibull_shape is not None and f.weibull_shape != 1.0 and self.slices > MAX_SLICES:
+            # A Weibull shape draws one renewal process per slice, each an array entry.
+            problems.append(
+                f"weibull_shape draws one process per slice: {self.slices:,} slices (chips / slice_chips) "
+                f"is over the cap of {MAX_SLICES:,}: raise slice_chips or drop weibull_shape"
+            )
+        if f.coordinator_mtbi_s and hours_ok and self.horizon_s / f.coordinator_mtbi_s > MAX_FAILURES:
+            problems.append(
+                f"hours / coordinator_mtbi_s gives {self.horizon_s / f.coordinator_mtbi_s:.3g} coordinator "
+                f"failures, over the cap of {MAX_FAILURES:,}: raise coordinator_mtbi_s"
+            )
+        if f.trace is not None and any(not -math.inf < t < math.inf for t in f.trace):
+            problems.append("trace: every failure time must be a finite number of seconds")
+        if f.trace_units is not None and min(f.trace_units, default=0) < 0:
+            problems.append("trace_units must be >= 0")
+        # recovery: durations are >= 0 (a negative restart credited work while down: dp 100%)
+        for name in ("restart_s", "startup_s", "reconfigure_s", "repair_s", "state_every_s", "state_lag_s",
+                     "rejoin_pull_s", "coordinator_restart_s"):  # fmt: skip
+            finite(name, getattr(r, name), strict=False)
+        if r.spares is not None and r.spares < 0:
+            problems.append(
+                f"spares must be >= 0 (or unbounded: None, -1 on the command line), got {r.spares}"
+            )
+        # the link
+        finite("params", link.params)
+        finite("bandwidth_gbps", link.bandwidth_gbps)
+        finite("rtt_s", link.rtt_s, strict=False)
+        finite("merge_s", link.merge_s, strict=False)
+        finite("bits_per_param", link.bits_per_param)
+        # the outer loop
+        if o.fragments < 1 or o.inner_steps < 1:
+            problems.append("inner_steps and fragments must be >= 1")
+        if o.overlap_steps < 0:
+            problems.append(f"overlap_steps (tau) must be >= 0, got {o.overlap_steps}")
+        if o.quorum < 1:
+            problems.append(f"quorum must be >= 1, got {o.quorum}")
+        elif o.quorum > self.m:
+            # K pushes a round cannot come from fewer learners: merging would never happen.
+            problems.append(f"quorum (K = {o.quorum}) must be <= learners (M = {self.m})")
+        finite("halt_bound_s", o.halt_bound_s, strict=False)
+        # stragglers
+        finite("jitter_sigma", s.jitter_sigma, strict=False)
+        if not 0 <= s.slow_share <= 1:
+            problems.append(
+                f"slow_share must be in [0, 1] (a share of slices or learners), got {s.slow_share:g}"
+            )
+        if not 1 <= s.slow_factor < math.inf:
+            # A step-time multiplier of the slow ones: below 1 they would be faster (it was ignored).
+            problems.append(f"slow_factor must be >= 1 (how much slower), got {s.slow_factor:g}")
         if problems:
             raise ValueError("; ".join(problems))

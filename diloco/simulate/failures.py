@@ -119,12 +119,40 @@ class SparePool:
         return self._returns.pop(0)
 
 
+TRACE_FORMAT = "one failure a line: SECONDS [UNIT], e.g. `200` or `200 3` (# starts a comment)"
+
+
 def read_trace(path: Path) -> tuple[tuple[float, ...], tuple[int, ...] | None]:
-    """A measured failure trace: one failure a line, `SECONDS [UNIT]` (# starts a comment)."""
+    """A measured failure trace: one failure a line, `SECONDS [UNIT]` (# starts a comment).
+
+    A bad line is refused with the file, its line number and the format (a bare int() error
+    named neither); a trace without a failure too: it would silently simulate 100% goodput.
+    """
     times, units = [], []
-    for line in path.read_text().splitlines():
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--trace {path}: cannot read it ({e})") from None
+    for number, line in enumerate(text.splitlines(), 1):
         fields = line.split("#", 1)[0].split()
-        if fields:
-            times.append(float(fields[0]))
-            units.append(int(fields[1]) if len(fields) > 1 else -1)
-    return tuple(times), (tuple(units) if units and min(units) >= 0 else None)
+        if not fields:
+            continue
+        try:
+            if len(fields) > 2:
+                raise ValueError
+            at = float(fields[0])
+            unit = int(fields[1]) if len(fields) > 1 else -1
+            if not 0 <= at < math.inf or (len(fields) > 1 and unit < 0):
+                raise ValueError
+        except ValueError:
+            raise ValueError(
+                f"--trace {path}, line {number}: {line.strip()!r} is not a failure; expected {TRACE_FORMAT}, "
+                "SECONDS >= 0 and UNIT a learner or slice number >= 0"
+            ) from None
+        times.append(at)
+        units.append(unit)
+    if not times:
+        raise ValueError(
+            f"--trace {path} holds no failure (a run without one is 100% goodput); expected {TRACE_FORMAT}"
+        )
+    return tuple(times), (tuple(units) if min(units) >= 0 else None)

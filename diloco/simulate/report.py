@@ -124,8 +124,36 @@ def calibration_lines(cal: Calibration) -> list[str]:
     ]
 
 
+def check_plot_path(path: Path) -> None:
+    """Refuse, before any run, a plot file matplotlib cannot write: a format it does not know
+    (savefig raised a traceback at the end of the sweep) or a folder that is not there (it used to
+    be created, parents and all: a typo made a tree the user never asked for)."""
+    if path.is_dir():
+        raise ValueError(f"--plot {path} is a folder: give a file name in it, e.g. {path / 'goodput.png'}")
+    formats = _plot_formats()
+    kind = path.suffix.lstrip(".").lower()
+    if kind not in formats:
+        raise ValueError(
+            f"--plot {path}: " + (f"format {kind!r} is not supported" if kind else "no file extension")
+            + f"; end the name in one of .{', .'.join(sorted(formats))}"
+        )  # fmt: skip
+    if not path.parent.is_dir():
+        raise ValueError(
+            f"--plot {path}: the folder {path.parent} does not exist (it is not created): make it first"
+        )
+
+
+def _plot_formats() -> set[str]:
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ImportError("the plot needs matplotlib: pip install 'diloco[simulate]'") from None
+    return set(FigureCanvasBase.get_supported_filetypes())
+
+
 def plot(results: dict[str, dict[int, Result]], path: Path, *, title: str = "") -> Path:
-    """goodput over chip counts, one line per mode, to a PNG."""
+    """goodput over chip counts, one line per mode, to a PNG (or any format check_plot_path allows)."""
+    check_plot_path(path)
     try:
         import matplotlib
     except ImportError:
@@ -145,7 +173,6 @@ def plot(results: dict[str, dict[int, Result]], path: Path, *, title: str = "") 
     ax.legend(fontsize=8)
     ax.set_title(title or "goodput over chip counts", fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -10,19 +10,32 @@ from dataclasses import dataclass, replace
 
 from diloco.simulate.config import SimConfig
 from diloco.simulate.engine import Result, simulate
+from diloco.simulate.sync_diloco import check_rounds
 
 
 def series(
     base: SimConfig, *, chips: list[int], learners: list[int], sync_diloco: bool = False
 ) -> dict[str, dict[int, Result]]:
-    """{series key: {chips: Result}}: DP and elastic DP once, the DiLoCo modes once per M."""
+    """{series key: {chips: Result}}: DP and elastic DP once, the DiLoCo modes once per M.
+
+    Every config is checked before the first run: a bad pair (quorum over one M, learners over
+    one chip count) is refused at once, not after the runs before it.
+    """
+    for n in chips:
+        for m in learners:
+            cfg = base.with_(chips=n, chips_per_learner=None, learners=m)
+            cfg.check()
+            if sync_diloco:
+                check_rounds(cfg)
     out: dict[str, dict[int, Result]] = {"dp": {}, "elastic-dp": {}}
     for m in learners:
         out[f"decoupled-m{m}"] = {}
         if sync_diloco:
             out[f"sync-diloco-m{m}"] = {}
     for n in chips:
-        cfg = base.with_(chips=n, chips_per_learner=None)
+        # DP ignores M; one of the sweep's own (all checked above) keeps its check from tripping
+        # on base's M (e.g. more learners than a small chip count).
+        cfg = base.with_(chips=n, chips_per_learner=None, learners=min(learners))
         out["dp"][n] = simulate(cfg, "dp")
         out["elastic-dp"][n] = simulate(cfg, "elastic-dp")
         for m in learners:
@@ -72,6 +85,7 @@ def variants(base: SimConfig) -> list[tuple[str, SimConfig]]:
 
 def sensitivity(base: SimConfig) -> list[Variant]:
     """Decoupled and synchronous DiLoCo under each variant of the base job."""
+    check_rounds(base)  # every variant runs synchronous DiLoCo (the H variants only lengthen rounds)
     return [
         Variant(name, simulate(cfg, "decoupled"), simulate(cfg, "sync-diloco"))
         for name, cfg in variants(base)

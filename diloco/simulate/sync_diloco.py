@@ -16,8 +16,23 @@ import numpy as np
 
 from diloco.simulate import rules
 from diloco.simulate.books import Books, Context
+from diloco.simulate.config import SimConfig
 from diloco.simulate.costs import group_pace, slow_count, transfer_seconds
 from diloco.simulate.failures import SparePool, chip_failures
+
+# Rounds one run may walk (about 10 us each): unlike the other modes, synchronous DiLoCo has an
+# event per outer step, so a long horizon over a short step (hours 1e9) ran for ever.
+MAX_ROUNDS = 1_000_000
+
+
+def check_rounds(cfg: SimConfig) -> None:
+    """Refuse a run of more outer steps than MAX_ROUNDS (at most horizon / (H x step_s))."""
+    rounds = cfg.horizon_s / (cfg.outer.inner_steps * cfg.step_s)
+    if rounds > MAX_ROUNDS:
+        raise ValueError(
+            f"sync-diloco: hours / (inner_steps x step_s) gives up to {rounds:.3g} outer steps, over the "
+            f"simulator's cap of {MAX_ROUNDS:,}: lower hours, or raise step_s or inner_steps"
+        )
 
 
 def union_length(segments: list[tuple[float, float]]) -> float:
@@ -33,6 +48,7 @@ def union_length(segments: list[tuple[float, float]]) -> float:
 
 def run(env: Any, ctx: Context, books: Books, rng: np.random.Generator) -> Generator:
     cfg, rec = ctx.cfg, ctx.cfg.recovery
+    check_rounds(cfg)
     m, h = cfg.m, cfg.outer.inner_steps
     slow = slow_count(m, cfg.straggler)
     per = max(1, cfg.slices // m)

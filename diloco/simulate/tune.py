@@ -135,15 +135,15 @@ def recommend(
     default_load = link_load(replace(link, codec="fp32", bits_per_param=None), DEFAULTS.inner_steps, step_s)
     choices = [
         Choice("H (train.inner_steps)", str(DEFAULTS.inner_steps), str(h),
-               f"syncs take {link_load(chosen, h, step_s):.0%} of the link (fp32 at H = {DEFAULTS.inner_steps}: "
-               f"{default_load:.0%}); " + ("the smallest H that fits" if h == H_CHOICES[0] else
+               f"syncs take {_load(link_load(chosen, h, step_s))} (fp32 at H = {DEFAULTS.inner_steps}: "
+               f"{_load(default_load)}); " + ("the smallest H that fits" if h == H_CHOICES[0] else
                "fewer outer steps than the default: may cost quality (not measured here; benchmarks/quality.py "
                "compares)")),
         Choice("codec (sync.codec, sync.pull_codec)", "fp32", codec,
                f"{CODEC_BITS[codec]:.2f} bits/param on the wire before zstd; the most precise that fits at this H"
                + ("" if codec == "fp32" else " (int4 vs fp32 measured +0.34% eval loss at equal tokens)")),
         Choice("P (sync.fragments)", str(DEFAULTS.fragments), str(p),
-               f"a fragment's round trip {trip:.1f} s against a push every {h / p * step_s:.1f} s; "
+               f"a fragment's round trip {_secs(trip)} against a push every {_secs(h / p * step_s)}; "
                "more fragments spread the bytes, each a smaller outer step"),
         Choice("tau (sync.overlap_steps)", str(DEFAULTS.overlap_steps), str(tau),
                (f"the round trip outlasts {tau} steps ({tau * step_s:.1f} s): merges come late (staleness, no wait)"
@@ -161,6 +161,17 @@ def recommend(
     if not fits:
         choices.append(Choice("warning", "", "", "even int4 at H = 500 takes more than half the link"))
     return Tuning(h, p, tau, codec, size, choices, fits, step_s=step_s, params=link.params)
+
+
+def _load(share: float) -> str:
+    """A share of the link: a percentage, or a multiple past 10x (1e30 params printed
+    `425000000000000065536%`)."""
+    return f"{share:.0%} of the link" if share < 10 else f"{share:.3g} times the link's capacity"
+
+
+def _secs(seconds: float) -> str:
+    """Seconds to one decimal, in three significant digits once that would be a long number."""
+    return f"{seconds:.1f} s" if seconds < 1e5 else f"{seconds:.3g} s"
 
 
 def _chunk_size(chunk_bytes: int, chunk_s: float) -> tuple[int, float]:

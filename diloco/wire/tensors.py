@@ -57,11 +57,17 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 def stream_tensors(
-    header: pb.TensorHeader, tensors: Mapping[str, torch.Tensor], piece_bytes: int
+    header: pb.TensorHeader,
+    tensors: Mapping[str, torch.Tensor],
+    piece_bytes: int,
+    averaged: frozenset[str] = frozenset(),
 ) -> Iterator[pb.TensorStreamMessage]:
-    """Header then pieces. `header.tensors` is filled from `tensors` (in their order)."""
+    """Header then pieces. `header.tensors` is filled from `tensors` (in their order); those named
+    in `averaged` are marked so (running statistics: only the initial parameters say it)."""
     del header.tensors[:]
     header.tensors.extend(spec_of(name, t) for name, t in tensors.items())
+    for spec in header.tensors:
+        spec.averaged = spec.name in averaged
     yield pb.TensorStreamMessage(header=header)
     for index, t in enumerate(tensors.values()):
         raw = tensor_bytes(t)

@@ -9,12 +9,20 @@ from torch.nn import functional as F
 
 
 class DigitsCNN(nn.Module):
-    def __init__(self, channels: int, classes: int) -> None:
+    def __init__(self, channels: int, classes: int, batchnorm: bool = False) -> None:
         super().__init__()
+
+        def norm(c: int) -> list[nn.Module]:
+            # BatchNorm's running statistics travel with the parameters (merged as a plain mean),
+            # so the global model evaluates with them. Without it, the layers keep their names.
+            return [nn.BatchNorm2d(c)] if batchnorm else []
+
         self.features = nn.Sequential(
             nn.Conv2d(1, channels, 3, padding=1),
+            *norm(channels),
             nn.ReLU(),
             nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            *norm(2 * channels),
             nn.ReLU(),
             nn.MaxPool2d(2),  # 8×8 -> 4×4
         )
@@ -28,5 +36,5 @@ class DigitsCNN(nn.Module):
         return {"loss": F.cross_entropy(logits, batch["label"]), "metrics": {"accuracy": accuracy}}
 
 
-def cnn(*, channels: int = 16, classes: int = 10) -> DigitsCNN:
-    return DigitsCNN(channels, classes)
+def cnn(*, channels: int = 16, classes: int = 10, batchnorm: bool = False) -> DigitsCNN:
+    return DigitsCNN(channels, classes, batchnorm)

@@ -20,6 +20,12 @@ class ReportTable(LedgerBase):
             "SELECT COUNT(*) FILTER (WHERE state = 'consumed'), COALESCE(SUM(tokens), 0) FROM shards "
             "WHERE split = 'train' AND state IN ('leased', 'consumed')"
         )[0]
+        # Train shards some rows of which a push carried (merged, pending, or since dropped):
+        # what moves while a run trains, where "consumed" waits for every row of a shard to merge.
+        shards_started = self._read("SELECT COUNT(DISTINCT shard_id) FROM spans")[0][0]
+        train_tokens_prepared = self._read(
+            "SELECT COALESCE(SUM(tokens), 0) FROM shards WHERE split = 'train'"
+        )[0][0]
         counters = self.counters()
         return {
             "chunks_total": sum(chunks_by_state.values()),
@@ -27,6 +33,8 @@ class ReportTable(LedgerBase):
             "chunks_quarantined": chunks_by_state.get("quarantined", 0),
             "shards_total": shards_total,
             "shards_consumed": shards_consumed,
+            "shards_started": shards_started,
+            "train_tokens_prepared": train_tokens_prepared,
             "tokens_prepared": tokens_prepared,
             "tokens_leased": tokens_leased,
             "chunks_by_state": chunks_by_state,

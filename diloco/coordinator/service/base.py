@@ -29,7 +29,7 @@ from diloco.coordinator.service.state import (
 from diloco.coordinator.wirecount import WIRE_COUNTS, WireCounter
 from diloco.fragments import assign_fragments
 from diloco.observe.events import RunEvents
-from diloco.observe.prometheus import CoordinatorMetrics
+from diloco.observe.prometheus import TRANSFER_COUNTS, CoordinatorMetrics
 from diloco.v1 import coordinator_pb2 as pb
 
 # After a restart, how long (in learner heartbeats) a fragment's first round waits for the pushes
@@ -70,6 +70,8 @@ class ServiceBase:
         # What happened, for metrics.jsonl, TensorBoard and the page; Prometheus reads status.
         self.events = events or RunEvents(None)
         self.metrics = CoordinatorMetrics(self.status_detail, workdir)
+        # The transfer histograms' counts too go on across lives (status's `transfers`).
+        self.metrics.restore_transfers(json.loads(ledger.get_meta(TRANSFER_COUNTS) or "{}"))
         self.workdir = workdir
         self._progress_at: tuple[float, int, int] | None = None  # (monotonic, merged, wire) sampled last
         self.security_mode = "none"  # how callers are told apart (the server sets it)
@@ -95,6 +97,7 @@ class ServiceBase:
         self.started_at = self.clock()
         self.fragments: list[FragmentState] = []
         self.specs: dict[str, pb.TensorSpec] = {}
+        self.averaged: frozenset[str] = frozenset()  # the specs' running statistics (_install_specs)
         self.step_time_s = 0.0  # EMA of learners' reported inner step time
         self.sync_time_s = 0.0  # EMA of merge duration
         self.publish_time_s = 0.0  # EMA of writing a checkpoint and committing its merges
@@ -126,9 +129,14 @@ class ServiceBase:
             log.warning("refused %s%s: %s%s", method, origin, why, more)
 
     def _save_counts(self) -> None:
-        """The counts kept in memory into the ledger: the wire bytes (every life's, restored at
-        start) and the refusals since the last save."""
-        self.ledger.set_meta(**{WIRE_COUNTS: json.dumps(self.wire.snapshot())})
+        """The counts kept in memory into the ledger: the wire bytes and the transfers' (every
+        life's, restored at start) and the refusals since the last save."""
+        self.ledger.set_meta(
+            **{
+                WIRE_COUNTS: json.dumps(self.wire.snapshot()),
+                TRANSFER_COUNTS: json.dumps(self.metrics.transfer_counts()),
+            }
+        )
         with self._refusals_lock:
             unsaved, self.refusals_unsaved = self.refusals_unsaved, 0
         if unsaved:
@@ -173,7 +181,12 @@ class ServiceBase:
         raw = self.ledger.get_meta("param_specs")
         if raw is None:
             return
-        specs = [pb.TensorSpec(name=s["name"], dtype=s["dtype"], shape=s["shape"]) for s in json.loads(raw)]
+        specs = [
+            pb.TensorSpec(
+                name=s["name"], dtype=s["dtype"], shape=s["shape"], averaged=s.get("averaged", False)
+            )
+            for s in json.loads(raw)
+        ]
         self._install_specs(specs)
         for p, names in enumerate(self._fragment_names(specs)):
             version = self.ledger.fragment_version(p)
@@ -186,6 +199,8 @@ class ServiceBase:
 
     def _install_specs(self, specs: list[pb.TensorSpec]) -> None:
         self.specs = {s.name: s for s in specs}
+        # Running statistics: merged as a plain mean, outside the outer step and its norm checks.
+        self.averaged = frozenset(s.name for s in specs if s.averaged)
 
     def _fragment_names(self, specs: list[pb.TensorSpec]) -> list[list[str]]:
         sizes = [(s.name, math.prod(s.shape)) for s in specs]
@@ -320,6 +335,7 @@ class ServiceBase:
         self.events.record(
             "progress",
             tokens_merged=merged,
+            wire_bytes=wire,  # (the events' window takes both rates over 30 s from the totals)
             merged_tokens_per_s=round(dm / dt, 1),
             wire_bytes_per_token=round(dw / dm, 1) if dm > 0 else None,
             learners_alive=len(self._live_learners()),

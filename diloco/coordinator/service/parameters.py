@@ -73,7 +73,10 @@ class ParameterRPCs(ServiceBase):
                     accepted=False, reason="already initialized; pull the parameters"
                 )
             else:
+                averaged = {s.name for s in header.tensors if s.averaged}  # running statistics
                 specs = [spec_of(n, t) for n, t in tensors.items()]
+                for spec in specs:
+                    spec.averaged = spec.name in averaged
                 plan = self._fragment_names(specs)
                 states = []
                 for p, names in enumerate(plan):
@@ -84,7 +87,10 @@ class ParameterRPCs(ServiceBase):
                 # The specs are the "initialized" marker: written only once every file exists.
                 self.ledger.set_meta(
                     param_specs=json.dumps(
-                        [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in specs]
+                        [
+                            {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "averaged": s.averaged}
+                            for s in specs
+                        ]
                     ),
                     **{f"fragment_version.{p}": "0" for p in range(len(plan))},
                 )

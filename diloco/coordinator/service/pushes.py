@@ -135,8 +135,10 @@ class PushRPCs(ServiceBase):
 
         norm_per_h = 0.0
         if tensors:
-            if squared is None:  # decoded from a codec: one more pass
-                squared = sum(sq_norm(t) for t in tensors.values())
+            # The parameters' norm: running statistics move by the data, not by the learning rate.
+            own = [t for n, t in tensors.items() if n not in self.averaged]
+            if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
+                squared = sum(sq_norm(t) for t in own)
             norm = math.sqrt(squared)
             # A delta of more than H steps is compared per H steps; a shorter one as it is (it
             # is smaller, never an outlier for being short).

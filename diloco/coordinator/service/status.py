@@ -121,7 +121,7 @@ class StatusRPCs(ServiceBase):
             "uptime_s": round(now - self.started_at, 3),
             "security": self.security_mode,
             "calls_refused": int(counters.get("calls_refused", 0)) + self.refusals_unsaved,
-            # One push and one learner pull on the wire, on average (this coordinator's life).
+            # One push and one learner pull on the wire, on average, and how many (every life's).
             "transfers": self.metrics.transfers(),
             # The held-out loss of published models over the run (the evaluator's reports).
             "evals": self.ledger.evals(last=STATUS_EVALS),

@@ -152,3 +152,17 @@ def test_rounds_of_few_steps_no_longer_each_take_a_whole_momentum_step():
         short, m_short = outer_step(short, m_short, g, 0.7, 0.9, True, fraction=work_fraction(6, 2, 100))
     assert float(before - whole["w"]) > 10.0  # ten whole momentum kicks of a 4.1 buffer
     assert 0 < float(before - short["w"]) < 2.5  # ≈ 0.3 of a round of momentum, plus the steps
+
+
+def test_running_statistics_take_the_plain_mean_and_no_momentum():
+    """A running variance under the outer step would overshoot (lr·(1 + μ) of the gap: one that
+    fell from 1.0 to 0.01 would go to −0.33); named in `averaged`, it takes θ − g, the mean of
+    what the pushes hold, and its momentum stays zero."""
+    params = {"w": torch.tensor([1.0]), "bn.running_var": torch.tensor([1.0])}
+    momentum = {n: torch.zeros_like(t) for n, t in params.items()}
+    grad = {"w": torch.tensor([0.99]), "bn.running_var": torch.tensor([0.99])}  # learners at 0.01
+    new, m = outer_step(params, momentum, grad, 0.7, 0.9, True, averaged=frozenset({"bn.running_var"}))
+    assert new["bn.running_var"].item() == pytest.approx(0.01) and m["bn.running_var"].item() == 0.0
+    assert new["w"].item() == pytest.approx(1.0 - 0.7 * (0.99 + 0.9 * 0.99))  # the parameter's step
+    plain, _ = outer_step(params, momentum, grad, 0.7, 0.9, True)
+    assert plain["bn.running_var"].item() < 0  # what the outer step alone would make of it

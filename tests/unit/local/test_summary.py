@@ -223,11 +223,12 @@ def test_the_result_table_says_what_learners_waited_for() -> None:
 
     assert "waited" not in row({"sync_wait_share": 0.0, "budget_wait_share": 0.0})
     line = row({"sync_wait_share": 0.0, "budget_wait_share": 0.052})
-    assert "93.5% (waited 5.2% at the token budget's end)" in line and "syncer" not in line
+    assert "93.5% in inner steps; of the rest, waited 5.2% at the token budget's end" in line
+    assert "syncer" not in line
     line = row({"sync_wait_share": 0.03, "budget_wait_share": 0.0})
-    assert "93.5% (waited 3.0% on the syncer)" in line and "budget" not in line
+    assert "93.5% in inner steps; of the rest, waited 3.0% on the syncer" in line and "budget" not in line
     both = row({"sync_wait_share": 0.03, "budget_wait_share": 0.052})
-    assert "(waited 3.0% on the syncer, 5.2% at the token budget's end)" in both
+    assert "waited 3.0% on the syncer, 5.2% at the token budget's end (each learner's last life)" in both
 
 
 def test_a_learner_much_less_busy_than_the_others_is_named_under_the_mean() -> None:

@@ -17,10 +17,12 @@ from diloco.evaluate import evaluate
 from diloco.model import GPT, build_model
 from diloco.model.contract import (
     ModelContractError,
+    group_running_stats_problem,
     layout_difference,
     loss_and_metrics,
     parameter_layout,
-    running_stats_problem,
+    running_stats,
+    synced_tensors,
 )
 from diloco.model.factory import factory_kwargs
 from diloco.plugins import resolve
@@ -169,26 +171,28 @@ def test_a_spec_imports_from_the_working_directory_in_every_process(
     assert resolve("walk_model_here:build", "model.factory")() == 7
 
 
-def test_a_model_whose_normalization_keeps_running_statistics_is_refused_at_build() -> None:
-    """Only parameters are merged and exported: BatchNorm's running statistics would stay at their
-    initial values in the global model. Batch statistics (track_running_stats=False) are fine."""
-    kept = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.LazyLinear(2))
-    problem = running_stats_problem(kept, "mypkg:cnn")
-    assert problem is not None and "mypkg:cnn: 1 keep running statistics" in problem
-    assert "track_running_stats=False" in problem
+def test_running_statistics_travel_beside_the_parameters() -> None:
+    """BatchNorm's running mean and variance are synced tensors (merged as a plain mean by the
+    coordinator); its step count, and layers without running statistics, are not."""
+    kept = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    assert set(running_stats(kept)) == {"1.running_mean", "1.running_var"}
+    synced = synced_tensors(kept)
+    assert list(synced)[:4] == ["0.weight", "0.bias", "1.weight", "1.bias"]  # parameters first
+    assert "1.num_batches_tracked" not in synced and synced["1.running_var"] is kept[1].running_var
+    untracked = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, track_running_stats=False), nn.LayerNorm(2))
     assert (
-        running_stats_problem(
-            nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, track_running_stats=False)), "f"
-        )
-        is None
-    )
-    assert (
-        running_stats_problem(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.GroupNorm(1, 2)), "f")
-        is None
+        running_stats(untracked) == {}
+        and synced_tensors(untracked).keys() == dict(untracked.named_parameters()).keys()
     )
     cfg = ModelConfig(factory="tests.toy_models:batchnorm_mlp", kwargs={})
-    with pytest.raises(ModelContractError, match="keep running statistics"):
-        build_model(cfg, vocab_size=9)
+    assert running_stats(build_model(cfg, vocab_size=9))  # built as any model is
+
+
+def test_a_learner_of_several_ranks_refuses_running_statistics() -> None:
+    kept = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4))
+    problem = group_running_stats_problem(kept, "mypkg:cnn")
+    assert problem is not None and "mypkg:cnn: 1 keep running statistics" in problem and "--nproc" in problem
+    assert group_running_stats_problem(nn.Sequential(nn.Linear(2, 2), nn.GroupNorm(1, 2)), "f") is None
 
 
 def test_a_kwarg_the_factory_does_not_take_is_named_before_any_learner_builds() -> None:
