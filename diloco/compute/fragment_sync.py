@@ -22,7 +22,7 @@ from diloco.compute import outer, replicas, schedule
 from diloco.compute.held import HeldFragment
 from diloco.compute.prefetch import ShardPrefetcher
 from diloco.compute.progress import Progress
-from diloco.compute.rows import RowBook, Unpushed
+from diloco.compute.rows import RowBook, Unpushed, each_row_once
 from diloco.compute.state_writer import StateWriter
 from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
@@ -129,7 +129,9 @@ class SyncsFragments:
             if header.codec != "fp32":
                 tensors = outer.encode(tensors, self.cfg.sync, self.residual)
             carried = self._covered_by(p)
-            header.spans.extend(pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in carried.spans)
+            header.spans.extend(
+                pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in each_row_once(carried.spans)
+            )
             header.released_shards.extend(carried.released)
             for shard_id in carried.released:
                 self.prefetcher.release(shard_id)

@@ -382,9 +382,8 @@ def outer_step(
     each move about as far as one full round — not k times the momentum. f = 1 is the plain step.
     With `consume`, outer_grad's fp32 tensors may be overwritten (no allocation for the update).
 
-    The tensors named in `averaged` (running statistics) take θ ← θ − g: the mean of what the
-    pushes hold (g is the global value less theirs), no momentum. They are averages already, and a
-    step of lr·(1 + μ) the gap would overshoot: a running variance that fell could go below zero.
+    `averaged` (running statistics) take θ ← θ − g, the pushes' mean, no momentum: lr·(1 + μ)
+    of the gap would overshoot (a running variance that fell could go below zero).
     """
     decay = mu**fraction
     new_params: dict[str, torch.Tensor] = {}

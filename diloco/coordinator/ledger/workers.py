@@ -63,6 +63,19 @@ class WorkersTable(LedgerBase):
             lost_shards = _renew(db, "shards", shard_ids, worker_id, deadline)
         return lost_chunks, lost_shards
 
+    def extend_deadlines(self, seconds: float) -> None:
+        """Every live lease and every active worker's last heartbeat moved on by `seconds` (no later
+        than now): the coordinator itself could not hear them for that long (stall.own_stall_s)."""
+        now = self.clock()
+        with self._tx() as db:
+            for table in ("chunks", "shards"):
+                db.execute(
+                    f"UPDATE {table} SET lease_expires = lease_expires + ? WHERE state = 'leased'", (seconds,)
+                )
+            db.execute(
+                "UPDATE workers SET last_seen = MIN(last_seen + ?, ?) WHERE state = 'active'", (seconds, now)
+            )
+
     def leave(self, worker_id: str, state: str = "left") -> None:
         """The worker is gone: its leases go back to the pool at once."""
         with self._tx() as db:

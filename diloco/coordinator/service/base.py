@@ -26,6 +26,7 @@ from diloco.coordinator.service.state import (
     RoundSum,
     log,
 )
+from diloco.coordinator.stall import TICK_S, own_stall_s
 from diloco.coordinator.wirecount import WIRE_COUNTS, WireCounter
 from diloco.fragments import assign_fragments
 from diloco.observe.events import RunEvents
@@ -74,6 +75,7 @@ class ServiceBase:
         self.metrics.restore_transfers(json.loads(ledger.get_meta(TRANSFER_COUNTS) or "{}"))
         self.workdir = workdir
         self._progress_at: tuple[float, int, int] | None = None  # (monotonic, merged, wire) sampled last
+        self._ticked_at: float | None = None  # (monotonic) when the ticker's last tick ended
         self.security_mode = "none"  # how callers are told apart (the server sets it)
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
@@ -281,14 +283,19 @@ class ServiceBase:
     def _tick_forever(self) -> None:
         """Time-driven events: lease expiry, the token budget, the end of the run. (Grace windows
         and learners found dead close rounds in the merger, which wakes at least every 0.25 s.)"""
-        while not self._stop.wait(0.25):
+        while not self._stop.wait(TICK_S):
             try:
                 self.tick()
             except Exception:  # a bad tick must not kill the syncer; it is logged and retried
                 log.exception("syncer tick failed")
+            self._ticked_at = time.monotonic()
 
     def tick(self) -> None:
         self._sample_progress(time.monotonic())
+        stall, why = own_stall_s(self._ticked_at, time.monotonic())
+        if stall:  # before anything expires: the silence was ours
+            log.warning("%s", why)
+            self.ledger.extend_deadlines(stall)
         ttl = self.config.coordinator.lease_ttl_s
         self._say_reclaimed(self.ledger.reclaim_expired(ttl, self.config.coordinator.max_chunk_attempts), ttl)
         for _ in range(2):  # running → finishing → finished may both happen in one tick

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from diloco.compute.batch import Batch
-from diloco.compute.rows import RowBook, Unpushed, release_fragment, rows_to_carry, span_tokens
+from diloco.compute.rows import RowBook, Unpushed, each_row_once, release_fragment, rows_to_carry, span_tokens
 
 
 def batch(shard: int, start: int, end: int, last: bool = False) -> Batch:
@@ -126,3 +126,13 @@ def test_span_tokens_counts_rows_by_their_shard_and_unseen_shards_like_the_other
     assert span_tokens(book.spans(), {7: 5, 9: 5}) == 16 * 5
     assert span_tokens([*book.spans(), (3, 0, 2)], {7: 5, 9: 5}) == 18 * 5  # shard 3: resumed rows
     assert span_tokens([(3, 0, 2)], {}) == 0
+
+
+def test_a_push_names_each_row_once_when_a_lapsed_lease_made_it_train_rows_again() -> None:
+    """A learner whose lease lapsed and that leased the shard again trained rows 0-10 twice: the
+    ledger refuses spans that overlap each other, the whole push with them, so the push names the
+    union; spans that do not overlap go as they were."""
+    again = [(1, 0, 10), (2, 0, 5), (1, 0, 4), (1, 4, 12)]
+    assert each_row_once(again) == [(1, 0, 12), (2, 0, 5)]
+    usual = [(1, 0, 10), (2, 0, 5), (1, 20, 30)]
+    assert each_row_once(usual) is usual

@@ -4,9 +4,6 @@ longer than the merge spacing, TensorBoard steps that increase, JSON lines for a
 
 from pathlib import Path
 
-from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
-
 from diloco.config import RunConfig
 from diloco.observe import events as events_module
 from diloco.observe.events import ProgressWindow, RunEvents
@@ -14,15 +11,7 @@ from diloco.observe.http import history
 from diloco.observe.prometheus import CoordinatorMetrics, reason_label
 from diloco.observe.watch import json_lines
 from tests.support import FakeClock, start_coordinator_here
-
-
-def scrape(metrics: CoordinatorMetrics) -> dict[tuple[str, tuple], float]:
-    text = generate_latest(metrics.registry).decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+from tests.unit.observe.test_prometheus import scrape
 
 
 def test_push_counts_name_the_pushes_each_mean_is_over() -> None:
