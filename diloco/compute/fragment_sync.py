@@ -39,6 +39,7 @@ class SyncsFragments:
     client: CoordinatorClient
     frags: list[HeldFragment]
     params: dict[str, torch.Tensor]
+    averaged: frozenset[str]  # the running statistics among params: pushed as values, taken exact
     residual: dict[str, torch.Tensor]
     rows: RowBook
     progress: Progress
@@ -65,6 +66,7 @@ class SyncsFragments:
             alpha=alpha,
             mixing=alpha > 0 and f.version >= 0,
             at_push=f.at_push if keep else None,
+            exact=self.averaged,
         )
         f.base = {**f.base, **{n: t.to(torch.float32).clone() for n, t in value.items()}}
         f.version = version
@@ -125,9 +127,9 @@ class SyncsFragments:
         if not empty:
             if self.group_live:  # FSDP: the shards' values into rank 0's whole copy
                 self.data_parallel.refresh(p, f.names, self.params)
-            tensors = outer.delta(f.base, self.params, f.names)
+            tensors = outer.delta(f.base, self.params, f.names, self.averaged)
             if header.codec != "fp32":
-                tensors = outer.encode(tensors, self.cfg.sync, self.residual)
+                tensors = outer.encode(tensors, self.cfg.sync, self.residual, self.averaged)
             carried = self._covered_by(p)
             header.spans.extend(
                 pb.ShardSpan(shard_id=s, row_start=a, row_end=b) for s, a, b in each_row_once(carried.spans)

@@ -26,6 +26,7 @@ from diloco.model.contract import (
     ModelContractError,
     group_running_stats_problem,
     layout_difference,
+    outer_step_running_stats_problem,
     parameter_layout,
     running_stats,
     synced_tensors,
@@ -88,10 +89,15 @@ def join_run(
     else:
         model, optimizer = own
         chosen = next(model.parameters()).device
-    if place is not None:  # a torchrun group: its ranks' running statistics are not kept in step
-        with refusing(client, log):
-            if problem := group_running_stats_problem(model, cfg.model.factory):
-                raise ModelContractError(problem)
+    with refusing(client, log):
+        s = cfg.sync
+        if problem := outer_step_running_stats_problem(
+            model, cfg.model.factory, s.outer_lr, s.outer_momentum
+        ):
+            raise ModelContractError(problem)
+        # A torchrun group: its ranks' running statistics are not kept in step.
+        if place is not None and (problem := group_running_stats_problem(model, cfg.model.factory)):
+            raise ModelContractError(problem)
     params = synced_tensors(model)  # the parameters and the normalization layers' running statistics
     plan = assign_fragments([(n, p.numel()) for n, p in params.items()], cfg.sync.fragments)
     mark("model")  # tokenizer check, model and optimizer built

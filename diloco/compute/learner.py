@@ -44,6 +44,7 @@ from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache
 from diloco.errors import DilocoError
+from diloco.model.contract import running_stats
 from diloco.role import heartbeat_thread, refusing
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -82,6 +83,7 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         self.allowance: tuple[int, int] | None = None
         self.frags: list[HeldFragment] = []
         self.residual: dict[str, torch.Tensor] = {}  # error feedback: what quantization dropped
+        self.averaged: frozenset[str] = frozenset()  # running statistics among params (set at join)
         # Steps the push schedule runs ahead of the step count: moved on when our pushes keep
         # missing the other learners' rounds (SyncChannel.take_missed).
         self.schedule_shift = 0
@@ -113,6 +115,7 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
             joined.params,
             joined.frags,
         )
+        self.averaged = frozenset(running_stats(self.model))
         self.resumed = self._resume_decision(cfg, reply)
         if cfg.train.max_tokens and not cfg.sync.synchronous:  # a budget: no step before an allowance
             self.allowance = (self.progress.tokens_trained, 0)

@@ -291,10 +291,13 @@ class MergeAccumulator:
     that fold from several threads hold a lock.
     """
 
-    def __init__(self, mode: str) -> None:
+    def __init__(self, mode: str, plain: frozenset[str] = frozenset()) -> None:
+        """`plain`: tensors that come as values (running statistics): their weighted mean, in
+        every mode, without the age factor (an older push's statistics are as much a mean)."""
         if mode not in ("mean", "token", "rda"):
             raise ValueError(f"unknown merge mode {mode!r}")
         self.mode = mode
+        self.plain = plain
         self.sums: dict[str, torch.Tensor] = {}
         self.norms: dict[str, float] = {}  # rda: Σ w·‖delta‖ per tensor
         self.total_weight = 0.0
@@ -323,8 +326,8 @@ class MergeAccumulator:
         for name, value in delta.items():
             part = value.to(torch.float32)
             owned = consume and part.data_ptr() == value.data_ptr()
-            alpha = weight * age
-            if self.mode == "rda":
+            alpha = weight if name in self.plain else weight * age
+            if self.mode == "rda" and name not in self.plain:
                 norm = float(part.norm())
                 self.norms[name] = self.norms.get(name, 0.0) + alpha * norm
                 alpha = alpha / norm if norm > 0 else alpha  # a zero delta adds nothing either way
@@ -336,13 +339,14 @@ class MergeAccumulator:
         self.count += 1
 
     def result(self, scale: float = 1.0) -> dict[str, torch.Tensor]:
-        """The outer gradient of everything folded in, times `scale` (the round's coverage).
-        The sums become the result: the accumulator is spent."""
+        """The outer gradient of everything folded in, times `scale` (the round's coverage); the
+        plain tensors' weighted mean times `scale`. The sums become the result: the accumulator
+        is spent."""
         if not self.count:
             raise ValueError("no deltas to merge")
         out: dict[str, torch.Tensor] = {}
         for name, total in self.sums.items():
-            if self.mode == "rda":
+            if self.mode == "rda" and name not in self.plain:
                 # direction Σw·u/W times mean norm Σw·n/W, over the direction's norm ‖Σw·u‖/W.
                 dnorm = float(total.norm())
                 factor = scale * self.norms[name] / (self.total_weight * dnorm) if dnorm > 0 else 0.0
@@ -372,6 +376,7 @@ def outer_step(
     fraction: float = 1.0,
     consume: bool = False,
     averaged: frozenset[str] = frozenset(),
+    share: float = 1.0,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """SGD with (Nesterov) momentum on the outer gradient, as torch.optim.SGD does it.
 
@@ -382,17 +387,17 @@ def outer_step(
     each move about as far as one full round — not k times the momentum. f = 1 is the plain step.
     With `consume`, outer_grad's fp32 tensors may be overwritten (no allocation for the update).
 
-    `averaged` (running statistics) take θ ← θ − g, the pushes' mean, no momentum: lr·(1 + μ)
-    of the gap would overshoot (a running variance that fell could go below zero).
+    `averaged` (running statistics) come as the pushes' values, g their mean times the round's
+    `share` s (its coverage): θ ← (1 − s)·θ + g, no momentum, a mean of values that are never
+    negative (a delta against an older base could take a variance below zero).
     """
     decay = mu**fraction
     new_params: dict[str, torch.Tensor] = {}
     new_momentum: dict[str, torch.Tensor] = {}
     for name, theta in params.items():
         if name in averaged:
-            new_params[name] = torch.sub(theta.to(torch.float32), outer_grad[name].to(torch.float32)).to(
-                theta.dtype
-            )
+            mean = outer_grad[name].to(torch.float32)
+            new_params[name] = torch.add(mean, theta.to(torch.float32), alpha=1.0 - share).to(theta.dtype)
             new_momentum[name] = momentum[name]  # zero: never used
             continue
         g = outer_grad[name].to(torch.float32)

@@ -231,7 +231,7 @@ class ServiceBase:
         )  # fmt: skip
 
     def _new_sum(self) -> RoundSum:
-        return RoundSum(syncer.MergeAccumulator(self.policy.merge))
+        return RoundSum(syncer.MergeAccumulator(self.policy.merge, self.averaged))
 
     # -- helpers --------------------------------------------------------------------------------
 

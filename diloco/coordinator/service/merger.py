@@ -122,7 +122,7 @@ class Merger(ServiceBase):
                 outer_grad = summed.acc.result(scale * short)
                 params, momentum = syncer.outer_step(
                     frag.params, frag.momentum, outer_grad, *hyper, self.policy.nesterov, fraction=work, consume=True,
-                    averaged=self.averaged,
+                    averaged=self.averaged, share=scale * short,
                 )  # fmt: skip
                 # The parameters alone: a non-finite momentum makes a non-finite update, so parameters.
                 finite = all(math.isfinite(sq_norm(t)) for t in params.values())

@@ -77,6 +77,7 @@ class ParameterRPCs(ServiceBase):
                 specs = [spec_of(n, t) for n, t in tensors.items()]
                 for spec in specs:
                     spec.averaged = spec.name in averaged
+                self._install_specs(specs)  # before the fragments' round sums, which take `averaged`
                 plan = self._fragment_names(specs)
                 states = []
                 for p, names in enumerate(plan):
@@ -94,7 +95,6 @@ class ParameterRPCs(ServiceBase):
                     ),
                     **{f"fragment_version.{p}": "0" for p in range(len(plan))},
                 )
-                self._install_specs(specs)
                 self.fragments = states
                 log.info(
                     "initialized %d tensors in %d fragment(s) from worker=%s",

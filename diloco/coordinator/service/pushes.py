@@ -221,7 +221,7 @@ class PushRPCs(ServiceBase):
             ):
                 raise WireError(f"a {codec} push carries one 1-D uint8 blob per tensor of the fragment")
             for n, s in blobs.items():  # bounded by what its tensor's shape allows, before any piece
-                limit = codecs.max_blob_bytes(codec, math.prod(self.specs[n].shape))
+                limit = codecs.max_blob_bytes(self._codec_of(n, codec), math.prod(self.specs[n].shape))
                 if s.shape[0] > limit:
                     raise WireError(
                         f"{n}: a {codec} blob of {s.shape[0]} bytes; {limit} at most for its shape"
@@ -237,9 +237,17 @@ class PushRPCs(ServiceBase):
         if codec == "fp32":
             return received, asm.sq_norm
         decoded = {
-            n: codecs.decode(received[n].numpy().tobytes(), codec, tuple(self.specs[n].shape)) for n in names
+            n: codecs.decode(
+                received[n].numpy().tobytes(), self._codec_of(n, codec), tuple(self.specs[n].shape)
+            )
+            for n in names
         }
         return decoded, None
+
+    def _codec_of(self, name: str, codec: str) -> str:
+        """How a tensor of a `codec` push is encoded: running statistics always as fp32 blobs (a
+        layer's variances span too many orders for a block's absmax: outer.encode)."""
+        return "fp32" if name in self.averaged else codec
 
     def _record_push(
         self,

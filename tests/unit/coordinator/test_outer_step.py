@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from diloco.coordinator.syncer import (
+    MergeAccumulator,
     outer_hyper,
     outer_step,
     work_fraction,
@@ -154,15 +155,27 @@ def test_rounds_of_few_steps_no_longer_each_take_a_whole_momentum_step():
     assert 0 < float(before - short["w"]) < 2.5  # ≈ 0.3 of a round of momentum, plus the steps
 
 
-def test_running_statistics_take_the_plain_mean_and_no_momentum():
-    """A running variance under the outer step would overshoot (lr·(1 + μ) of the gap: one that
-    fell from 1.0 to 0.01 would go to −0.33); named in `averaged`, it takes θ − g, the mean of
-    what the pushes hold, and its momentum stays zero."""
+def test_running_statistics_take_the_mean_of_their_values_and_no_momentum():
+    """Running statistics come as the pushes' values (g: their mean times the round's share s):
+    θ ← (1 − s)·θ + g, no momentum. As deltas under the outer step a variance that fell from 1.0
+    to 0.01 would go to −0.32, and a delta against an older base could too."""
     params = {"w": torch.tensor([1.0]), "bn.running_var": torch.tensor([1.0])}
     momentum = {n: torch.zeros_like(t) for n, t in params.items()}
-    grad = {"w": torch.tensor([0.99]), "bn.running_var": torch.tensor([0.99])}  # learners at 0.01
-    new, m = outer_step(params, momentum, grad, 0.7, 0.9, True, averaged=frozenset({"bn.running_var"}))
+    stats = frozenset({"bn.running_var"})
+    grad = {"w": torch.tensor([0.99]), "bn.running_var": torch.tensor([0.01])}  # learners' variance 0.01
+    new, m = outer_step(params, momentum, grad, 0.7, 0.9, True, averaged=stats)
     assert new["bn.running_var"].item() == pytest.approx(0.01) and m["bn.running_var"].item() == 0.0
     assert new["w"].item() == pytest.approx(1.0 - 0.7 * (0.99 + 0.9 * 0.99))  # the parameter's step
-    plain, _ = outer_step(params, momentum, grad, 0.7, 0.9, True)
-    assert plain["bn.running_var"].item() < 0  # what the outer step alone would make of it
+    half = {"w": torch.tensor([0.495]), "bn.running_var": torch.tensor([0.005])}  # a round of 1/2
+    new, _ = outer_step(params, momentum, half, 0.7, 0.9, True, averaged=stats, share=0.5)
+    assert new["bn.running_var"].item() == pytest.approx(0.505)  # halfway to the pushes' mean
+    plain, _ = outer_step(params, momentum, {**grad, "bn.running_var": torch.tensor([0.99])}, 0.7, 0.9, True)
+    assert plain["bn.running_var"].item() < 0  # what the outer step would make of it as a delta
+
+
+def test_running_statistics_fold_as_a_weighted_mean_in_every_mode():
+    for mode in ("mean", "token", "rda"):
+        acc = MergeAccumulator(mode, plain=frozenset({"v"}))
+        acc.add({"v": torch.tensor([2.0, 4.0])}, 1.0, age=0.5)
+        acc.add({"v": torch.tensor([4.0, 8.0])}, 1.0)
+        assert torch.allclose(acc.result(1.0)["v"], torch.tensor([3.0, 6.0])), mode  # no age, no rda
