@@ -33,7 +33,7 @@ from diloco.data.shard import concat_columns, read_shard
 from diloco.evaluate import evaluate
 from diloco.export import global_model
 from diloco.local.evaluation import EVAL_MAX_BATCHES
-from diloco.results import held_out_shards
+from diloco.results import held_out_split
 
 _FILE = re.compile(r"fragment-(\d+)-v(\d+)\.safetensors$")
 
@@ -68,7 +68,7 @@ class RunModel:
         self.workdir = Path(workdir)
         self.cfg, self.model, self.final = global_model(self.workdir)
         self.root = store.join(store_root(self.cfg, str(self.workdir)), "checkpoints")
-        shards = [read_shard(s["uri"], s["checksum"]) for s in held_out_shards(self.workdir)]
+        shards = [read_shard(s["uri"], s["checksum"]) for s in held_out_split(self.workdir)[0]]
         self.columns = concat_columns(shards)
 
     def kept(self) -> set[tuple[int, int]]:

@@ -57,7 +57,7 @@ from diloco.data.shard import concat_columns, read_shard  # noqa: E402
 from diloco.evaluate import evaluate  # noqa: E402
 from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
-from diloco.results import held_out_shards, load_model  # noqa: E402
+from diloco.results import held_out_split, load_model  # noqa: E402
 from diloco.simulate.config import LinkConfig  # noqa: E402
 from diloco.simulate.costs import parse_bandwidth, parse_duration, transfer_seconds  # noqa: E402
 from diloco.testing.netlab import Link, NetLab  # noqa: E402
@@ -89,7 +89,7 @@ def on_held_out_of(model_file: str, reference_run: Path) -> float:
     data.chunk_bytes (which --auto may choose) holds out other chunks, so its own eval is on other
     text (unigram entropy 3.122 against the defaults' 3.109 for 1 MiB chunks)."""
     loaded = load_model(model_file, None)
-    columns = concat_columns([read_shard(s["uri"], s["checksum"]) for s in held_out_shards(reference_run)])
+    columns = concat_columns([read_shard(s["uri"], s["checksum"]) for s in held_out_split(reference_run)[0]])
     return evaluate(loaded.model, columns, loaded.cfg.train.batch_size, "cpu", EVAL_MAX_BATCHES).loss
 
 

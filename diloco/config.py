@@ -100,6 +100,11 @@ class DataConfig:
     # Most bytes the shard cache keeps (0: off).
     cache_bytes: int = 2 << 30
 
+    @property
+    def unit(self) -> str:
+        """What the run counts: samples for a preprocess's shards, tokens for packed text."""
+        return "samples" if self.preprocess else "tokens"
+
 
 @dataclass
 class TrainConfig:

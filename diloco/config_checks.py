@@ -127,8 +127,6 @@ def check(cfg: RunConfig) -> None:
     for key, spec in named.items():
         if spec.count(":") != 1 or not all(part.strip() for part in spec.split(":")):
             raise ConfigError(f'{key} must be "package.module:function", not {spec!r}')
-    if t.local_state_every_s < 0:
-        raise ConfigError(f"train.local_state_every_s must be >= 0, got {t.local_state_every_s}")
     if not 0 < t.local_state_max_share <= 1:
         raise ConfigError(f"train.local_state_max_share must be in (0, 1], got {t.local_state_max_share}")
     if t.inner_steps < 1 or t.batch_size < 1 or m.seq_len < 2:
@@ -139,11 +137,11 @@ def check(cfg: RunConfig) -> None:
     if s.fragments < 1 or s.quorum < 0:
         raise ConfigError("sync.fragments must be >= 1 and sync.quorum >= 0")
     if (
-        min(s.overlap_steps, s.max_staleness, s.grace_factor, s.grace_steps, s.outer_warmup_rounds) < 0
+        min(s.overlap_steps, s.max_staleness, s.grace_steps, s.outer_warmup_rounds) < 0
         or not 0.0 <= s.mix_alpha < 1.0
     ):
         raise ConfigError(
-            "sync.overlap_steps, sync.max_staleness, sync.grace_factor, sync.grace_steps and "
+            "sync.overlap_steps, sync.max_staleness, sync.grace_steps and "
             "sync.outer_warmup_rounds must be >= 0, and sync.mix_alpha in [0, 1)"
         )
     if s.short_push_scale not in SHORT_PUSH_SCALES:
@@ -185,11 +183,9 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("data.cache_bytes must be >= 0 (0: no shard cache)")
     if cfg.coordinator.stream_chunk_bytes * 2 > cfg.coordinator.max_message_bytes:
         raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
-    if cfg.eval.every_s < 0 or cfg.eval.every_merges < 0:
-        raise ConfigError("eval.every_s and eval.every_merges must be >= 0 (both 0: no evaluator)")
+    if cfg.eval.every_merges < 0:  # (eval.every_s: check_limits)
+        raise ConfigError("eval.every_merges must be >= 0 (0 with eval.every_s 0: no evaluator)")
     if cfg.eval.max_batches < 1 or cfg.eval.threads < 1:
         raise ConfigError("eval.max_batches and eval.threads must be >= 1")
     if cfg.coordinator.keep_versions == 1 or cfg.coordinator.keep_versions < 0:
         raise ConfigError("coordinator.keep_versions must be 0 (every version) or at least 2")
-    if cfg.coordinator.min_publish_interval_s < 0:
-        raise ConfigError("coordinator.min_publish_interval_s must be >= 0")

@@ -118,24 +118,19 @@ def _from_run(path: Path, factory: str | None) -> LoadedModel:
         workdir = path
         cfg, model, versions = global_model(path, factory)
         source = f"{path} at versions {versions}"
-    return LoadedModel(
-        cfg, model.eval(), source, held_out_shards(workdir), versions, held_out_chunks(workdir)
-    )
+    shards, chunks = held_out_split(workdir)
+    return LoadedModel(cfg, model.eval(), source, shards, versions, chunks)
 
 
-def held_out_shards(workdir: Path) -> list[dict[str, Any]]:
-    """A run's held-out split as its ledger records it: {"uri", "checksum"} in chunk order."""
+def held_out_split(workdir: Path) -> tuple[list[dict[str, Any]], int]:
+    """A run's held-out split as its ledger records it: its shards ({"uri", "checksum"} in chunk
+    order), and how many chunks it has (their shards may not be made yet)."""
     with read_only(workdir) as db:
         shards = db.execute(
             "SELECT uri, checksum FROM shards WHERE split = 'eval' ORDER BY chunk_id"
         ).fetchall()
-    return [{"uri": u, "checksum": c} for u, c in shards]
-
-
-def held_out_chunks(workdir: Path) -> int:
-    """How many chunks the run's held-out split has (its shards may not be made yet)."""
-    with read_only(workdir) as db:
-        return int(db.execute("SELECT COUNT(*) FROM chunks WHERE split = 'eval'").fetchone()[0])
+        chunks = int(db.execute("SELECT COUNT(*) FROM chunks WHERE split = 'eval'").fetchone()[0])
+    return [{"uri": u, "checksum": c} for u, c in shards], chunks
 
 
 def _stored_config(workdir: Path) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import copy_corpus
+from tests.support import SECURITY_ENV, copy_corpus
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,3 +54,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory):
 def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 300 KB: learners run out of data within seconds."""
     return copy_corpus(tmp_path_factory.mktemp("tiny_corpus"), 300_000)
+
+
+@pytest.fixture
+def no_identity_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The identity flags go into this process's environment (cli.common.with_security): a test
+    starts without any, and what a command set is undone after it."""
+    for variable in SECURITY_ENV:
+        monkeypatch.setenv(variable, "")  # recorded, so the undo removes what a command sets
+        monkeypatch.delenv(variable)

@@ -28,8 +28,10 @@ from diloco.coordinator.server import start_coordinator as start_coordinator_her
 from diloco.corpus import stdlib_files
 from diloco.data.worker import DataWorker
 from diloco.local.procs import Child, ProcessGroup
+from diloco.local.tls import run_certificates
 from diloco.model import build_model
-from diloco.security.transport import Security
+from diloco.security.certs import TlsFiles
+from diloco.security.transport import ENV, INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security
 from diloco.v1 import coordinator_pb2 as pb
 
 try:  # typer >= 0.2x ships its own copy of click
@@ -284,3 +286,47 @@ def stalled_push(
         release.wait(30)
 
     return messages
+
+
+@contextlib.contextmanager
+def mtls_job(corpus: Path, workdir: Path):
+    """A `diloco run`-like workdir: its CA and certificates in tls/ (the coordinator's, and an
+    observer's named "status", as `status --workdir` makes it) and its coordinator serving mutual
+    TLS (its coordinator.json written): (running, address, certificates by name). Stopped after."""
+    certs = run_certificates(workdir, {"coordinator": "coordinator", "status": "observer"})
+    cfg = RunConfig().with_overrides({"data.dataset": str(corpus), "data.chunk_bytes": 65536})
+    running = start_coordinator_here(cfg, str(workdir), security=Security(tls=certs["coordinator"]))
+    try:
+        yield running, f"127.0.0.1:{running.port}", certs
+    finally:
+        running.stop()
+
+
+def tls_flags(files: TlsFiles) -> list[str]:
+    """The command-line flags that give a role these certificate files."""
+    return ["--tls-cert", files.cert, "--tls-key", files.key, "--tls-ca", files.ca]
+
+
+# Where the identity flags land (cli.common.with_security): a command run in this process leaves
+# them in its environment for the next.
+SECURITY_ENV = (*ENV.values(), TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV)
+
+
+def cli(*args: str) -> tuple[int, str]:
+    """`diloco ARGS` in this process, as a fresh process would run it: no identity flags left in
+    the environment by an earlier call. (exit code, output)"""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    for variable in SECURITY_ENV:
+        os.environ.pop(variable, None)
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def one_error_line(out: str) -> str:
+    """The one `error: ` line a refused command prints (and no traceback)."""
+    lines = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in out, out
+    return lines[0]

@@ -52,6 +52,7 @@ class Joined:
     optimizer: torch.optim.Optimizer
     params: dict[str, torch.Tensor]  # parameters and running statistics (contract.synced_tensors)
     frags: list[HeldFragment]
+    averaged: frozenset[str]  # the running statistics among params: values, merged as a mean
 
 
 def join_run(
@@ -99,14 +100,16 @@ def join_run(
         if place is not None and (problem := group_running_stats_problem(model, cfg.model.factory)):
             raise ModelContractError(problem)
     params = synced_tensors(model)  # the parameters and the normalization layers' running statistics
+    averaged = frozenset(running_stats(model))
     plan = assign_fragments([(n, p.numel()) for n, p in params.items()], cfg.sync.fragments)
     mark("model")  # tokenizer check, model and optimizer built
     if reply.needs_init:
         with refusing(client, log):
             offered = initial_parameters(params, cfg)
-        averaged = frozenset(running_stats(model))
         log.info("init parameters: %s", client.init_parameters(offered, averaged).reason)
-    return Joined(reply, cfg, chosen, model, optimizer, params, [HeldFragment(names) for names in plan])
+    return Joined(
+        reply, cfg, chosen, model, optimizer, params, [HeldFragment(names) for names in plan], averaged
+    )
 
 
 def check_tokenizer(cfg: RunConfig, expected_hash: str) -> None:

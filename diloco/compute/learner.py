@@ -44,7 +44,6 @@ from diloco.compute.sync_channel import Merged, SyncChannel
 from diloco.config import RunConfig
 from diloco.data.cache import open_cache
 from diloco.errors import DilocoError
-from diloco.model.contract import running_stats
 from diloco.role import heartbeat_thread, refusing
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -115,7 +114,7 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
             joined.params,
             joined.frags,
         )
-        self.averaged = frozenset(running_stats(self.model))
+        self.averaged = joined.averaged
         self.resumed = self._resume_decision(cfg, reply)
         if cfg.train.max_tokens and not cfg.sync.synchronous:  # a budget: no step before an allowance
             self.allowance = (self.progress.tokens_trained, 0)

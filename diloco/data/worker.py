@@ -67,7 +67,7 @@ class DataWorker:
         reply = self.client.join(self.connect_timeout_s)
         config = self.client.config
         assert config is not None
-        self.unit = "samples" if config.data.preprocess else "tokens"  # as the coordinator counts them
+        self.unit = config.data.unit  # as the coordinator counts them
         with refusing(self.client, log):
             tokenizer = load_checked_tokenizer(config.data.tokenizer, reply.tokenizer_hash)
             maker = shard_maker(config, tokenizer)

@@ -78,7 +78,7 @@ def resume_notes(before: RecordedRun | None, workdir: Path, config: RunConfig) -
     recorded = recorded_config(workdir) if before is not None else None
     if before is None or recorded is None:
         return []
-    unit = "samples" if recorded.data.preprocess else "tokens"
+    unit = recorded.data.unit
     notes = [
         f"resuming the run in {workdir}: {before.tokens_merged:,} {unit} merged ({before.tokens_trained:,} "
         "trained) before this job; the rates at the end are this job's own"

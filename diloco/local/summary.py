@@ -4,7 +4,7 @@ and the final model evaluated on the held-out split."""
 
 from __future__ import annotations
 
-import json
+import sqlite3
 from pathlib import Path
 from typing import Any
 
@@ -99,19 +99,14 @@ def run_evals(workdir: Path) -> list[dict[str, Any]] | None:
     """Every evaluation the ledger holds, oldest first (None: no ledger). The coordinator's final
     status can be read before the evaluator reports its last evaluation (the final model's)."""
     from diloco.coordinator.ledger import ledger_path
+    from diloco.coordinator.ledger.evals import eval_records
     from diloco.coordinator.report import read_only
 
     if not ledger_path(workdir).exists():
         return None
     with read_only(workdir) as db:
-        rows = db.execute(
-            "SELECT at, worker_id, versions, tokens_merged, loss, metrics, rows, seconds FROM evals ORDER BY id"
-        ).fetchall()
-    return [
-        {"at": at, "worker_id": wid, "fragment_versions": json.loads(versions), "tokens_merged": merged,
-         "loss": loss, "metrics": json.loads(metrics), "rows": n, "seconds": seconds}
-        for at, wid, versions, merged, loss, metrics, n, seconds in rows
-    ]  # fmt: skip
+        db.row_factory = sqlite3.Row
+        return eval_records(db.execute("SELECT * FROM evals ORDER BY id").fetchall())
 
 
 def time_shares(w: dict[str, Any]) -> dict[str, float]:
@@ -274,7 +269,7 @@ def summarize(
         else 0.0
     )
     # What the ledger counted exactly once: tokens of packed rows, or samples of a preprocess.
-    summary["unit"] = "samples" if cfg.data.preprocess else "tokens"
+    summary["unit"] = cfg.data.unit
     summary["trained_tokens_per_s"] = job_trained / max(train_seconds, 1e-9)
     summary["merged_tokens_per_s"] = job_merged / max(train_seconds, 1e-9)
     timed = [w for w in d.get("workers", []) if w["role"] == "compute" and w.get("wall_seconds")]

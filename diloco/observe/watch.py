@@ -78,7 +78,6 @@ def job_ended(workdir: Path) -> str | None:
     finished run stays finished) or its summary.json was written after this coordinator started
     (the job wrote its results). A coordinator that is being restarted holds it again soon, and
     its run is not finished: that is waited for."""
-    from diloco.coordinator.ledger.db import ledger_path
     from diloco.coordinator.workdir import workdir_holder
 
     info, summary = workdir / "coordinator.json", workdir / "summary.json"
@@ -86,7 +85,7 @@ def job_ended(workdir: Path) -> str | None:
         return None
     results = " (its results: summary.json)" if summary.exists() else ""
     line = f"{workdir}'s coordinator is not running: the job has ended{results}"
-    if _ledger_run_state(ledger_path(workdir)) == "finished":
+    if _ledger_run_state(workdir) == "finished":
         return line
     try:
         return line if summary.stat().st_mtime >= info.stat().st_mtime else None
@@ -94,15 +93,15 @@ def job_ended(workdir: Path) -> str | None:
         return None
 
 
-def _ledger_run_state(path: Path) -> str | None:
-    if not path.exists():
+def _ledger_run_state(workdir: Path) -> str | None:
+    from diloco.coordinator.ledger.db import ledger_path
+    from diloco.coordinator.report import read_only
+
+    if not ledger_path(workdir).exists():
         return None
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
+        with read_only(workdir) as db:
             row = db.execute("SELECT value FROM meta WHERE key = 'run_state'").fetchone()
-        finally:
-            db.close()
     except sqlite3.Error:
         return None
     return None if row is None else str(row[0])

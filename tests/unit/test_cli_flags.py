@@ -10,22 +10,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from typer.testing import CliRunner
 
 from cli.common import ConfigOpt
-from cli.main import app
 from diloco.config import ConfigError, RunConfig
 from diloco.errors import DilocoError
 from diloco.evaluate import sample_text
 from diloco.simulate.config import LinkConfig
 from diloco.simulate.tune import recommend
+from tests.support import cli
 
 ADDRESS = "127.0.0.1:1"  # never reached: each refusal comes first
-
-
-def cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.output
 
 
 @pytest.fixture

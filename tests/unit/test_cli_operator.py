@@ -25,34 +25,18 @@ from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
 from diloco.errors import DilocoError
-from diloco.local.tls import SUPERVISOR, run_certificates
+from diloco.local.tls import SUPERVISOR
 from diloco.observe.http import GuardedServer
 from diloco.observe.watch import unreachable_line, watch_status
 from diloco.observe.worker_metrics import serve_worker_metrics
-from diloco.security.transport import ENV, INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security
+from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import run_cli
+from tests.support import cli, mtls_job, one_error_line, run_cli, tls_flags
+
+# Each test starts without identity flags in the environment, and what a command set is undone.
+pytestmark = pytest.mark.usefixtures("no_identity_in_env")
 
 TOKEN = "a-token-of-the-run-0123456789"
-SECURITY_ENV = (*ENV.values(), TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV)
-
-
-@pytest.fixture(autouse=True)
-def no_identity_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The identity flags go into this process's environment (cli.common.with_security): each test
-    starts without any, and what a command set is undone after it."""
-    for variable in SECURITY_ENV:
-        monkeypatch.setenv(variable, "")  # recorded, so the undo removes what a command sets
-        monkeypatch.delenv(variable)
-
-
-def cli(*args: str) -> tuple[int, str]:
-    """`diloco ARGS` in this process, as a fresh process would run it: no identity flags left in
-    the environment by an earlier call."""
-    for variable in SECURITY_ENV:
-        os.environ.pop(variable, None)
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.output
 
 
 @contextlib.contextmanager
@@ -61,12 +45,6 @@ def port_in_use() -> Iterator[int]:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         yield taken.getsockname()[1]
-
-
-def one_error_line(out: str) -> str:
-    lines = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in out, out
-    return lines[0]
 
 
 # -- a port in use, a workdir that cannot be written ----------------------------------------------
@@ -287,17 +265,8 @@ def test_finish_under_mutual_tls_takes_an_operator_certificate(tiny_corpus: Path
     """A `diloco run`-like workdir (its CA in tls/, its coordinator.json): an observer's certificate
     is refused, `--workdir` finishes the run with the job's supervisor's (its operator)."""
     workdir = tmp_path / "job"
-    certs = run_certificates(workdir, {"coordinator": "coordinator", "status": "observer"})
-    running = start_coordinator(
-        tiny_config(tiny_corpus), str(workdir), security=Security(tls=certs["coordinator"])
-    )
-    address = f"127.0.0.1:{running.port}"
-    observer = certs["status"]
-    try:
-        code, out = cli(
-            "finish", "--coordinator", address,
-            "--tls-cert", observer.cert, "--tls-key", observer.key, "--tls-ca", observer.ca,
-        )  # fmt: skip
+    with mtls_job(tiny_corpus, workdir) as (_, address, certs):
+        code, out = cli("finish", "--coordinator", address, *tls_flags(certs["status"]))
         line = one_error_line(out)
         assert code == 2 and "refused to finish" in line and "--role operator" in line, out
         assert run_state(address, Security(tls=certs[SUPERVISOR])) == "running"
@@ -309,8 +278,6 @@ def test_finish_under_mutual_tls_takes_an_operator_certificate(tiny_corpus: Path
             time.sleep(0.2)
         code, out = cli("status", "--workdir", str(workdir), "--json")
         assert code == 0 and json.loads(out)["run_state"] == "finished", out
-    finally:
-        running.stop()
     # Its coordinator.json outlives it: asked after, the job has ended (not "connection refused").
     code, out = cli("status", "--workdir", str(workdir))
     assert code == 2 and "coordinator is not running: the job has ended" in one_error_line(out), out

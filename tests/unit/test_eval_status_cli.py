@@ -13,35 +13,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from typer.testing import CliRunner
 
-from cli.main import app
 from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.observe.watch import REFUSE, STOP, WAIT, job_ended, on_outage, watch_status
-from diloco.security.transport import ENV, INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV
+from tests.support import cli, mtls_job, one_error_line, tls_flags
 
-SECURITY_ENV = (*ENV.values(), TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV)
-
-
-@pytest.fixture(autouse=True)
-def no_identity_in_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for variable in SECURITY_ENV:
-        monkeypatch.setenv(variable, "")  # recorded, so the undo removes what a command sets
-        monkeypatch.delenv(variable)
-
-
-def cli(*args: str) -> tuple[int, str]:
-    for variable in SECURITY_ENV:
-        os.environ.pop(variable, None)
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.output
-
-
-def one_error_line(out: str) -> str:
-    lines = [line for line in out.splitlines() if line.startswith("error: ")]
-    assert len(lines) == 1 and "Traceback" not in out, out
-    return lines[0]
+# Each test starts without identity flags in the environment, and what a command set is undone.
+pytestmark = pytest.mark.usefixtures("no_identity_in_env")
 
 
 # -- eval on too little text ------------------------------------------------------------------------
@@ -91,29 +70,15 @@ def test_eval_workdir_pulls_with_an_evaluator_certificate(tiny_corpus: Path, tmp
     """A `diloco run`-like workdir (its CA in tls/, its coordinator.json): the observer's certificate
     `status --workdir` uses is refused in one line naming what to give; `--workdir` joins with an
     evaluator's certificate of its own (so the run, with no parameters yet, says so)."""
-    from diloco.coordinator.server import start_coordinator
-    from diloco.local.tls import run_certificates
-    from diloco.security.transport import Security
-
     workdir = tmp_path / "job"
-    certs = run_certificates(workdir, {"coordinator": "coordinator", "status": "observer"})
-    cfg = RunConfig().with_overrides({"data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536})
-    running = start_coordinator(cfg, str(workdir), security=Security(tls=certs["coordinator"]))
-    address = f"127.0.0.1:{running.port}"
-    observer = certs["status"]
-    try:
-        code, out = cli(
-            "eval", "--coordinator", address,
-            "--tls-cert", observer.cert, "--tls-key", observer.key, "--tls-ca", observer.ca,
-        )  # fmt: skip
+    with mtls_job(tiny_corpus, workdir) as (_, address, certs):
+        code, out = cli("eval", "--coordinator", address, *tls_flags(certs["status"]))
         line = one_error_line(out)
         assert code == 2 and "refused to let this evaluator join" in line, out
         assert "--role evaluator" in line and "--workdir" in line, line
         code, out = cli("eval", "--workdir", str(workdir))
         assert code == 2 and "the run has no parameters yet" in one_error_line(out), out
         assert (workdir / "tls" / "eval.crt").exists()
-    finally:
-        running.stop()
     code, out = cli("eval", "--workdir", str(workdir))
     assert code == 2 and "the job has ended" in one_error_line(out), out
     code, out = cli("eval", str(workdir), "--workdir", str(workdir))

@@ -9,16 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from cli.main import app
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
 from diloco.data.worker import DataWorker
 from diloco.model.weights import save_weights
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import REPO
+from tests.support import REPO, cli
 
 OWN_LOOP = REPO / "examples/own-loop"
 
@@ -44,11 +42,6 @@ def own_loop_run(corpus: Path, workdir: Path, factory: str | None) -> Iterator[s
         yield address
     finally:
         running.stop()
-
-
-def cli(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.output
 
 
 @pytest.mark.timeout(150)

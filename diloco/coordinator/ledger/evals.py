@@ -4,7 +4,8 @@ held-out rows they read."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from diloco.coordinator.ledger.db import LedgerBase
@@ -40,20 +41,7 @@ class EvalsTable(LedgerBase):
     def evals(self, last: int | None = None) -> list[dict[str, Any]]:
         """Every evaluation (or the `last` ones), oldest first."""
         sql = "SELECT * FROM evals ORDER BY id DESC" + (" LIMIT ?" if last is not None else "")
-        rows = self._read(sql, (last,) if last is not None else ())
-        return [
-            {
-                "at": r["at"],
-                "worker_id": r["worker_id"],
-                "fragment_versions": json.loads(r["versions"]),
-                "tokens_merged": r["tokens_merged"],
-                "loss": r["loss"],
-                "metrics": json.loads(r["metrics"]),
-                "rows": r["rows"],
-                "seconds": r["seconds"],
-            }
-            for r in reversed(rows)
-        ]
+        return eval_records(reversed(self._read(sql, (last,) if last is not None else ())))
 
     def eval_split(self) -> dict[str, Any]:
         """The held-out split as an evaluator reads it: its shards in chunk order up to the first
@@ -72,3 +60,20 @@ class EvalsTable(LedgerBase):
             ready.append({"uri": r["uri"], "checksum": r["checksum"], "rows": r["rows"]})
         pending = sum(1 for r in chunks if r["state"] != "quarantined" and r["uri"] is None)
         return {"shards": ready, "complete": pending == 0, "chunks": len(chunks)}
+
+
+def eval_records(rows: Iterable[sqlite3.Row]) -> list[dict[str, Any]]:
+    """Rows of the evals table as status and the summary show them, in the order given."""
+    return [
+        {
+            "at": r["at"],
+            "worker_id": r["worker_id"],
+            "fragment_versions": json.loads(r["versions"]),
+            "tokens_merged": r["tokens_merged"],
+            "loss": r["loss"],
+            "metrics": json.loads(r["metrics"]),
+            "rows": r["rows"],
+            "seconds": r["seconds"],
+        }
+        for r in rows
+    ]

@@ -79,7 +79,7 @@ class StatusRPCs(ServiceBase):
             if self.publish_failing is None
             else {"seconds": round(now - self.publish_failing[0], 1), "error": self.publish_failing[1]},
             # What the counts count: tokens of packed text, or samples of a preprocess's data.
-            "unit": "samples" if self.config.data.preprocess else "tokens",
+            "unit": self.config.data.unit,
             "coordinator_epoch": self.epoch,
             "fragment_versions": [f.published_version for f in self.fragments],
             "tokens_merged": int(counters.get("tokens_merged", 0)),
