@@ -114,12 +114,12 @@ class RunningCoordinator:
     def stop(self, grace_s: float = 2.0) -> None:
         for http in self.observers:
             http.stop()
-        # No new calls first: a push that came after the merger stopped would be answered "queued
-        # for merge" and never merged in this life. Calls under way get grace_s; the service's
-        # stop wakes the long-polling pulls among them.
-        stopped = self.server.stop(grace_s)
+        # The service first (its merges published), then the calls under way get grace_s. A push
+        # accepted in between is recorded pending and dropped by the next life, whose learners
+        # send it again. Stopping the server first left calls blocked behind the service's stop
+        # past the grace: cancelled (a status watch ended on it, once in CI).
         self.service.stop()
-        stopped.wait()
+        self.server.stop(grace_s).wait()
         self.ledger.close()
         if self.workdir_lock is not None:
             self.workdir_lock.close()

@@ -138,7 +138,9 @@ def watch_status(
         try:
             detail = fetch()
         except grpc.RpcError as e:
-            if e.code() not in RETRYABLE:
+            # CANCELLED too: a coordinator that stops cancels the calls it was serving (measured:
+            # a refresh in flight as the coordinator stopped ended the watch, exit 2).
+            if e.code() not in RETRYABLE and e.code() != grpc.StatusCode.CANCELLED:
                 raise
             at = now()
             down_since = at if down_since is None else down_since

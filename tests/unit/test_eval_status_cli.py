@@ -89,11 +89,15 @@ def test_eval_workdir_pulls_with_an_evaluator_certificate(tiny_corpus: Path, tmp
 
 
 class Unavailable(grpc.RpcError):
-    def __init__(self, details: str = "ipv4:127.0.0.1:7: Connection refused") -> None:
-        self._details = details
+    def __init__(
+        self,
+        details: str = "ipv4:127.0.0.1:7: Connection refused",
+        code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+    ) -> None:
+        self._details, self._code = details, code
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
+        return self._code
 
     def details(self) -> str:
         return self._details
@@ -138,6 +142,23 @@ def test_a_watch_waits_for_a_coordinator_from_its_first_refresh() -> None:
     )
     assert [d for d, _ in shown] == [None, None, {"run_state": "running"}]
     assert "(0 s): Connection refused" in str(shown[0][1]) and "(2 s): Connection refused" in str(shown[1][1])
+
+
+def test_a_refresh_cancelled_by_a_stopping_coordinator_is_an_outage_too() -> None:
+    """A coordinator that stops cancels the calls it was serving: once, in CI, the refresh in
+    flight ended the watch (exit 2) instead of waiting for the restart."""
+    shown: list[object] = []
+    fetch = scripted(
+        [
+            {"run_state": "running"},
+            Unavailable("CANCELLED", grpc.StatusCode.CANCELLED),
+            {"run_state": "running"},
+        ]
+    )
+    watch_status(
+        fetch, lambda d, down: shown.append(d), 1, now=lambda: 0.0, sleep=lambda s: None, refreshes=3
+    )
+    assert shown == [{"run_state": "running"}, None, {"run_state": "running"}]
 
 
 def test_a_watch_stops_once_the_finished_runs_coordinator_is_gone() -> None:
