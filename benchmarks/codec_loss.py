@@ -4,8 +4,8 @@
 
 Synchronous DiLoCo, M learners, in one process, built from the library's own parts: each learner
 has its own AdamW and its own seeded stream of rows; its delta is encoded with error feedback
-(`codecs.encode_with_feedback`, as the learner does), decoded, merged (`syncer.merge_weights`,
-`syncer.merge`) and applied with the outer Nesterov step (`syncer.outer_step`), and the merged
+(`codecs.encode_with_feedback`, as the learner does), decoded, merged (`merging.merge_weights`,
+`merging.merge`) and applied with the outer Nesterov step (`merging.outer_step`), and the merged
 fragment goes back encoded against what the learners hold (`codecs.encode_step`, as the
 coordinator does). Within one seed every codec sees the very same rows in the very same order and
 starts from the same weights, so the difference between arms is the codec's alone. (An
@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.ddp_baseline import BENCH_CHUNK_BYTES, build_rows  # noqa: E402
 from diloco.compute.device import set_threads  # noqa: E402
 from diloco.config import RunConfig, parse_assignments  # noqa: E402
-from diloco.coordinator import syncer  # noqa: E402
+from diloco.coordinator import merging  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.local.evaluation import EVAL_MAX_BATCHES  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
@@ -97,12 +97,12 @@ def train_arm(
             deltas.append(delta)
             tokens.append(t.inner_steps * t.batch_size * rows.shape[1])
             steps.append(t.inner_steps)
-        weights = syncer.merge_weights(tokens, steps, s.merge)
-        outer_grad = syncer.merge(deltas, weights, s.merge, consume=True)
-        lr, mu = syncer.outer_hyper(
+        weights = merging.merge_weights(tokens, steps, s.merge)
+        outer_grad = merging.merge(deltas, weights, s.merge, consume=True)
+        lr, mu = merging.outer_hyper(
             s.outer_lr, s.outer_momentum, s.outer_warmup_rounds, r
         )  # the syncer's rule
-        global_params, momentum = syncer.outer_step(
+        global_params, momentum = merging.outer_step(
             global_params, momentum, outer_grad, lr, mu, s.nesterov, consume=True
         )
         if codec == "fp32":

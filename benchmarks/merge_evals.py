@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 
 from diloco import store
-from diloco.coordinator import syncer
+from diloco.coordinator import merging
 from diloco.coordinator.checkpoint import load_fragment, load_model_params
 from diloco.coordinator.workdir import store_root
 from diloco.data.shard import concat_columns, read_shard
@@ -57,7 +57,7 @@ class MergeStep(NamedTuple):
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The outer step of this merge, its gradient times `scale`, from (params, momentum)."""
         grad = {n: g * scale for n, g in self.grad.items()}
-        return syncer.outer_step(params, momentum, grad, self.lr, self.mu, self.nesterov, fraction=self.work)
+        return merging.outer_step(params, momentum, grad, self.lr, self.mu, self.nesterov, fraction=self.work)
 
 
 class RunModel:
@@ -92,8 +92,8 @@ class RunModel:
         before, m_before = load_fragment(self.root, fragment, version - 1)
         after, m_after = load_fragment(self.root, fragment, version)
         live = round(pushes / coverage) if coverage > 0 else pushes
-        work = syncer.work_fraction(steps, live, cfg.train.inner_steps)
-        lr, mu = syncer.outer_hyper(
+        work = merging.work_fraction(steps, live, cfg.train.inner_steps)
+        lr, mu = merging.outer_hyper(
             cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.outer_warmup_rounds, version - 1
         )
         grad = {n: m_after[n] - mu**work * m_before[n] for n in m_before}

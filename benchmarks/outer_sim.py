@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import build_rows  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
-from diloco.coordinator import syncer  # noqa: E402
+from diloco.coordinator import merging  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
@@ -61,18 +61,18 @@ def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
             continue
         if not force and len(pushers) < M and (len(pushers) < needed or tick < f.open_since + args.window):
             continue
-        acc = syncer.MergeAccumulator(policy.merge)
+        acc = merging.MergeAccumulator(policy.merge)
         for _, delta, tok, st in f.pushes:
-            acc.add(delta, syncer.merge_weight(tok, st, policy.merge))
-        scale = 1.0 if args.no_coverage else syncer.coverage_scale(len(pushers), M)
+            acc.add(delta, merging.merge_weight(tok, st, policy.merge))
+        scale = 1.0 if args.no_coverage else merging.coverage_scale(len(pushers), M)
         # The merger's rule: the momentum moves by the round's share of a full round's steps.
-        work = syncer.work_fraction(sum(st for *_, st in f.pushes), M, args.inner_steps)
+        work = merging.work_fraction(sum(st for *_, st in f.pushes), M, args.inner_steps)
         fraction = 1.0 if args.late == "amend" else (scale if args.no_coverage else work)
         f.period_start, f.period_members = f.version, set(pushers)
-        lr, mu = syncer.outer_hyper(
+        lr, mu = merging.outer_hyper(
             policy.outer_lr, policy.outer_momentum, policy.outer_warmup_rounds, f.version
         )
-        f.params, f.momentum = syncer.outer_step(f.params, f.momentum, acc.result(scale), lr, mu, policy.nesterov,
+        f.params, f.momentum = merging.outer_step(f.params, f.momentum, acc.result(scale), lr, mu, policy.nesterov,
                                                  fraction=fraction)  # fmt: skip
         f.version += 1
         f.history.append({n: t.clone() for n, t in f.params.items()})

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.merge_evals import RunModel  # noqa: E402
-from diloco.coordinator import syncer  # noqa: E402
+from diloco.coordinator import merging  # noqa: E402
 
 
 def push_steps(workdir: Path) -> dict[tuple[int, int], list[int]]:
@@ -49,7 +49,7 @@ def replay(workdir: Path, mode: str, below: float) -> dict[str, Any]:
         for f, version, _, pushes, _, total, _, coverage in rounds:
             if f != fragment or version <= 1:  # a fragment's first merge is never scaled
                 continue
-            factor = syncer.short_push_scale(steps.get((f, version), []), h, mode)
+            factor = merging.short_push_scale(steps.get((f, version), []), h, mode)
             if params is None and factor >= below:
                 continue
             if (f, version - 1) not in kept or (f, version) not in kept:

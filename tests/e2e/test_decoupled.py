@@ -14,7 +14,7 @@ import torch
 
 from diloco import store
 from diloco.config import RunConfig
-from diloco.coordinator import syncer
+from diloco.coordinator import merging
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.data.shard import read_shard
 from diloco.local.procs import ProcessGroup
@@ -198,22 +198,22 @@ def test_c_quorum_all_one_fragment_is_synchronous_diloco(tiny_corpus: Path, tmp_
             steps.append(n_steps)
         # The coordinator folds each push into the round's sum as it arrives (two terms: the
         # order does not change a bit) and scales once at the end.
-        acc = syncer.MergeAccumulator(cfg.sync.merge)
+        acc = merging.MergeAccumulator(cfg.sync.merge)
         for d, t, s in zip(deltas, tokens, steps, strict=True):
-            acc.add(d, syncer.merge_weight(t, s, cfg.sync.merge))
+            acc.add(d, merging.merge_weight(t, s, cfg.sync.merge))
         # A round of short pushes is scaled down too (never a fragment's first merge).
-        short = syncer.short_push_scale(steps, cfg.train.inner_steps, cfg.sync.short_push_scale)
+        short = merging.short_push_scale(steps, cfg.train.inner_steps, cfg.sync.short_push_scale)
         grad = acc.result(scales[version] * (short if version > 1 else 1.0))
         # The momentum moves by the round's work: its steps over every live learner's H (the
         # live learners are the round's pushers over its coverage).
         live = round(len(deltas) / scales[version])
-        work = syncer.work_fraction(sum(steps), live, cfg.train.inner_steps)
-        theta, momentum = syncer.outer_step(
+        work = merging.work_fraction(sum(steps), live, cfg.train.inner_steps)
+        theta, momentum = merging.outer_step(
             theta,
             momentum,
             grad,
             # The merge into version + 1: the outer step's warm-up reads the version it merges onto.
-            *syncer.outer_hyper(
+            *merging.outer_hyper(
                 cfg.sync.outer_lr, cfg.sync.outer_momentum, cfg.sync.outer_warmup_rounds, version - 1
             ),
             cfg.sync.nesterov,

@@ -111,7 +111,7 @@ def test_retries_after_lost_replies_have_no_second_effect(tiny_corpus: Path, tmp
         assert learner.init_parameters(init).accepted
         shard = learner.call("LeaseShard", pb.LeaseShardRequest())
         delta = {n: torch.full_like(t, 0.01) for n, t in init.items()}
-        # H steps: a whole round's work, so its merge is a whole outer step (syncer.work_fraction).
+        # H steps: a whole round's work, so its merge is a whole outer step (merging.work_fraction).
         header = pb.TensorHeader(
             fragment=0, version=0, inner_steps=cfg.train.inner_steps, tokens=4 * (model_cfg.seq_len + 1)
         )

@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from diloco.config import RunConfig
-from diloco.coordinator import checkpoint, lifecycle, syncer
+from diloco.coordinator import checkpoint, lifecycle, merging, syncer
 from diloco.coordinator.callers import Callers, RefusalLog, caller_of, peer_host
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.ledger import Ledger
@@ -231,7 +231,7 @@ class ServiceBase:
         )  # fmt: skip
 
     def _new_sum(self) -> RoundSum:
-        return RoundSum(syncer.MergeAccumulator(self.policy.merge, self.averaged))
+        return RoundSum(merging.MergeAccumulator(self.policy.merge, self.averaged))
 
     # -- helpers --------------------------------------------------------------------------------
 

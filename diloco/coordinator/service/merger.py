@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Iterator
 
-from diloco.coordinator import syncer
+from diloco.coordinator import merging, syncer
 from diloco.coordinator.ledger import MergeRecord
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
@@ -98,19 +98,19 @@ class Merger(ServiceBase):
         # it merged again: at coverage 1 and work 0.32, eval 2.310 -> 2.339; the same push merged
         # at 0.5 and 0.16, as the first time, gives 2.308 (recomputed from the checkpoints).
         live = len(contributors | set(self._live_learners()) | frag.round.members)
-        scale = syncer.coverage_scale(len(contributors), live)
+        scale = merging.coverage_scale(len(contributors), live)
         steps = sum(q.arrival.steps for q in pending)
-        # Short pushes are mostly the inner loop's fluctuation (syncer.short_push_scale). A
+        # Short pushes are mostly the inner loop's fluctuation (merging.short_push_scale). A
         # fragment's first merge is plain averaging, every learner's start made one: never scaled.
         short = 1.0
         if frag.version > 0:
-            short = syncer.short_push_scale(
+            short = merging.short_push_scale(
                 [q.arrival.steps for q in pending],
                 self.config.train.inner_steps,
                 self.policy.short_push_scale,
             )
-        work = syncer.work_fraction(steps, live, self.config.train.inner_steps)
-        hyper = syncer.outer_hyper(
+        work = merging.work_fraction(steps, live, self.config.train.inner_steps)
+        hyper = merging.outer_hyper(
             self.policy.outer_lr, self.policy.outer_momentum, self.policy.outer_warmup_rounds, frag.version
         )
         # The arithmetic, with the service lock released: pushes to other fragments, pulls,
@@ -120,7 +120,7 @@ class Merger(ServiceBase):
         with self._lock_released():
             try:
                 outer_grad = summed.acc.result(scale * short)
-                params, momentum = syncer.outer_step(
+                params, momentum = merging.outer_step(
                     frag.params, frag.momentum, outer_grad, *hyper, self.policy.nesterov, fraction=work, consume=True,
                     averaged=self.averaged, share=scale * short,
                 )  # fmt: skip

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from diloco.coordinator import limits, syncer
+from diloco.coordinator import limits, merging, syncer
 from diloco.coordinator.callers import caller_of
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
 from diloco.coordinator.ledger.rows import PushRecorded
@@ -335,8 +335,8 @@ class PushRPCs(ServiceBase):
             self.step_time_s = moving_average(self.step_time_s, header.step_time_s)
         if header.first_loss and self.ledger.get_meta("first_loss") is None:
             self.ledger.set_meta(first_loss=repr(header.first_loss))
-        weight = syncer.merge_weight(header.tokens, header.inner_steps, self.policy.merge)
-        age = syncer.age_factor(self.policy.stale_decay, frag.version - header.version)
+        weight = merging.merge_weight(header.tokens, header.inner_steps, self.policy.merge)
+        age = merging.age_factor(self.policy.stale_decay, frag.version - header.version)
         reply = pb.PushReply(
             accepted=True, reason="queued for merge", version=frag.version, missed_round_by_s=missed
         )

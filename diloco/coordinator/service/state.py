@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from diloco.coordinator import syncer
+from diloco.coordinator import merging, syncer
 from diloco.coordinator.ledger import MergeRecord
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -50,7 +50,7 @@ class RoundSum:
     coordinator holds one fragment per round however many learners push (plus the pushes in
     flight, which max_inflight_pushes bounds). `folding` handlers are still adding theirs."""
 
-    acc: syncer.MergeAccumulator
+    acc: merging.MergeAccumulator
     lock: threading.Lock = field(default_factory=threading.Lock)
     folding: int = 0
     lost: list[str] = field(default_factory=list)  # push ids whose fold failed: the round is dropped

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diloco.coordinator.syncer import (
+from diloco.coordinator.merging import (
     MergeAccumulator,
     age_factor,
     coverage_scale,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.coordinator import syncer
+from diloco.coordinator import merging
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import delta_header, tiny_coordinator
 
@@ -20,14 +20,14 @@ def test_heartbeats_and_the_lock_are_free_while_a_merge_computes(
     tiny_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     entered, release = threading.Event(), threading.Event()
-    real_outer_step = syncer.outer_step
+    real_outer_step = merging.outer_step
 
     def slow_outer_step(*args, **kwargs):  # a fragment that takes as long as the test says to step
         entered.set()
         assert release.wait(30)
         return real_outer_step(*args, **kwargs)
 
-    monkeypatch.setattr(syncer, "outer_step", slow_outer_step)
+    monkeypatch.setattr(merging, "outer_step", slow_outer_step)
     with tiny_coordinator(tiny_corpus, tmp_path, {"data.epochs": 4}) as (running, learner, init):
         try:
             check_a_merge_in_flight(running.service, learner, init, entered, release)

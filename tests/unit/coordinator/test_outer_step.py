@@ -6,12 +6,7 @@ import itertools
 import pytest
 import torch
 
-from diloco.coordinator.syncer import (
-    MergeAccumulator,
-    outer_hyper,
-    outer_step,
-    work_fraction,
-)
+from diloco.coordinator.merging import MergeAccumulator, outer_hyper, outer_step, work_fraction
 
 # -- outer step -----------------------------------------------------------------------------------
 

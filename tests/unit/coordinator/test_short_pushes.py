@@ -9,7 +9,7 @@ import pytest
 
 from diloco.config import RunConfig
 from diloco.config_parse import ConfigError
-from diloco.coordinator import syncer
+from diloco.coordinator import merging
 from tests.support import PLAIN_OUTER_STEP, delta_header, push_and_merge, tiny_coordinator, uniform_delta
 
 
@@ -18,24 +18,24 @@ def balanced(rho: float) -> float:
 
 
 def test_whole_pushes_and_none_are_not_scaled() -> None:
-    assert syncer.short_push_scale([50, 50], 50, "balanced") == 1.0
-    assert syncer.short_push_scale([80], 50, "balanced") == 1.0  # more than H counts as whole
-    assert syncer.short_push_scale([5, 5], 50, "none") == 1.0
-    assert syncer.short_push_scale([], 50, "balanced") == 1.0  # nothing to scale
+    assert merging.short_push_scale([50, 50], 50, "balanced") == 1.0
+    assert merging.short_push_scale([80], 50, "balanced") == 1.0  # more than H counts as whole
+    assert merging.short_push_scale([5, 5], 50, "none") == 1.0
+    assert merging.short_push_scale([], 50, "balanced") == 1.0  # nothing to scale
 
 
 def test_short_pushes_are_scaled_about_by_their_share() -> None:
-    assert syncer.short_push_scale([9, 9], 50, "balanced") == pytest.approx(balanced(0.18))
-    assert syncer.short_push_scale([4], 50, "balanced") == pytest.approx(balanced(0.08))
+    assert merging.short_push_scale([9, 9], 50, "balanced") == pytest.approx(balanced(0.18))
+    assert merging.short_push_scale([4], 50, "balanced") == pytest.approx(balanced(0.08))
     assert 1.9 * 0.08 < balanced(0.08) < 2 * 0.08
 
 
 def test_nearly_whole_rounds_keep_nearly_a_whole_step() -> None:
     # Flat at ρ = 1: the rounds of a chaos run that lost a few steps to a kill (88-97 of 100).
-    assert syncer.short_push_scale([44, 44], 50, "balanced") > 0.99
+    assert merging.short_push_scale([44, 44], 50, "balanced") > 0.99
     # Weighted by steps, as the token-weighted mean weighs the deltas: 4 steps beside 50.
-    assert syncer.short_push_scale([50, 4], 50, "balanced") == pytest.approx(balanced((50 + 4 * 0.08) / 54))
-    assert syncer.short_push_scale([50, 4], 50, "balanced") > 0.99
+    assert merging.short_push_scale([50, 4], 50, "balanced") == pytest.approx(balanced((50 + 4 * 0.08) / 54))
+    assert merging.short_push_scale([50, 4], 50, "balanced") > 0.99
 
 
 def test_an_unknown_mode_is_refused() -> None:

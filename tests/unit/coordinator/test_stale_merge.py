@@ -1,5 +1,5 @@
 """A push on a stale base moves the model by sync.stale_decay^lag of what a current one would,
-on a real coordinator (the wiring of syncer.age_factor into the service's merge)."""
+on a real coordinator (the wiring of merging.age_factor into the service's merge)."""
 
 from __future__ import annotations
 
