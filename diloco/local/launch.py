@@ -82,20 +82,7 @@ class LocalRun:
         o = self.options
         self.name = o.name or o.config.name or datetime.now().strftime("run-%Y%m%d-%H%M%S")
         self.workdir = Path(o.workdir or Path("runs") / self.name).resolve()
-        cfg = o.config
-        if cfg.train.threads == 0:
-            # Learners (and their ranks) split the machine's cores instead of each taking all of them.
-            ranks = sum(o.ranks_of(i) for i in range(o.learners))
-            cfg = cfg.with_overrides({"train.threads": max(1, (os.cpu_count() or 1) // ranks)})
-        if o.tokens:
-            cfg = cfg.with_overrides({"train.max_tokens": o.tokens})
-        if cfg.data.deal == 0:  # one deal slot per learner: a fault-free run repeats exactly
-            cfg = cfg.with_overrides({"data.deal": o.learners})
-        if cfg.data.max_ready_shards == 0 and not o.prepare_first:
-            # Data workers share the learners' cores here: make a few shards per learner ahead,
-            # not the whole corpus at the start.
-            cfg = cfg.with_overrides({"data.max_ready_shards": 2 * o.learners})
-        self.config = cfg.with_overrides({"name": self.name}).validate()
+        self.config = o.job_config(self.name)
         self.certificates: dict[str, TlsFiles] = {}  # made at start when options.tls
         self.before: RecordedRun | None = None  # the workdir's run as the job found it
         self.group = ProcessGroup(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from diloco.config import RunConfig
@@ -89,3 +90,21 @@ class LocalRunOptions:
 
     def ranks_of(self, learner: int) -> int:
         return self.learner_ranks[min(learner, len(self.learner_ranks) - 1)] if self.learner_ranks else 1
+
+    def job_config(self, name: str) -> RunConfig:
+        """The configuration the job's processes run: the options' config with what this machine
+        and these flags decide where the config left it open."""
+        cfg = self.config
+        if cfg.train.threads == 0:
+            # Learners (and their ranks) split the machine's cores instead of each taking all of them.
+            ranks = sum(self.ranks_of(i) for i in range(self.learners))
+            cfg = cfg.with_overrides({"train.threads": max(1, (os.cpu_count() or 1) // ranks)})
+        if self.tokens:
+            cfg = cfg.with_overrides({"train.max_tokens": self.tokens})
+        if cfg.data.deal == 0:  # one deal slot per learner: a fault-free run repeats exactly
+            cfg = cfg.with_overrides({"data.deal": self.learners})
+        if cfg.data.max_ready_shards == 0 and not self.prepare_first:
+            # Data workers share the learners' cores here: make a few shards per learner ahead,
+            # not the whole corpus at the start.
+            cfg = cfg.with_overrides({"data.max_ready_shards": 2 * self.learners})
+        return cfg.with_overrides({"name": name}).validate()

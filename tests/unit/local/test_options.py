@@ -3,8 +3,11 @@ line naming the flag."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from diloco.config import RunConfig
 from diloco.errors import DilocoError
 from diloco.local.options import LocalRunOptions
 
@@ -33,3 +36,16 @@ def test_the_defaults_and_edges_are_taken() -> None:
     LocalRunOptions(
         chaos_interval=0.0, chaos_roles=("coordinator", "evaluator"), minutes=0.0, slow_learner=1.0
     )
+
+
+def test_the_job_config_fills_in_what_the_config_left_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads split over every rank of every learner, one deal slot per learner, a few ready shards
+    per learner ahead (none bounded when every chunk is made first), the token budget and the name."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    cfg = LocalRunOptions(learners=2, learner_ranks=(2, 1), tokens=5000).job_config("job")
+    assert (cfg.train.threads, cfg.data.deal, cfg.data.max_ready_shards) == (2, 2, 4)
+    assert (cfg.train.max_tokens, cfg.name) == (5000, "job")
+    assert LocalRunOptions(prepare_first=True).job_config("job").data.max_ready_shards == 0
+    set_by_user = RunConfig().with_overrides({"train.threads": 3, "data.deal": 5, "data.max_ready_shards": 7})
+    cfg = LocalRunOptions(config=set_by_user).job_config("job")
+    assert (cfg.train.threads, cfg.data.deal, cfg.data.max_ready_shards) == (3, 5, 7)
