@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -47,6 +48,20 @@ def stored_run(workdir: str | Path) -> tuple[str, list[int]]:
         meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
     versions = {int(k.split(".")[1]): int(v) for k, v in meta.items() if k.startswith("fragment_version.")}
     return meta.get("config", "{}"), [versions[p] for p in sorted(versions)]
+
+
+def trained_param_count(workdir: str | Path) -> int | None:
+    """The model's trained parameters, from the shapes its first learner offered (the running
+    statistics that travel beside them not counted); None before any learner initialized the run.
+    Read here, the count needs neither torch nor the user's model (built on the meta device, a
+    model's init imported torch's compiler: seconds at the end of every local run)."""
+    if not ledger_path(workdir).exists():
+        return None
+    with read_only(workdir) as db:
+        row = db.execute("SELECT value FROM meta WHERE key = 'param_specs'").fetchone()
+    if row is None:
+        return None
+    return sum(math.prod(s["shape"]) for s in json.loads(row[0]) if not s.get("averaged"))
 
 
 def tokens_reported(earlier_lives: float, learner_stats: Iterable[str | None]) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
-from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes
+from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes, trained_param_count
 from diloco.local.options import learner_id
 from diloco.local.outcome import RecordedRun
 from diloco.local.stopping import (
@@ -260,7 +260,7 @@ def summarize(
     # light, and its CPU goes to the children it starts.
     from diloco.local.evaluation import evaluate_final_or_say_why, param_count
 
-    params = summary["params"] = param_count(cfg, vocab)
+    params = summary["params"] = trained_param_count(workdir) or param_count(cfg, vocab)
     summary["ddp_wire_bytes_per_token"] = (
         ddp_wire_bytes_per_token(
             params, learners, cfg.train.batch_size, 1 if cfg.data.preprocess else cfg.model.seq_len + 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from diloco.client import CoordinatorClient
 from diloco.compute.startup import breakdown, describe, read_startups
 from diloco.config import RunConfig
 from diloco.coordinator.ledger import Ledger
-from diloco.coordinator.report import longest_merge_gap
+from diloco.coordinator.report import longest_merge_gap, trained_param_count
 from diloco.coordinator.server import start_coordinator
 from diloco.data.shard import write_shard
 from diloco.data.worker import DataWorker
@@ -55,6 +56,23 @@ def test_longest_merge_gap_reads_the_rounds(tmp_path: Path) -> None:
         commit_merge(ledger, 0, version, [], 0, 0, None, "test")
     ledger.close()
     assert longest_merge_gap(tmp_path) == 7.5
+
+
+def test_the_parameter_count_is_the_offered_shapes_less_running_statistics(tmp_path: Path) -> None:
+    """Read from the ledger, without building the model (on the meta device its init imported
+    torch's compiler, seconds at the end of every run); None before a learner initialized it."""
+    assert trained_param_count(tmp_path) is None  # no ledger yet
+    (tmp_path / "state").mkdir()
+    ledger = Ledger(str(tmp_path / "state" / "ledger.sqlite"))
+    assert trained_param_count(tmp_path) is None
+    specs = [
+        {"name": "w", "dtype": "float32", "shape": [3, 4], "averaged": False},
+        {"name": "b", "dtype": "float32", "shape": [4]},  # written before the mark existed
+        {"name": "bn.running_var", "dtype": "float32", "shape": [4], "averaged": True},
+    ]
+    ledger.set_meta(param_specs=json.dumps(specs))
+    ledger.close()
+    assert trained_param_count(tmp_path) == 16
 
 
 def test_data_plane_metrics_from_status_detail() -> None:
