@@ -175,7 +175,7 @@ class SyncConfig:
     outer_momentum: float = 0.9
     nesterov: bool = True
     # Merges of a fragment over which the outer step goes from plain averaging (lr 1, no momentum)
-    # to (outer_lr, outer_momentum), linearly (syncer.outer_hyper). Early pseudo-gradients point
+    # to (outer_lr, outer_momentum), linearly (merging.outer_hyper). Early pseudo-gradients point
     # the same way round after round, and a momentum buffer fed with them overshoots. Measured at
     # 5-25 outer steps (2-layer GPT, M x H in 2x50..8x50, 3 seeds; a tiny Llama): 10 brought sync
     # DiLoCo from 1.062 to 1.042 x DDP and Decoupled from 1.050 to 1.042 (mean of five cells), the
@@ -184,7 +184,7 @@ class SyncConfig:
     # How many versions behind the fragment's current one a push may be based on and still merge.
     max_staleness: int = 16
     # σ: a push based `lag` versions behind its round's enters the merge scaled by σ ** lag (its
-    # weight in the normaliser unchanged; syncer.age_factor). 1: stale pushes count in full.
+    # weight in the normaliser unchanged; merging.age_factor). 1: stale pushes count in full.
     # Measured on the 8 chaos pairs (2 learners, kills every 5-30 s; 0-6 of 25-37 merged pushes
     # stale): σ = 0.5 gave +0.90% mean, +2.59% worst against +0.39%, +2.89% at 1, within noise.
     stale_decay: float = 1.0
@@ -193,7 +193,7 @@ class SyncConfig:
     # cannot throw the model away. 0: no check. Needs a few accepted deltas first.
     max_delta_norm_ratio: float = 10.0
     # A round of short pushes (a restarted learner's first, the end game's last few steps) enters
-    # the outer step scaled by 2ρ/(1 + ρ²), ρ its pushes' steps over H (syncer.short_push_scale):
+    # the outer step scaled by 2ρ/(1 + ρ²), ρ its pushes' steps over H (merging.short_push_scale):
     # a short delta is mostly the inner loop's fluctuation, which does not shrink with its steps.
     # Measured in chaos runs (2 learners, H = 50): a round of 18 steps of fragment 1 had 2.7× a whole
     # round's outer-gradient norm per step, and that merge alone took the eval from 2.331 to 2.356.
@@ -297,8 +297,18 @@ class EvalConfig:
     # Or (also) after this many merges, every fragment's counted, since the last evaluation; 0: by time.
     every_merges: int = 0
     # Rows evaluated: the first max_batches × train.batch_size rows of the held-out split, in
-    # chunk order, the same rows every time (the final evaluation reads 64 batches).
+    # chunk order, the same rows every time.
     max_batches: int = 16
+    # The final evaluation of `diloco run` reads the first final_batches batches of the same rows
+    # (the figure its summary reports), and a token model then writes a sample of sample_tokens
+    # tokens (0: none). On a CPU a large model's final evaluation takes minutes: fewer batches, a
+    # noisier figure, an earlier end.
+    final_batches: int = 64
+    sample_tokens: int = 200
+    # A model with running statistics (BatchNorm) has them recomputed for the global weights before
+    # it is evaluated or exported: a cumulative mean over the first recalibrate_batches ×
+    # train.batch_size rows of the train split, in chunk order; 0: the merged statistics as they are.
+    recalibrate_batches: int = 32
     # The evaluator's CPU threads (it shares the machine with learners).
     threads: int = 1
 

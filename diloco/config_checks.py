@@ -85,6 +85,8 @@ def check_limits(cfg: RunConfig) -> None:
         "train.local_state_every_s": (cfg.train.local_state_every_s, 0, " (0: no local state)"),
         "sync.grace_factor": (s.grace_factor, 0, " (0: close at quorum)"),
         "eval.every_s": (cfg.eval.every_s, 0, ""),
+        "eval.sample_tokens": (cfg.eval.sample_tokens, 0, " (0: no sample)"),
+        "eval.recalibrate_batches": (cfg.eval.recalibrate_batches, 0, " (0: the merged statistics)"),
     }
     for key, (value, least, zero) in at_least.items():
         if not value >= least:  # NaN too
@@ -185,7 +187,7 @@ def check(cfg: RunConfig) -> None:
         raise ConfigError("coordinator.stream_chunk_bytes must be under half of max_message_bytes")
     if cfg.eval.every_merges < 0:  # (eval.every_s: check_limits)
         raise ConfigError("eval.every_merges must be >= 0 (0 with eval.every_s 0: no evaluator)")
-    if cfg.eval.max_batches < 1 or cfg.eval.threads < 1:
-        raise ConfigError("eval.max_batches and eval.threads must be >= 1")
+    if min(cfg.eval.max_batches, cfg.eval.final_batches, cfg.eval.threads) < 1:
+        raise ConfigError("eval.max_batches, eval.final_batches and eval.threads must be >= 1")
     if cfg.coordinator.keep_versions == 1 or cfg.coordinator.keep_versions < 0:
         raise ConfigError("coordinator.keep_versions must be 0 (every version) or at least 2")

@@ -16,7 +16,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -26,11 +28,11 @@ import torch
 from diloco.client import RETRYABLE, WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
 from diloco.compute.device import pick_device, set_threads
 from diloco.config import RunConfig
-from diloco.data.shard import concat_columns, read_shard
 from diloco.errors import DilocoError
 from diloco.evaluate import evaluate
 from diloco.export import load_parameters
 from diloco.model.factory import build_model
+from diloco.model.recalibrate import first_rows, recalibrate
 from diloco.role import heartbeat_thread, refusing
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire.steps import decode_steps
@@ -83,9 +85,9 @@ def eval_due(
     return EvalDecision(False, f"next evaluation in {' or '.join(waits)}")
 
 
-class HeldOutRows:
-    """The first `wanted` rows of the held-out split in chunk order, read once the shards
-    holding them exist (status's eval_split), then kept."""
+class SplitRows:
+    """The first `wanted` rows of a split's shards in chunk order (status's eval_split, or its
+    recalibration_split), read once the shards holding them exist, then kept."""
 
     def __init__(self, wanted: int):
         self.wanted = wanted
@@ -96,18 +98,16 @@ class HeldOutRows:
     def ready_rows(split: dict[str, Any]) -> int:
         return sum(int(s["rows"]) for s in split.get("shards", []))
 
-    def load(self, split: dict[str, Any]) -> dict[str, np.ndarray]:
+    def load(self, split: dict[str, Any]) -> dict[str, np.ndarray] | None:
         shards, total = [], 0
-        for s in split["shards"]:
+        for s in split.get("shards", []):  # only those holding the rows wanted: later ones change nothing
             if total >= self.wanted:
                 break
             shards.append(s)
             total += int(s["rows"])
         uris = [s["uri"] for s in shards]
         if self.columns is None or uris != self._from:
-            read = [read_shard(s["uri"], s["checksum"]) for s in shards]
-            self.columns = {name: c[: self.wanted] for name, c in concat_columns(read).items()}
-            self._from = uris
+            self.columns, self._from = first_rows(shards, self.wanted), uris
         return self.columns
 
 
@@ -145,7 +145,8 @@ class Evaluator:
             device = pick_device(self.device_spec or "cpu")
             set_threads(self.threads if self.threads is not None else cfg.eval.threads)
             model = build_model(cfg.model, seed=cfg.train.seed).to(device)
-        rows = HeldOutRows(cfg.eval.max_batches * cfg.train.batch_size)
+        rows = SplitRows(cfg.eval.max_batches * cfg.train.batch_size)
+        train_rows = SplitRows(cfg.eval.recalibrate_batches * cfg.train.batch_size)
         beats = heartbeat_thread(self._heartbeat, reply.heartbeat_s, self.stop, log)
         last_at: float | None = None
         evaluated: list[int] | None = None
@@ -162,7 +163,12 @@ class Evaluator:
                     0 if finished else cfg.eval.every_merges,
                 )  # fmt: skip
                 if decision.due:
-                    evaluated = self._evaluate(model, device, rows.load(split), cfg, status)
+                    recalibration = status.get("recalibration_split") or {}
+                    held_out = rows.load(split)
+                    assert held_out is not None  # (eval_due: rows are ready)
+                    evaluated = self._evaluate(
+                        model, device, held_out, cfg, status, partial(train_rows.load, recalibration)
+                    )
                     last_at = time.monotonic()
                 if finished:
                     log.info("the run finished after %d evaluation(s)", self.evaluations)
@@ -193,12 +199,17 @@ class Evaluator:
 
     def _evaluate(
         self, model: torch.nn.Module, device: torch.device, columns: dict[str, np.ndarray],
-        cfg: RunConfig, status: dict[str, Any],
+        cfg: RunConfig, status: dict[str, Any], train_rows: Callable[[], dict[str, np.ndarray] | None],
     ) -> list[int]:  # fmt: skip
         started = time.monotonic()
         self._pull(cfg.sync.fragments)
         tensors = {n: t for _, held in self.held.values() for n, t in held.items()}
         load_parameters(model, tensors, "the run's published model", cfg.model.factory)
+        # The merged statistics are the learners' mean, not the global weights' own (recalibrate).
+        recalibrated = recalibrate(
+            model, rows=train_rows, batch_size=cfg.train.batch_size,
+            batches=cfg.eval.recalibrate_batches, device=device,
+        )  # fmt: skip
         result = evaluate(model, columns, cfg.train.batch_size, device, where=cfg.model.factory)
         versions = [self.held[p][0] for p in range(cfg.sync.fragments)]
         seconds = time.monotonic() - started
@@ -214,8 +225,9 @@ class Evaluator:
         )
         self.evaluations += 1
         log.info(
-            "eval versions=%s loss=%.4f %s rows=%d in %.2fs%s",
+            "eval versions=%s loss=%.4f %s rows=%d in %.2fs%s%s",
             versions, result.loss, result.metrics, result.rows, seconds,
+            f" (BatchNorm statistics recomputed on {recalibrated} train rows)" if recalibrated else "",
             "" if reply.accepted else f" (refused: {reply.reason})",
         )  # fmt: skip
         return versions

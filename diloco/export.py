@@ -8,26 +8,35 @@ RUN is the run's directory (the coordinator's workdir). The model is built by th
 so the machine that exports needs the model's code installed, like a learner. Weights that are
 not that model's (a run whose learners brought their own model, diloco.connect, while its
 coordinator named another) are refused in one line: `--model` names the factory that fits them.
+A model with BatchNorm is written with its running statistics recomputed for its weights on the
+run's first train rows (eval.recalibrate_batches; diloco.model.recalibrate).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import sqlite3
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 
 from diloco import store
 from diloco.config import RunConfig
 from diloco.coordinator.checkpoint import load_model_params
-from diloco.coordinator.report import stored_run
+from diloco.coordinator.ledger.evals import TRAIN_HEAD_SQL, train_head
+from diloco.coordinator.report import read_only, stored_run
 from diloco.coordinator.workdir import store_root
 from diloco.errors import DilocoError
 from diloco.model.contract import layout_difference, synced_tensors
 from diloco.model.factory import build_model
+from diloco.model.recalibrate import first_rows, recalibrate
 from diloco.model.weights import save_weights
+
+log = logging.getLogger("diloco.export")
 
 FORMATS = ("hf", "safetensors")
 
@@ -75,7 +84,30 @@ def global_model(workdir: str | Path, factory: str | None = None) -> tuple[RunCo
     params = load_model_params(store.join(store_root(cfg, str(workdir)), "checkpoints"), versions)
     model = build_model(cfg.model, seed=cfg.train.seed)
     load_parameters(model, params, str(workdir), cfg.model.factory)
+    recalibrate_from_run(model, cfg, workdir)
     return cfg, model.eval(), versions
+
+
+def recalibrate_from_run(
+    model: nn.Module, cfg: RunConfig, workdir: str | Path, device: torch.device | str = "cpu"
+) -> int:
+    """recalibrate `model`'s running statistics on the run's first train rows, as its ledger lists
+    them; the rows forwarded (0: no running statistics, eval.recalibrate_batches 0, or shards that
+    cannot be read, said in one line: the merged statistics are kept)."""
+    wanted = cfg.eval.recalibrate_batches * cfg.train.batch_size
+
+    def rows() -> dict[str, np.ndarray] | None:
+        try:
+            with read_only(workdir) as db:
+                shards = train_head(db.execute(TRAIN_HEAD_SQL, (wanted,)), wanted)
+            return first_rows(shards, wanted)
+        except (OSError, ValueError, sqlite3.Error) as e:  # a run moved without its shards
+            log.warning("BatchNorm statistics not recomputed, the merged ones kept: %s", e)
+            return None
+
+    return recalibrate(
+        model, rows=rows, batch_size=cfg.train.batch_size, batches=cfg.eval.recalibrate_batches, device=device
+    )
 
 
 def export_run(workdir: str | Path, out: str | Path, fmt: str, factory: str | None = None) -> list[Path]:

@@ -27,21 +27,22 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.compute.device import pick_device
-from diloco.config import RunConfig
+from diloco.config import EvalConfig, RunConfig
 from diloco.coordinator.report import read_only, stored_run
 from diloco.data.chunks import partition_dataset
 from diloco.data.makers import shard_maker
 from diloco.data.shard import UNIT_TOKENS, concat_columns, read_shard
 from diloco.errors import DilocoError
 from diloco.evaluate import EvalResult, can_sample, evaluate, sample_text, unigram_entropy
-from diloco.export import global_model, load_parameters, with_factory
+from diloco.export import global_model, load_parameters, recalibrate_from_run, with_factory
 from diloco.model.factory import build_model
+from diloco.model.recalibrate import first_rows, recalibrate
 from diloco.model.weights import load_weights
 from diloco.security.transport import Security
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
 
-EVAL_MAX_BATCHES = 64  # as the final evaluation of `diloco run`
+EVAL_MAX_BATCHES = EvalConfig.final_batches  # as the final evaluation of `diloco run` by default
 
 
 @dataclass
@@ -113,6 +114,7 @@ def _from_run(path: Path, factory: str | None) -> LoadedModel:
         cfg = with_factory(RunConfig.from_json(_stored_config(workdir)), factory)
         model = build_model(cfg.model, seed=cfg.train.seed)
         load_parameters(model, load_weights(str(path)), str(path), cfg.model.factory)
+        recalibrate_from_run(model, cfg, workdir)
         source, versions = str(path), []
     else:
         workdir = path
@@ -158,7 +160,14 @@ def _from_coordinator(address: str, factory: str | None, security: Security | No
         model = build_model(cfg.model, seed=cfg.train.seed)
         pulled = {n: t for _, ts in client.pull(list(range(reply.num_fragments))) for n, t in ts.items()}
         load_parameters(model, pulled, address, cfg.model.factory)
-        held_out = client.status().get("eval_split", {})
+        status = client.status()
+        wanted = cfg.eval.recalibrate_batches * cfg.train.batch_size
+        train = (status.get("recalibration_split") or {}).get("shards", [])
+        recalibrate(
+            model, rows=lambda: first_rows(train, wanted), batch_size=cfg.train.batch_size,
+            batches=cfg.eval.recalibrate_batches,
+        )  # fmt: skip
+        held_out = status.get("eval_split", {})
         split, eval_chunks = held_out.get("shards", []), int(held_out.get("chunks", 0))
         versions = list(reply.fragment_versions)
     finally:

@@ -138,6 +138,12 @@ def run_cli(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+# The end of a test's `diloco run`: its final evaluation on a few batches and no sample. The
+# defaults (64 batches, a 200-token sample) took ~10 s of a core after each run, ~15% of the whole
+# suite's time; the main pipeline test keeps the sample and checks these two keys take effect.
+QUICK_END = ["--set", "eval.final_batches=4", "--set", "eval.sample_tokens=0"]
+
+
 def start_coordinator(group: ProcessGroup, workdir: Path, args: list[str]) -> str:
     """Start `diloco coordinator` on an ephemeral port; return its address once it listens."""
     coordinator = group.spawn(

@@ -26,7 +26,6 @@ from diloco.model.contract import (
     ModelContractError,
     group_running_stats_problem,
     layout_difference,
-    outer_step_running_stats_problem,
     parameter_layout,
     running_stats,
     synced_tensors,
@@ -91,11 +90,6 @@ def join_run(
         model, optimizer = own
         chosen = next(model.parameters()).device
     with refusing(client, log):
-        s = cfg.sync
-        if problem := outer_step_running_stats_problem(
-            model, cfg.model.factory, s.outer_lr, s.outer_momentum
-        ):
-            raise ModelContractError(problem)
         # A torchrun group: its ranks' running statistics are not kept in step.
         if place is not None and (problem := group_running_stats_problem(model, cfg.model.factory)):
             raise ModelContractError(problem)

@@ -14,12 +14,13 @@ from torch import nn
 
 from diloco import store
 from diloco.compute.device import pick_device
-from diloco.config import RunConfig
+from diloco.config import EvalConfig, RunConfig
 from diloco.coordinator.checkpoint import load_model_params
 from diloco.coordinator.workdir import store_root
 from diloco.data.shard import UNIT_TOKENS, concat_columns, read_shard
 from diloco.evaluate import can_sample, evaluate, sample_text, unigram_entropy
-from diloco.export import load_parameters
+from diloco.export import load_parameters, recalibrate_from_run
+from diloco.model.contract import running_stats
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
 from diloco.tokenizer import Tokenizer
@@ -27,7 +28,7 @@ from diloco.tokenizer import Tokenizer
 log = logging.getLogger("diloco.run")
 
 SAMPLE_PROMPT = "def "
-EVAL_MAX_BATCHES = 64
+EVAL_MAX_BATCHES = EvalConfig.final_batches  # the default, as the benchmarks' baselines read
 MODEL_FILE = "model.safetensors"
 
 
@@ -72,7 +73,10 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
     # takes minutes to evaluate on the CPU (an 86 M-parameter run: 2 min after 42 s of training).
     device = pick_device(cfg.train.device)
     model.to(device)
-    result = evaluate(model, columns, cfg.train.batch_size, device, EVAL_MAX_BATCHES, cfg.model.factory)
+    if recalibrate_from_run(model, cfg, workdir, device):  # BatchNorm: the statistics of these weights
+        stats = {n: t.detach().cpu() for n, t in running_stats(model).items()}
+        save_weights(str(workdir / MODEL_FILE), {**params, **stats}, {"versions": json.dumps(versions)})
+    result = evaluate(model, columns, cfg.train.batch_size, device, cfg.eval.final_batches, cfg.model.factory)
     tokens = shards[0].unit == UNIT_TOKENS
     used = columns["input_ids"][: result.rows] if tokens else None
     return {
@@ -82,7 +86,11 @@ def evaluate_final(d: dict[str, Any], cfg: RunConfig, workdir: Path, tokenizer: 
         # Beside a token model's loss, the loss of the best guess that ignores context.
         "baseline_loss": unigram_entropy([used], vocab) if used is not None else None,
         "eval_tokens": int(used.size) if used is not None else result.rows,
-        "sample": sample_or_nothing(model, tokenizer, cfg, device) if tokens and can_sample(model) else "",
+        "sample": (
+            sample_or_nothing(model, tokenizer, cfg, device)
+            if tokens and cfg.eval.sample_tokens and can_sample(model)
+            else ""
+        ),
     }
 
 
@@ -91,7 +99,13 @@ def sample_or_nothing(model: nn.Module, tokenizer: Any, cfg: RunConfig, device: 
     sample, not the run's results: said in one line, and the summary is still written."""
     try:
         return sample_text(
-            model, tokenizer, SAMPLE_PROMPT, 200, device, seed=cfg.train.seed, window=cfg.model.seq_len
+            model,
+            tokenizer,
+            SAMPLE_PROMPT,
+            cfg.eval.sample_tokens,
+            device,
+            seed=cfg.train.seed,
+            window=cfg.model.seq_len,
         )
     except Exception as e:  # the user's code: anything may come out of it
         log.warning("no sample: the model's logits failed (%s: %s)", type(e).__name__, str(e)[:200])

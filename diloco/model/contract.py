@@ -80,17 +80,23 @@ def _scalar_metric(name: object, value: Any, where: str) -> torch.Tensor:
 RUNNING_STATS = ("running_mean", "running_var")
 
 
+def normalization_layers(model: nn.Module) -> list[nn.modules.batchnorm._NormBase]:
+    """The model's layers that keep running statistics (BatchNorm and InstanceNorm that track them)."""
+    return [
+        m for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    ]
+
+
 def running_stats(model: nn.Module) -> dict[str, torch.Tensor]:
     """The running statistics of the model's normalization layers (BatchNorm's mean and variance),
     by their names in `named_buffers()`: learners push them with the parameters and the coordinator
     merges them as a plain mean (they are averages themselves: the outer step's momentum would
-    overshoot a variance below zero), so the global model evaluates with statistics, not its
-    initial ones. num_batches_tracked stays each learner's (it matters only with momentum=None)."""
-    owners = {
-        name
-        for name, m in model.named_modules()
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
-    }
+    overshoot a variance below zero). That mean is the learners' statistics, not the merged
+    weights': it is where a learner's own BatchNorm starts again after a merge, and wherever the
+    global model is evaluated or exported they are recomputed for its weights (recalibrate).
+    num_batches_tracked stays each learner's (it matters only with momentum=None)."""
+    layers = {id(m) for m in normalization_layers(model)}
+    owners = {name for name, m in model.named_modules() if id(m) in layers}
     stats = {}
     for name, buffer in model.named_buffers():
         owner, _, leaf = name.rpartition(".")
@@ -102,23 +108,6 @@ def running_stats(model: nn.Module) -> dict[str, torch.Tensor]:
 def synced_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor that travels: the parameters, then the running statistics (running_stats)."""
     return {**dict(model.named_parameters()), **running_stats(model)}
-
-
-def outer_step_running_stats_problem(
-    model: nn.Module, factory: str, outer_lr: float, momentum: float
-) -> str | None:
-    """Why this model's running statistics would not fit the global weights, or None. They are
-    merged as the mean of the learners' (their statistics of their own weights): that fits weights
-    merged as a mean too (outer lr 1, no momentum), not weights an outer step carries past it
-    (measured, a small ResNet on digits: 74.6% / 53.2% held out at lr 0.7, μ 0.9; 98.4% / 97.6%
-    with statistics recomputed for the same weights; 97.2% with plain averaging)."""
-    if (outer_lr, momentum) == (1.0, 0.0) or not running_stats(model):
-        return None
-    return (
-        f"model.factory {factory} keeps BatchNorm statistics, which are averaged: they fit the "
-        f"weights only with plain averaging (sync.outer_lr = 1.0 and sync.outer_momentum = 0.0, "
-        f"not {outer_lr:g} and {momentum:g}), or use GroupNorm or LayerNorm"
-    )
 
 
 def group_running_stats_problem(model: nn.Module, factory: str) -> str | None:

@@ -14,7 +14,8 @@ class DigitsCNN(nn.Module):
 
         def norm(c: int) -> list[nn.Module]:
             # BatchNorm's running statistics travel with the parameters (merged as a plain mean),
-            # so the global model evaluates with them. Without it, the layers keep their names.
+            # and are recomputed for the global weights wherever they are evaluated or exported.
+            # Without it, the layers keep their names.
             return [nn.BatchNorm2d(c)] if batchnorm else []
 
         self.features = nn.Sequential(

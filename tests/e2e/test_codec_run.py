@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import run_cli
+from tests.support import QUICK_END, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +24,7 @@ def test_an_int8_run_with_a_quorum_of_two_ends_at_its_budget(small_corpus: Path,
         ["run", "--dataset", str(small_corpus), "--workdir", str(workdir), "--tokens", str(budget),
          "--minutes", "2", "--learners", "2", "--data-workers", "1", "--codec", "int8", "--pull-codec", "int8",
          "--quorum", "2", "--inner-steps", "10", "--no-progress", "--no-tls", "--set", "model.kwargs.n_layer=1",
-         "--set", "data.chunk_bytes=65536", "--set", "eval.every_s=0"],
+         "--set", "data.chunk_bytes=65536", "--set", "eval.every_s=0", *QUICK_END],
         timeout=220,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

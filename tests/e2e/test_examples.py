@@ -47,9 +47,10 @@ def test_hf_llama_trains_below_the_unigram_baseline_and_exports_to_transformers(
 
 
 @pytest.mark.timeout(300)
-def test_digits_with_batchnorm_reach_90_percent_held_out_accuracy_with_two_learners(tmp_path: Path) -> None:
-    """The README's example with BatchNorm (its statistics travel, merged as the learners' mean):
-    94-99% over seeds; with its initial statistics the same model scores 12-23%."""
+def test_digits_with_batchnorm_reach_95_percent_held_out_accuracy_with_two_learners(tmp_path: Path) -> None:
+    """The README's example with BatchNorm (its statistics travel, merged as the learners' mean, and
+    are recomputed for the global weights where it is evaluated and exported): 97-99% over seeds;
+    with the merged statistics 94-98%, with its initial statistics 12-23%."""
     images, workdir = tmp_path / "images", tmp_path / "run"
     prepared = subprocess.run(
         [sys.executable, str(REPO / "examples/digits/prepare.py"), str(images)],
@@ -69,11 +70,19 @@ def test_digits_with_batchnorm_reach_90_percent_held_out_accuracy_with_two_learn
     assert summary["unit"] == "samples" and summary["audit_ok"], summary
     # 5 views of every image, 8 passes over the train split, each sample merged exactly once
     assert summary["tokens_merged"] == summary["tokens_trained"] > 8 * 5 * 1797 * 0.7
-    assert summary["eval_metrics"]["accuracy"] >= 0.90, summary["eval_metrics"]
-    stats = {n: t for n, t in load_weights(summary["model"]).items() if n.endswith("running_var")}
+    assert summary["eval_metrics"]["accuracy"] >= 0.95, summary["eval_metrics"]
+    saved = load_weights(summary["model"])
+    stats = {n: t for n, t in saved.items() if n.endswith("running_var")}
     assert len(stats) == 2 and all(
         t.min() > 0 and not torch.allclose(t, torch.ones_like(t)) for t in stats.values()
     )
+    # The model file holds the statistics recomputed for its weights (as `diloco export` writes).
+    from diloco.export import global_model
+
+    _, model, _ = global_model(workdir)
+    for name, t in model.state_dict().items():
+        if name.endswith(("running_mean", "running_var")):
+            assert torch.allclose(saved[name], t), name
     # While it trained, the evaluator reported the global model's held-out loss and accuracy.
     curve = summary["evals"]
     assert curve and all(0.0 <= e["metrics"]["accuracy"] <= 1.0 for e in curve), curve

@@ -16,11 +16,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ledger_rows, run_cli, wait_for
+from tests.support import QUICK_END, ledger_rows, run_cli, wait_for
 
 pytestmark = pytest.mark.e2e
 
-SMALL = ["--set", "data.chunk_bytes=65536", "--set", "model.kwargs.n_layer=1", "--set", "eval.every_s=0"]
+SMALL = [
+    "--set",
+    "data.chunk_bytes=65536",
+    "--set",
+    "model.kwargs.n_layer=1",
+    "--set",
+    "eval.every_s=0",
+    *QUICK_END,
+]
 
 
 def group_run(

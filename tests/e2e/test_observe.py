@@ -32,7 +32,7 @@ from diloco.client import CoordinatorClient
 from diloco.security.certs import TlsFiles
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import REPO, run_cli, wait_for
+from tests.support import QUICK_END, REPO, run_cli, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -98,7 +98,7 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         [sys.executable, "-m", "cli", "run", "--dataset", str(small_corpus), "--minutes", "0",
          "--workdir", str(workdir), "--no-progress", "--metrics-port", "0", "--inner-steps", "10",
          "--set", "model.kwargs.n_layer=1", "--set", "train.step_delay_s=0.2",
-         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072", "--set", "data.epochs=4"],
+         "--set", "eval.every_s=3", "--set", "data.chunk_bytes=131072", "--set", "data.epochs=4", *QUICK_END],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, cwd=REPO,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
@@ -224,7 +224,7 @@ def test_a_live_run_is_scraped_by_prometheus_and_shown_in_chromium(
         print("".join(output)[-6000:])
     # After the run, with no server: the model evaluated and sampled, and the curves on disk.
     summary = json.loads((workdir / "summary.json").read_text())
-    evaluated = run_cli(["eval", str(workdir), "--json"], timeout=90)
+    evaluated = run_cli(["eval", str(workdir), "--json", "--max-batches", "4"], timeout=90)
     assert evaluated.returncode == 0, evaluated.stderr
     assert json.loads(evaluated.stdout)["loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
     samples = [

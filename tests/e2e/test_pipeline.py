@@ -29,7 +29,7 @@ from diloco.evaluate import evaluate
 from diloco.local.procs import ProcessGroup
 from diloco.model.factory import build_model
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import REPO, ledger_rows, run_cli, start_coordinator, wait_for
+from tests.support import QUICK_END, REPO, ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -77,6 +77,9 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
         # learners that `diloco run` makes by default.
         "--set",
         "data.max_ready_shards=1000000",
+        # 16 batches are enough to tell the model from the unigram baseline; the sample stays.
+        "--set",
+        "eval.final_batches=16",
     ]
     result = run_cli(args, timeout=220)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,13 +127,17 @@ def test_local_run_trains_and_records_one_shard_per_chunk(small_corpus: Path, tm
     result = run_cli(
         ["run", "--dataset", str(small_corpus), "--tokens", "20000", "--learners", "1",
          "--data-workers", "1", "--workdir", str(warm), "--no-progress", "--set", "data.chunk_bytes=131072",
-         "--set", f"model.init_from={summary['model']}"],
+         "--set", f"model.init_from={summary['model']}", *QUICK_END],
         timeout=240,  # on cores shared with the suite's other multi-process tests
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     warm_summary = json.loads((warm / "summary.json").read_text())
     # Its very first step is already near where the first run ended, not at ln(257).
     assert warm_summary["first_loss"] < summary["eval_loss"] + 0.5, (warm_summary, summary["eval_loss"])
+    # Its end as asked (QUICK_END): 4 batches evaluated, no sample.
+    train, model = warm_summary["config"]["train"], warm_summary["config"]["model"]
+    assert warm_summary["eval_tokens"] == 4 * train["batch_size"] * (model["seq_len"] + 1), warm_summary
+    assert warm_summary["sample"] == "" and summary["eval_tokens"] > warm_summary["eval_tokens"]
 
     # The finished run's workdir given again: refused before anything starts (the ledger says the
     # run finished), naming the model to start a new run from; nothing in the workdir changes.
@@ -355,7 +362,8 @@ def test_a_run_without_held_out_data_says_so(tiny_corpus: Path, tmp_path: Path) 
     workdir = tmp_path / "run"
     result = run_cli(
         ["run", "--dataset", str(dataset), "--workdir", str(workdir), "--learners", "1", "--data-workers", "1",
-         "--minutes", "1", "--no-progress", "--inner-steps", "10", "--overlap", "2", "--set", "train.threads=1"],
+         "--minutes", "1", "--no-progress", "--inner-steps", "10", "--overlap", "2", "--set", "train.threads=1",
+         *QUICK_END],
         timeout=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -374,7 +382,7 @@ def test_prepare_first_starts_the_learners_once_every_chunk_is_a_shard(
     result = run_cli(
         ["run", "--dataset", str(tiny_corpus), "--workdir", str(workdir), "--learners", "1", "--data-workers", "2",
          "--tokens", "20000", "--prepare-first", "--no-progress", "--inner-steps", "10", "--set", "train.threads=1",
-         "--set", "data.chunk_bytes=32768", "--set", "model.kwargs.n_layer=1"],
+         "--set", "data.chunk_bytes=32768", "--set", "model.kwargs.n_layer=1", *QUICK_END],
         timeout=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

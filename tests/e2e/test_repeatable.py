@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import run_cli
+from tests.support import QUICK_END, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ def sync_run(corpus: Path, workdir: Path, seed: int) -> dict:
          "--learners", "2", "--data-workers", "2", "--inner-steps", "10", "--seed", str(seed),
          "--workdir", str(workdir), "--no-progress",
          "--set", "data.chunk_bytes=65536", "--set", "model.kwargs.n_layer=1", "--set", "train.batch_size=4",
-         "--set", "eval.every_s=0"],  # no evaluator: three short runs, each a process fewer
+         "--set", "eval.every_s=0", *QUICK_END],  # no evaluator: three short runs, each a process fewer
         timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

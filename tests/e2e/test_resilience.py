@@ -18,7 +18,7 @@ from diloco.local.procs import ProcessGroup
 from diloco.model import build_model
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
-from tests.support import ledger_rows, run_cli, start_coordinator, status, wait_for, worker_id_of
+from tests.support import QUICK_END, ledger_rows, run_cli, start_coordinator, status, wait_for, worker_id_of
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def test_chaos_run_survives_kills_of_every_role_and_passes_the_audit(
     result = run_cli([
         "run", "--dataset", str(small_corpus), "--minutes", "0.9", "--chaos-interval", "2.5", "--learners", "2",
         "--data-workers", "2", "--workdir", str(workdir), "--inner-steps", "20", "--seed", "3", "--no-progress",
-        "--set", "data.chunk_bytes=65536", "--set", "coordinator.lease_ttl_s=6", "--set", "coordinator.heartbeat_s=1",
+        "--set", "data.chunk_bytes=65536", "--set", "coordinator.lease_ttl_s=6", "--set", "coordinator.heartbeat_s=1", *QUICK_END,
     ], timeout=280)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((workdir / "summary.json").read_text())

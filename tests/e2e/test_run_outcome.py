@@ -11,10 +11,10 @@ import pytest
 from diloco.config import ModelConfig
 from diloco.model.factory import build_model
 from diloco.model.weights import save_weights
-from tests.support import run_cli
+from tests.support import QUICK_END, run_cli
 
 SMALL = ["--learners", "1", "--data-workers", "1", "--no-progress", "--no-tls", "--inner-steps", "10",
-         "--set", "train.threads=1", "--set", "data.chunk_bytes=32768", "--set", "model.kwargs.n_layer=1"]  # fmt: skip
+         "--set", "train.threads=1", "--set", "data.chunk_bytes=32768", "--set", "model.kwargs.n_layer=1", *QUICK_END]  # fmt: skip
 
 
 def error_lines(stderr: str) -> list[str]:

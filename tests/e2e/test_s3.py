@@ -18,7 +18,7 @@ from diloco import store
 from diloco.data.shard import ShardCorrupt, read_shard, write_shard
 from diloco.local.procs import ProcessGroup
 from diloco.testing.seaweed import SeaweedS3
-from tests.support import ledger_rows, run_cli, start_coordinator, wait_for
+from tests.support import QUICK_END, ledger_rows, run_cli, start_coordinator, wait_for
 
 
 @pytest.fixture
@@ -182,6 +182,7 @@ def test_whole_run_with_dataset_shards_and_checkpoints_on_s3(
             # A small model: the point is the storage path, and eval + sampling stay quick.
             "--set",
             "model.kwargs.n_layer=2",
+            *QUICK_END,
             "--set",
             "model.kwargs.n_embd=64",
             "--set",

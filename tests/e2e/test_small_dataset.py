@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import copy_corpus, run_cli
+from tests.support import QUICK_END, copy_corpus, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -22,7 +22,7 @@ def test_two_learners_on_four_train_shards_both_train(tmp_path: Path) -> None:
     result = run_cli(
         ["run", "--dataset", str(corpus), "--minutes", "0.2", "--learners", "2", "--data-workers", "2",
          "--workdir", str(workdir), "--no-progress", "--set", "model.kwargs.n_layer=1",
-         "--set", "eval.every_s=0"],
+         "--set", "eval.every_s=0", *QUICK_END],
         timeout=150,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

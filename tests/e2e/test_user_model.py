@@ -23,7 +23,7 @@ def test_a_users_factory_trains_through_diloco_run(tiny_corpus: Path, tmp_path: 
         ["run", "--model", TOY, "--set", "model.kwargs.width=32", "--dataset", str(tiny_corpus),
          "--minutes", "1", "--tokens", "300000", "--learners", "2", "--data-workers", "1",
          "--inner-steps", "20", "--workdir", str(workdir), "--no-progress",
-         "--set", "data.chunk_bytes=65536", "--set", "train.lr=0.01"],
+         "--set", "data.chunk_bytes=65536", "--set", "train.lr=0.01", "--set", "eval.final_batches=4"],
         timeout=200,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -61,6 +61,30 @@ class EvalsTable(LedgerBase):
         pending = sum(1 for r in chunks if r["state"] != "quarantined" and r["uri"] is None)
         return {"shards": ready, "complete": pending == 0, "chunks": len(chunks)}
 
+    def recalibration_split(self, rows: int) -> dict[str, Any]:
+        """The train rows the global model's BatchNorm statistics are recomputed on (train_head)."""
+        return {"shards": train_head(self._read(TRAIN_HEAD_SQL, (rows,)), rows) if rows > 0 else []}
+
+
+# The train shards in chunk order (rows > 0: each holds a row, so `LIMIT rows` reads no more
+# shards than can be needed); a corrupt one would fail its checksum.
+TRAIN_HEAD_SQL = (
+    "SELECT uri, checksum, rows FROM shards WHERE split = 'train' AND rows > 0 AND state != 'corrupt' "
+    "ORDER BY chunk_id LIMIT ?"
+)
+
+
+def train_head(found: Iterable[Sequence[Any]], rows: int) -> list[dict[str, Any]]:
+    """The first shards of TRAIN_HEAD_SQL's (uri, checksum, rows) that hold `rows` rows: where a
+    model's running statistics are recomputed (eval.recalibrate_batches), the same rows every time."""
+    shards, total = [], 0
+    for uri, checksum, n in found:
+        if total >= rows:
+            break
+        shards.append({"uri": uri, "checksum": checksum, "rows": int(n)})
+        total += int(n)
+    return shards
+
 
 def eval_records(rows: Iterable[sqlite3.Row]) -> list[dict[str, Any]]:
     """Rows of the evals table as status and the summary show them, in the order given."""

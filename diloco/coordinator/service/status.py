@@ -126,6 +126,11 @@ class StatusRPCs(ServiceBase):
             # The held-out loss of published models over the run (the evaluator's reports).
             "evals": self.ledger.evals(last=STATUS_EVALS),
             "eval_split": self.ledger.eval_split(),
+            # Where an evaluator recomputes a BatchNorm model's statistics (eval.recalibrate_batches);
+            # a model without running statistics (none averaged) asks nothing of the ledger.
+            "recalibration_split": self.ledger.recalibration_split(
+                self.config.eval.recalibrate_batches * self.config.train.batch_size if self.averaged else 0
+            ),
         }
 
     def Status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
