@@ -8,7 +8,7 @@ import logging
 import torch
 
 from diloco.compute.device import pick_device, set_threads
-from diloco.compute.group import OP_COPY, OP_GATHER, OP_MERGE, OP_STEP, OP_STOP, Group
+from diloco.compute.group import NO_RUN, OP_COPY, OP_GATHER, OP_MERGE, OP_STEP, OP_STOP, Group
 from diloco.compute.inner import inner_step
 from diloco.compute.replicas import Sharded, hold
 from diloco.config import RunConfig
@@ -21,7 +21,10 @@ log = logging.getLogger("diloco.group")
 def run_follower(group: Group, device_spec: str | None, threads: int | None) -> int:
     """Build the run's model, take rank 0's parameters, then train every batch, gather and write
     every fragment rank 0 asks for, until it says stop. Returns the exit code."""
-    cfg = RunConfig.from_json(group.share_text(None))
+    if (shared := group.share_text(None)) == NO_RUN:
+        log.info("rank %d: rank 0 did not start the run (its own line says why)", group.rank)
+        return 0
+    cfg = RunConfig.from_json(shared)
     kind = group.share_text(None)  # how rank 0 holds the model: ddp or fsdp
     device = group.device_for(pick_device(device_spec or cfg.train.device))
     set_threads(threads if threads is not None else cfg.train.threads)

@@ -28,6 +28,7 @@ pickled: specs travel as int64 tensors.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -45,6 +46,8 @@ log = logging.getLogger("diloco.group")
 COLLECTIVE_TIMEOUT = datetime.timedelta(hours=2)
 
 OP_STEP, OP_MERGE, OP_STOP, OP_GATHER, OP_COPY = 1, 2, 3, 4, 5
+# What rank 0 shares instead of the run's config when it was refused before the group started.
+NO_RUN = "no run"
 
 # dtypes a batch column may have, by a code that travels in the spec.
 DTYPES = [torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.float32, torch.float16,
@@ -134,6 +137,12 @@ class Group:
                                                                        device=self.comm_device)  # fmt: skip
         dist.broadcast(buf, 0)
         return bytes(buf.cpu().tolist()).decode()
+
+    def no_run(self) -> None:
+        """Rank 0, refused before the group started: the other ranks, waiting for the run's config,
+        exit quietly (rank 0 says why in one line) instead of with gloo's error when it exits."""
+        with contextlib.suppress(Exception):  # the group itself may be what failed
+            self.share_text(NO_RUN)
 
     def share_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
         """Rank 0's values of these tensors (the same ones, in the same order, on every rank)
@@ -226,7 +235,7 @@ def torchrun_argv(python: str, compute_args: list[str], nproc: int) -> list[str]
             skip = True
         elif not a.startswith("--nproc="):
             args.append(a)
-    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    return [python, "-m", "diloco.compute.agent", "--standalone", f"--nproc-per-node={nproc}",
             "-m", "cli", "compute", *args]  # fmt: skip
 
 

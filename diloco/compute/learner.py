@@ -277,7 +277,12 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         return heartbeats
 
     def run(self) -> int:
-        self._setup()
+        try:
+            self._setup()
+        except BaseException:
+            if self.group is not None and not self.group_live:  # the other ranks wait for the run
+                self.group.no_run()
+            raise
         heartbeats = self._start()
         try:
             reason = self._train()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import QUICK_END, ledger_rows, run_cli, wait_for
+from diloco.local.procs import ProcessGroup
+from tests.support import QUICK_END, ledger_rows, run_cli, start_coordinator, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -163,3 +164,29 @@ def test_two_rank_learners_under_chaos_pass_the_audit(small_corpus: Path, tmp_pa
 def ranks_left(workdir: Path) -> list[str]:
     found = subprocess.run(["pgrep", "-af", f"cli compute.*{workdir}"], capture_output=True, text=True)
     return found.stdout.splitlines()
+
+
+@pytest.mark.timeout(180)
+def test_a_group_refused_at_join_ends_in_its_reason_without_tracebacks(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """A 2-rank learner whose model keeps running statistics is refused at join: rank 0 says why in
+    one line, rank 1 (waiting for the run's config) exits quietly, and torchrun's agent ends with
+    rank 0's exit code in one line, not gloo's traceback and torch's failure table."""
+    group = ProcessGroup(tmp_path / "logs")
+    try:
+        address = start_coordinator(group, tmp_path / "coord", [
+            "--dataset", str(tiny_corpus), "--set", "data.chunk_bytes=65536",
+            "--set", "model.factory=tests.toy_models:batchnorm_mlp",
+        ])  # fmt: skip
+        done = run_cli(["compute", "--coordinator", address, "--nproc", "2", "--threads", "1"], timeout=120)
+    finally:
+        group.stop()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "keep running statistics" in done.stderr and "--nproc" in done.stderr, done.stderr[-3000:]
+    assert "rank 0 did not start the run" in done.stderr, done.stderr[-3000:]
+    for noise in ("Traceback", "ChildFailedError", "Root Cause", "OMP_NUM_THREADS"):
+        assert noise not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "the learner's group stopped: rank 0 ended first, with exit code 2"
+    ), done.stderr[-3000:]

@@ -44,7 +44,7 @@ def test_every_row_goes_to_exactly_one_rank(rows: int, world: int) -> None:
 
 def test_nproc_starts_torchrun_without_itself() -> None:
     argv = torchrun_argv("/py", ["--coordinator", "h:1", "--nproc", "4", "--worker-id", "a", "--nproc=4"], 4)
-    assert argv[:5] == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4"]
+    assert argv[:5] == ["/py", "-m", "diloco.compute.agent", "--standalone", "--nproc-per-node=4"]
     assert argv[5:] == ["-m", "cli", "compute", "--coordinator", "h:1", "--worker-id", "a"]
 
 
