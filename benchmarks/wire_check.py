@@ -99,7 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         params = initial_parameters(client)
         client.init_parameters(params)
         version = 0
+        shard, row = client.lease_shard(), 0  # each push names a row of it it trained (as learners do)
         for i in range(args.pushes):
+            if row >= shard.rows:
+                shard, row = client.lease_shard(), 0
             delta = {n: torch.randn_like(t) * 1e-3 for n, t in params.items()}
             blobs = {
                 n: torch.frombuffer(bytearray(codecs.encode(t, "int8")), dtype=torch.uint8)
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
             }
             header = pb.TensorHeader(fragment=0, version=version, inner_steps=10, tokens=1000,
                                      codec="int8", push_id=uuid.uuid4().hex)  # fmt: skip
+            header.spans.add(shard_id=shard.shard_id, row_start=row, row_end=row + 1)
+            row += 1
             reply = client.push(header, blobs)
             got = client.pull([0], [version], wait_s=10, wait_above=[reply.version])
             version = got[-1][0].version if got else version

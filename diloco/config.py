@@ -267,10 +267,11 @@ class CoordinatorConfig:
     # Live workers of one role at most: a join beyond is refused. Fake learners that join and
     # heartbeat would otherwise each shrink every honest round's coverage (and fill the ledger).
     max_workers_per_role: int = 1024
-    # Per caller (its certificate's name under mutual TLS, else its host; see
-    # coordinator/callers.py): live workers it may register, pushes it may have open (in a slot or
-    # waiting for one), and pulls it may have waiting for a new version. 0: no cap. Without them
-    # one machine could join fake learners, or hold every push slot and handler thread.
+    # Per caller (its certificate under mutual TLS, else its host; see coordinator/callers.py):
+    # live workers it may register (a host, in token and plaintext mode: a certificate is one
+    # worker, its name), pushes it may have open (in a slot or waiting for one), and pulls it may
+    # have waiting for a new version. 0: no cap. Without them one machine could join fake
+    # learners, or hold every push slot and handler thread.
     max_workers_per_caller: int = 64
     # Chunk and shard leases one worker holds at once; beyond, it is told to wait. A learner holds
     # the shards whose rows it trained but has not pushed yet: H steps' worth, a few shards.

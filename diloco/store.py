@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import stat
 import threading
 import uuid
 from collections.abc import Iterator, Sequence
@@ -106,6 +107,58 @@ def read_bytes(uri: str, start: int | None = None, end: int | None = None) -> by
         return fs.cat_file(path, start=start, end=end)
     except FileNotFoundError as e:
         raise StoreError(f"not found: {uri}") from e
+
+
+def read_exact(uri: str, nbytes: int) -> bytes:
+    """A file that someone else names (a data worker's shard), read only when it is a regular file
+    of exactly `nbytes` bytes: its size is taken from the store first, and no more is ever read.
+    Anything else (a FIFO, a device, a symlink, a directory, another size) is a StoreError, raised
+    before a byte is read: read whole, a FIFO blocked the reader until a writer came, and a sparse
+    1 GiB file took 1 GiB of the coordinator's memory."""
+    fs, path = filesystem(uri)
+    if is_local(uri):
+        return _read_exact_local(uri, path, nbytes)
+    _fresh(fs, path)
+    try:
+        info = fs.info(path)
+    except FileNotFoundError as e:
+        raise StoreError(f"not found: {uri}") from e
+    if info.get("type") != "file":
+        raise StoreError(f"{uri} is not a file ({info.get('type')})")
+    if int(info.get("size") or 0) != nbytes:
+        raise StoreError(f"{info.get('size')} bytes in the file, {nbytes} reported")
+    data = fs.cat_file(path, start=0, end=nbytes) if nbytes else b""
+    if len(data) != nbytes:  # replaced between the two calls
+        raise StoreError(f"{len(data)} bytes read, {nbytes} reported")
+    return data
+
+
+def _read_exact_local(uri: str, path: str, nbytes: int) -> bytes:
+    try:
+        # lstat, then open without following a link or waiting on a FIFO, then the same file again
+        # by its descriptor: what is read is the regular file that was checked.
+        seen = os.lstat(path)
+        if not stat.S_ISREG(seen.st_mode):
+            raise StoreError(f"{uri} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as e:
+        raise StoreError(f"not found: {uri}") from e
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (seen.st_dev, seen.st_ino):
+            raise StoreError(f"{uri} changed while it was opened")
+        if opened.st_size != nbytes:
+            raise StoreError(f"{opened.st_size} bytes in the file, {nbytes} reported")
+        parts, left = [], nbytes
+        while left > 0:
+            part = os.read(fd, min(left, 1 << 20))
+            if not part:
+                raise StoreError(f"{uri} is shorter than its {nbytes} bytes")
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(uri: str, data: bytes, mode: int = 0o666) -> None:

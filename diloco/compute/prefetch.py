@@ -33,6 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
+
 from diloco import store
 from diloco.client import CoordinatorClient
 from diloco.compute.batch import Batch, ShardRows, cut_batch
@@ -232,7 +234,19 @@ class ShardPrefetcher:
             # The coordinator has the raw chunk reprocessed into a good shard.
             log.warning("shard %d unreadable (%s); reported for reprocessing", lease.shard_id, e)
             self.release(lease.shard_id)
-            self.client.report_shard(lease.shard_id, str(e))
+            try:
+                self.client.report_shard(lease.shard_id, str(e))
+            except grpc.RpcError as refused:  # e.g. more reports than the coordinator takes an hour
+                if refused.code() not in (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ):
+                    raise
+                log.warning(
+                    "shard %d: report not taken (%s); its lease lapses instead",
+                    lease.shard_id,
+                    refused.details(),
+                )
             return None
         return lease, number, shard
 

@@ -1,14 +1,20 @@
 """Who is calling, and what each caller holds: so that no caller acts as another's worker,
 registers workers without bound, or holds every push slot and pull wait.
 
-A caller is its certificate's role and name under mutual TLS (one certificate, one worker id: the
-guard already checks that), else the host it calls from. In token mode every holder of the token is
+A caller is its certificate's role and name under mutual TLS, else the host it calls from. Under
+mutual TLS one certificate is one worker: its worker id is the certificate's name (a join without
+an id takes it; any other id is refused), and its role must fit the worker's (an observer's
+certificate never acts as a learner or a data worker). In token mode every holder of the token is
 trusted alike, so the host is the only thing that tells two of them apart: fake learners joined
-from one machine then share one cap, and one machine cannot act as another machine's worker.
-(Behind one NAT every worker shares a host; mutual TLS is the way to tell them apart there.)
+from one machine then share one cap (`coordinator.max_workers_per_caller`), and one machine
+cannot act as another machine's worker. (Behind one NAT every worker shares a host; mutual TLS is
+the way to tell them apart there.)
 
-Bindings live in memory: after a coordinator restart a worker id is bound again by the first
-caller that uses it (the workers re-join at once, see client.py).
+Bindings (which caller joined each worker id) live in the ledger's workers table, so a restarted
+coordinator still knows them: no one takes a worker id by being first to call after a restart. A
+binding to a certificate is for the run; one to a host moves to another host once its worker's
+lease has lapsed (a worker moved to another machine). A ledger from before bindings were kept has
+none: each such id goes to its first caller whose role fits it.
 """
 
 from __future__ import annotations
@@ -16,10 +22,21 @@ from __future__ import annotations
 import functools
 import threading
 from collections import Counter
-from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+import grpc
+
+from diloco.plugins import a_or_an
 from diloco.security.certs import subject_of
+from diloco.security.guard import JOIN_ROLE
+from diloco.v1 import coordinator_pb2 as pb
+
+# The certificate roles that may hold a worker of each role: the guard's rule at join, by the
+# worker role's name as the ledger keeps it ("compute", "data", "evaluator", "observer").
+CERT_ROLES_OF_WORKER = {
+    pb.Role.Name(r).removeprefix("ROLE_").lower(): roles for r, roles in JOIN_ROLE.items()
+}
 
 
 def caller_of(context: Any) -> str:
@@ -39,6 +56,14 @@ def _subject(pem: bytes) -> tuple[str, str]:
     return subject_of(pem)
 
 
+def certificate_of(caller: str) -> tuple[str, str] | None:
+    """(role, name) of a caller under mutual TLS; None for one told apart by its host."""
+    if not caller.startswith("cert:"):
+        return None
+    role, _, name = caller.removeprefix("cert:").partition(":")  # a role holds no colon; a name may
+    return role, name
+
+
 def peer_host(peer: str) -> str:
     """gRPC's peer string without its port: ipv4:10.0.0.2:5000 -> 10.0.0.2, ipv6:[::1]:5000 -> ::1."""
     kind, _, rest = peer.partition(":")
@@ -49,40 +74,139 @@ def peer_host(peer: str) -> str:
     return peer  # unix sockets and the like: the whole string
 
 
-class Callers:
-    """Worker ids bound to the callers that use them, and each caller's open calls by kind."""
+def own_worker_id(caller: str) -> str:
+    """The one worker id a caller may hold, when it has one: under mutual TLS its certificate's
+    name (one certificate, one worker); "" for a caller told apart by its host, which may hold up
+    to its cap of workers under ids of its choosing."""
+    cert = certificate_of(caller)
+    return cert[1] if cert else ""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: dict[str, str] = {}  # worker id -> caller
+
+@dataclass(frozen=True)
+class Binding:
+    """A worker id as the ledger holds it: its role, the caller that joined it ("" in a ledger
+    from before bindings were kept), and whether it is live (active, heard within the lease TTL)."""
+
+    role: str
+    caller: str
+    live: bool
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a call is refused, and with which status (RESOURCE_EXHAUSTED: clients retry)."""
+
+    code: grpc.StatusCode
+    why: str
+
+
+def role_problem(worker_id: str, worker_role: str, caller: str) -> str:
+    """Why `caller` may not hold the `worker_role` worker `worker_id` by its certificate's role ("" when
+    it may, and always for a caller without a certificate)."""
+    cert = certificate_of(caller)
+    if cert is None or cert[0] in CERT_ROLES_OF_WORKER.get(worker_role, ()):
+        return ""
+    holder = f"{a_or_an(cert[0])} certificate" if cert[0] else "a certificate without a role"
+    return f"{holder} may not hold the {worker_role} worker {worker_id!r}"
+
+
+def join_refusal(
+    worker_id: str, role: str, caller: str, bound: Binding | None, mine: int, cap: int
+) -> Refusal | None:
+    """Whether `caller` may join as `worker_id` in `role` (None: it may). `bound`: the id as the
+    ledger holds it (None: a new id); `mine`: the caller's other live workers; `cap`:
+    coordinator.max_workers_per_caller (0: no cap).
+
+    An id keeps the role it first joined with. An id bound to a certificate is that certificate's
+    for the run; one bound to a host goes to another caller once its lease has lapsed (a worker
+    moved to another machine). A restarted worker joins again under its id at once, even while its
+    old life still looks live: it is the same caller."""
+    denied = grpc.StatusCode.PERMISSION_DENIED
+    if why := role_problem(worker_id, role, caller):
+        return Refusal(denied, why)
+    if bound is not None and bound.role != role:
+        return Refusal(
+            denied, f"worker id {worker_id!r} is a {bound.role} worker's: it cannot join as {role}"
+        )
+    if bound is not None and bound.caller and bound.caller != caller:
+        if certificate_of(bound.caller) and certificate_of(caller):
+            return Refusal(denied, f"worker id {worker_id!r} belongs to another certificate")
+        if bound.live:
+            return Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"worker id {worker_id!r} is live under another caller until its lease lapses",
+            )
+    if cap and mine >= cap:
+        return Refusal(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{caller} has {mine} live workers (coordinator.max_workers_per_caller = {cap})",
+        )
+    return None
+
+
+def acting_problem(worker_id: str, caller: str, bound: Binding | None) -> str:
+    """Why `caller` may not act as `worker_id` ("" when it may): its certificate's role does not
+    fit the worker's, or another caller joined it. An id without a binding (a ledger from before
+    they were kept) is anyone's whose role fits: the caller then binds it (Callers.acting_problem)."""
+    if bound is None:
+        return ""  # not a worker: the handler's own check says so (join first)
+    if bound.caller and bound.caller != caller:
+        return f"worker {worker_id!r} belongs to another caller"
+    return role_problem(worker_id, bound.role, caller)
+
+
+class WorkerBindings(Protocol):
+    """Where bindings are kept: the ledger's workers table (ledger/workers.py)."""
+
+    def binding(self, worker_id: str, ttl_s: float = 0.0) -> tuple[str, str, bool] | None: ...
+    def bind_caller(self, worker_id: str, caller: str) -> None: ...
+    def live_workers_of(self, caller: str, ttl_s: float) -> list[str]: ...
+    def join(self, worker_id: str, role: str, host: str, caller: str | None = None) -> None: ...
+
+
+class Callers:
+    """Worker ids bound to the callers that joined them (kept in the ledger), and each caller's
+    open calls by kind (in memory: they end with the process)."""
+
+    def __init__(self, ledger: WorkerBindings) -> None:
+        self.ledger = ledger
+        self._lock = threading.Lock()  # one join (or first binding) decided and written at a time
+        self._open_lock = threading.Lock()  # (apart: a push never waits on a join's commit)
         self._open: Counter[tuple[str, str]] = Counter()  # (kind, caller) -> calls open
 
-    def join_problem(self, worker_id: str, caller: str, live: Iterable[str], cap: int) -> str:
-        """Why `caller` may not join as `worker_id` now ("" when it may; it is then bound to it):
-        the id is live under another caller (a worker moved to another host joins once its old
-        lease lapses), or the caller has `cap` live workers already (0: no cap)."""
-        live = set(live)
+    def bound(self, worker_id: str, ttl_s: float = 0.0) -> Binding | None:
+        found = self.ledger.binding(worker_id, ttl_s)
+        return None if found is None else Binding(*found)
+
+    def join(
+        self, worker_id: str, role: str, host: str, caller: str, cap: int, ttl_s: float
+    ) -> Refusal | None:
+        """Join `caller` as `worker_id` (the ledger's row, with its binding) unless refused
+        (join_refusal): decided and written under one lock, so two joins of one id cannot both pass."""
         with self._lock:
-            owner = self._owner.get(worker_id)
-            if owner is not None and owner != caller and worker_id in live:
-                return f"worker id {worker_id!r} is live under another caller until its lease lapses"
-            mine = sum(1 for w, c in self._owner.items() if c == caller and w in live and w != worker_id)
-            if cap and mine >= cap:
-                return f"{caller} has {mine} live workers (coordinator.max_workers_per_caller = {cap})"
-            self._owner[worker_id] = caller
-            return ""
+            mine = sum(1 for w in self.ledger.live_workers_of(caller, ttl_s) if w != worker_id)
+            if refusal := join_refusal(worker_id, role, caller, self.bound(worker_id, ttl_s), mine, cap):
+                return refusal
+            self.ledger.join(worker_id, role, host, caller)
+        return None
 
     def acting_problem(self, worker_id: str, caller: str) -> str:
-        """Why `caller` may not act as `worker_id` ("" when it may): another caller holds the id.
-        An id nobody holds (a coordinator restart forgot it) is bound to its first user."""
-        with self._lock:
-            owner = self._owner.setdefault(worker_id, caller)
-        return "" if owner == caller else f"worker {worker_id!r} belongs to another caller"
+        """Why `caller` may not act as `worker_id` ("" when it may: see acting_problem). An id
+        without a binding is bound to its first caller whose role fits."""
+        bound = self.bound(worker_id)
+        if bound is None or bound.caller:
+            return acting_problem(worker_id, caller, bound)
+        with self._lock:  # the first caller binds it, once
+            bound = self.bound(worker_id)
+            why = acting_problem(worker_id, caller, bound)
+            if not why and bound is not None and not bound.caller:
+                self.ledger.bind_caller(worker_id, caller)
+            return why
 
     def open(self, kind: str, caller: str, cap: int, total_cap: int = 0) -> str:
         """Count one more open call of `kind` for `caller` ("" when counted), unless the caller
         has `cap` open or everyone together has `total_cap` (0: no cap): why not."""
-        with self._lock:
+        with self._open_lock:
             if cap and self._open[kind, caller] >= cap:
                 return f"{caller} has {cap} {kind} calls open already"
             if total_cap and sum(n for (k, _), n in self._open.items() if k == kind) >= total_cap:
@@ -91,7 +215,7 @@ class Callers:
             return ""
 
     def close(self, kind: str, caller: str) -> None:
-        with self._lock:
+        with self._open_lock:
             self._open[kind, caller] -= 1
             if self._open[kind, caller] <= 0:
                 del self._open[kind, caller]

@@ -233,7 +233,10 @@ def outer_step(
     for name, theta in params.items():
         if name in averaged:
             mean = outer_grad[name].to(torch.float32)
-            new_params[name] = torch.add(mean, theta.to(torch.float32), alpha=1.0 - share).to(theta.dtype)
+            merged = torch.add(mean, theta.to(torch.float32), alpha=1.0 - share)
+            if name.endswith("running_var"):  # pushes are checked (limits.running_stats_problem); kept so
+                merged.clamp_(min=0.0)
+            new_params[name] = merged.to(theta.dtype)
             new_momentum[name] = momentum[name]  # zero: never used
             continue
         g = outer_grad[name].to(torch.float32)

@@ -105,6 +105,32 @@ def running_stats(model: nn.Module) -> dict[str, torch.Tensor]:
     return stats
 
 
+def is_running_stat(name: str) -> bool:
+    """Whether a tensor's name is a running statistic's (`<module>.running_mean` or `.running_var`,
+    as running_stats names them): the name decides what the coordinator merges as a plain mean,
+    not what the learner that offers the init says."""
+    return name.rpartition(".")[2] in RUNNING_STATS
+
+
+def averaged_marks_problem(marks: Mapping[str, bool]) -> str:
+    """Why these `averaged` marks (tensor name -> marked) cannot be a model's ("" when they can): a
+    tensor is marked exactly when its name is a running statistic's. Both ways are refused. A
+    parameter marked averaged skips the outlier check and the outer step (the first learner once
+    marked every parameter so, and a push of 1e15 replaced them); a statistic left unmarked takes
+    the outer step's momentum on the values learners push for it (running_stats), which drives a
+    variance below zero. A model's parameter named like a statistic is refused too: rename it."""
+    marked = sorted(n for n, averaged in marks.items() if averaged and not is_running_stat(n))
+    unmarked = sorted(n for n, averaged in marks.items() if not averaged and is_running_stat(n))
+    if marked:
+        return (
+            f"{len(marked)} tensor(s) marked as running statistics are not named as one "
+            f"(<module>.{' or .'.join(RUNNING_STATS)}): {marked[:3]}"
+        )
+    if unmarked:
+        return f"{len(unmarked)} running statistic(s) not marked averaged: {unmarked[:3]}"
+    return ""
+
+
 def synced_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor that travels: the parameters, then the running statistics (running_stats)."""
     return {**dict(model.named_parameters()), **running_stats(model)}

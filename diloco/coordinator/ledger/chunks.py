@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 
 from diloco.coordinator import leases
+from diloco.coordinator.lease_claims import ChunkRow, Refusal, Verdict, completion_verdict
 from diloco.coordinator.ledger.db import LedgerBase, _bump
 from diloco.coordinator.ledger.records import ChunkLease, Completion, NoLease
 from diloco.data.types import ChunkSpec
@@ -46,6 +47,11 @@ class ChunksTable(LedgerBase):
                 "UPDATE chunks SET state = 'leased', holder = ?, lease_expires = ?, attempts = attempts + 1 WHERE id = ?",
                 (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
             )
+            # Kept once the lease ends: only this worker completes this attempt (lease_claims).
+            db.execute(
+                "INSERT OR REPLACE INTO chunk_attempts(chunk_id, attempt, worker_id) VALUES (?, ?, ?)",
+                (row["id"], row["attempts"] + 1, worker_id),
+            )
             return ChunkLease(row["id"], ChunkSpec.from_json(row["spec"]), row["attempts"] + 1)
 
     @staticmethod
@@ -71,25 +77,19 @@ class ChunksTable(LedgerBase):
         checksum: str,
         nbytes: int,
         stats: dict[str, int],
+        attempt: int | None = None,
     ) -> Completion:
-        """Record the chunk's one shard. First completion wins; a retry of it is answered again."""
+        """Record the chunk's one shard, made by `worker_id` in attempt `attempt` of the chunk (None:
+        its latest) into `uri`: taken from that attempt's lease holder only (lease_claims). A retry
+        of a recorded completion is answered again."""
         with self._tx() as db:
-            prior = db.execute(
-                "SELECT id, chunk_id FROM shards WHERE completion_id = ?", (completion_id,)
-            ).fetchone()
+            prior = self._prior_completion(db, completion_id, chunk_id)
             if prior is not None:
-                return Completion(prior["chunk_id"] == chunk_id, "already recorded", prior["id"])
-            chunk = db.execute(
-                "SELECT state, split, attempts FROM chunks WHERE id = ?", (chunk_id,)
-            ).fetchone()
-            if chunk is None:
-                return Completion(False, f"unknown chunk {chunk_id}")
-            if chunk["attempts"] == 0:  # nobody was ever given it: nobody made its shard
-                return Completion(False, f"chunk {chunk_id} was never leased")
-            if chunk["state"] == "done":
-                return Completion(False, "chunk already has a shard")
-            if chunk["state"] == "quarantined":
-                return Completion(False, "chunk is quarantined")
+                return prior
+            verdict = self._completion_verdict(db, worker_id, chunk_id, attempt, uri)
+            if not verdict.taken:
+                return Completion(False, verdict.reason)
+            chunk = db.execute("SELECT split FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
             corrupt = db.execute(
                 "SELECT id, rows FROM shards WHERE chunk_id = ? AND state = 'corrupt'", (chunk_id,)
             ).fetchone()
@@ -134,6 +134,51 @@ class ChunksTable(LedgerBase):
             for key, value in stats.items():
                 _bump(db, f"records.{key}", value)
             return Completion(True, "recorded", int(cur.lastrowid))
+
+    def completion_verdict(
+        self, worker_id: str, chunk_id: int, completion_id: str, attempt: int | None, uri: str
+    ) -> Verdict | None:
+        """Whether `complete_chunk` would take this completion, asked before its file is read;
+        None: a retry of a completion already recorded (complete_chunk answers it again)."""
+        with self._tx() as db:
+            if self._prior_completion(db, completion_id, chunk_id) is not None:
+                return None
+            return self._completion_verdict(db, worker_id, chunk_id, attempt, uri)
+
+    @staticmethod
+    def _prior_completion(db: sqlite3.Connection, completion_id: str, chunk_id: int) -> Completion | None:
+        prior = db.execute(
+            "SELECT id, chunk_id FROM shards WHERE completion_id = ?", (completion_id,)
+        ).fetchone()
+        if prior is None:
+            return None
+        return Completion(prior["chunk_id"] == chunk_id, "already recorded", prior["id"])
+
+    @staticmethod
+    def _completion_verdict(
+        db: sqlite3.Connection, worker_id: str, chunk_id: int, attempt: int | None, uri: str
+    ) -> Verdict:
+        chunk = db.execute("SELECT state, holder, attempts FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
+        if chunk is None:
+            return Verdict(Refusal.DENIED, f"unknown chunk {chunk_id}")
+        if attempt is None:  # (a caller that names no file: the worker's latest attempt)
+            mine = db.execute(
+                "SELECT MAX(attempt) FROM chunk_attempts WHERE chunk_id = ? AND worker_id = ?",
+                (chunk_id, worker_id),
+            ).fetchone()[0]
+            attempt = chunk["attempts"] if mine is None else mine
+        leased_to = db.execute(
+            "SELECT worker_id FROM chunk_attempts WHERE chunk_id = ? AND attempt = ?", (chunk_id, attempt)
+        ).fetchone()
+        shard = db.execute("SELECT uri FROM shards WHERE chunk_id = ?", (chunk_id,)).fetchone()
+        row = ChunkRow(
+            chunk["state"],
+            chunk["holder"],
+            chunk["attempts"],
+            leased_to[0] if leased_to else None,
+            shard[0] if shard else None,
+        )
+        return completion_verdict(worker_id, chunk_id, attempt, uri, row)
 
     def fail_chunk(self, worker_id: str, chunk_id: int, error: str, max_attempts: int) -> bool:
         """Give a chunk back after a failure; quarantine it after max_attempts. True if quarantined."""

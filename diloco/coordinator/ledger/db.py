@@ -34,13 +34,15 @@ CREATE TABLE IF NOT EXISTS shards (
 );
 CREATE TABLE IF NOT EXISTS workers (
   id TEXT PRIMARY KEY, role TEXT NOT NULL, host TEXT NOT NULL, joined REAL NOT NULL,
-  last_seen REAL NOT NULL, state TEXT NOT NULL, stats TEXT NOT NULL DEFAULT '{}'
+  last_seen REAL NOT NULL, state TEXT NOT NULL, stats TEXT NOT NULL DEFAULT '{}',
+  caller TEXT                                     -- who joined it (coordinator/callers.py); NULL: not yet bound
 );
 CREATE TABLE IF NOT EXISTS pushes (
   push_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, fragment INTEGER NOT NULL,
   base_version INTEGER NOT NULL, steps INTEGER NOT NULL, tokens INTEGER NOT NULL,
   state TEXT NOT NULL,                            -- pending | merged | dropped
-  merged_version INTEGER, reason TEXT, received REAL NOT NULL
+  merged_version INTEGER, reason TEXT, received REAL NOT NULL,
+  norm REAL                                       -- the delta's norm per H steps, for the outlier check
 );
 CREATE TABLE IF NOT EXISTS spans (
   shard_id INTEGER NOT NULL REFERENCES shards(id), row_start INTEGER NOT NULL,
@@ -64,6 +66,24 @@ CREATE TABLE IF NOT EXISTS rounds (
   mean_loss REAL, reason TEXT, scale REAL NOT NULL DEFAULT 1.0, PRIMARY KEY (fragment, version)
 );
 CREATE INDEX IF NOT EXISTS rounds_by_close ON rounds(closed);
+-- Every worker a shard was ever leased to (kept by the trigger, whatever code leases it): a
+-- push may name rows only of shards its worker holds or held (a learner resumed after kill -9, or
+-- a push sent again from its journal, names rows of a lease that has lapsed since).
+CREATE TABLE IF NOT EXISTS shard_holders (
+  shard_id INTEGER NOT NULL, worker_id TEXT NOT NULL, PRIMARY KEY (shard_id, worker_id)
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS shard_holders_on_lease AFTER UPDATE OF holder ON shards
+  WHEN NEW.holder IS NOT NULL
+  BEGIN INSERT OR IGNORE INTO shard_holders(shard_id, worker_id) VALUES (NEW.id, NEW.holder); END;
+-- Who held a lease, kept once it ends (lease_claims.py): a chunk's completion is taken only from
+-- the data worker that leased that attempt, a shard's corruption report only from the learner
+-- that leased it last (shard_last_holder), a few an hour (shard_reports: the reports taken).
+CREATE TABLE IF NOT EXISTS chunk_attempts (
+  chunk_id INTEGER NOT NULL, attempt INTEGER NOT NULL, worker_id TEXT NOT NULL, PRIMARY KEY (chunk_id, attempt)
+);
+CREATE TABLE IF NOT EXISTS shard_last_holder (shard_id INTEGER PRIMARY KEY, worker_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shard_reports (worker_id TEXT NOT NULL, shard_id INTEGER NOT NULL, at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS shard_reports_by_worker ON shard_reports(worker_id, at);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS evals (
   id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, worker_id TEXT NOT NULL,
@@ -91,6 +111,8 @@ class LedgerBase:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.execute("PRAGMA foreign_keys=ON")
         self._db.executescript(SCHEMA)
+        _keep_worker_callers(self._db)
+        _keep_push_claims(self._db)
         # Reports (Status, the page, /metrics) read on a connection of their own: in WAL mode it
         # sees the last commit while the service writes on, so counting a large dataset's chunks
         # never holds up a push or a merge waiting for the ledger's lock.
@@ -250,6 +272,36 @@ class _Transaction:
             self.ledger._db.execute("ROLLBACK" if exc_type else "COMMIT")
         finally:
             self.ledger._lock.release()
+
+
+def _keep_worker_callers(db: sqlite3.Connection) -> None:
+    """Workers' callers, in a ledger from before they were kept there too (only in memory, so a
+    restarted coordinator bound each id to whoever called first): the column added, empty, so each
+    such id goes to its first caller whose role fits it (callers.py), and its index."""
+    if "caller" not in {row[1] for row in db.execute("PRAGMA table_info(workers)")}:
+        db.execute("ALTER TABLE workers ADD COLUMN caller TEXT")
+    db.execute("CREATE INDEX IF NOT EXISTS workers_by_caller ON workers(caller, state)")
+
+
+def _keep_push_claims(db: sqlite3.Connection) -> None:
+    """A ledger from before pushes kept their norms and shards their past holders: the norm column
+    added (empty: the outlier history restarts from the pushes after it), and the holders seeded,
+    once, from what the ledger knows of them: each shard's current holder and every worker whose
+    push named its rows."""
+    if "norm" not in {row[1] for row in db.execute("PRAGMA table_info(pushes)")}:
+        db.execute("ALTER TABLE pushes ADD COLUMN norm REAL")
+    if db.execute("SELECT 1 FROM meta WHERE key = 'shard_holders_seeded'").fetchone() is None:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute(
+            "INSERT OR IGNORE INTO shard_holders(shard_id, worker_id) "
+            "SELECT id, holder FROM shards WHERE holder IS NOT NULL"
+        )
+        db.execute(
+            "INSERT OR IGNORE INTO shard_holders(shard_id, worker_id) "
+            "SELECT DISTINCT s.shard_id, p.worker_id FROM spans s JOIN pushes p USING (push_id)"
+        )
+        db.execute("INSERT INTO meta(key, value) VALUES ('shard_holders_seeded', '1')")
+        db.execute("COMMIT")
 
 
 def _bump(db: sqlite3.Connection, name: str, by: float) -> None:

@@ -6,6 +6,7 @@ import sqlite3
 from collections.abc import Collection, Iterable, Sequence
 
 from diloco.coordinator import deal, leases
+from diloco.coordinator.lease_claims import SHARD_REPORT_WINDOW_S, Refusal, ShardRow, Verdict, report_verdict
 from diloco.coordinator.ledger.db import LedgerBase, _bump
 from diloco.coordinator.ledger.records import NoLease, ShardLease
 
@@ -85,6 +86,12 @@ class ShardsTable(LedgerBase):
                     "UPDATE shards SET state = 'leased', holder = ?, lease_expires = ? WHERE id = ?",
                     (worker_id, leases.lease_deadline(self.clock(), ttl_s), row["id"]),
                 )
+                # Kept once the lease ends (a learner gives a shard back, then reports it): who
+                # may report it corrupt.
+                db.execute(
+                    "INSERT OR REPLACE INTO shard_last_holder(shard_id, worker_id) VALUES (?, ?)",
+                    (row["id"], worker_id),
+                )
                 position = positions[row["chunk_id"]]
                 return ShardLease(
                     row["id"], row["uri"], row["checksum"], row["rows"], todo, slot, position, choice.reason
@@ -111,22 +118,53 @@ class ShardsTable(LedgerBase):
             )
         )
 
+    def report_shard(self, worker_id: str, shard_id: int, error: str) -> Verdict:
+        """`worker_id`'s report that a shard failed its checksum: taken (the shard out of play, its
+        raw chunk made again) only from the learner that leased the train shard last, a few an
+        hour (lease_claims.report_verdict); otherwise nothing changes."""
+        now = self.clock()
+        with self._tx() as db:
+            shard = db.execute(
+                "SELECT chunk_id, split, state, holder FROM shards WHERE id = ?", (shard_id,)
+            ).fetchone()
+            if shard is None:
+                return Verdict(Refusal.DENIED, f"unknown shard {shard_id}")
+            last = db.execute(
+                "SELECT worker_id FROM shard_last_holder WHERE shard_id = ?", (shard_id,)
+            ).fetchone()
+            # shard_holders: every learner the shard was ever leased to (kept for pushes' spans).
+            held = db.execute(
+                "SELECT 1 FROM shard_holders WHERE shard_id = ? AND worker_id = ?", (shard_id, worker_id)
+            ).fetchone()
+            recent = db.execute(
+                "SELECT COUNT(*) FROM shard_reports WHERE worker_id = ? AND at > ?",
+                (worker_id, now - SHARD_REPORT_WINDOW_S),
+            ).fetchone()[0]
+            row = ShardRow(
+                shard["split"],
+                shard["state"],
+                shard["holder"],
+                last[0] if last else None,
+                held is not None,
+                recent,
+            )
+            verdict = report_verdict(worker_id, shard_id, row)
+            if verdict.taken:
+                db.execute(
+                    "INSERT INTO shard_reports(worker_id, shard_id, at) VALUES (?, ?, ?)",
+                    (worker_id, shard_id, now),
+                )
+                _mark_corrupt(db, shard_id, shard["chunk_id"], error)
+            return verdict
+
     def report_corrupt_shard(self, shard_id: int, error: str) -> bool:
-        """A shard that failed its checksum: take it out of play and reprocess its raw chunk."""
+        """A shard that failed its checksum, whoever says so (the ledger's own tools and tests; a
+        learner's report goes through `report_shard`): out of play, its raw chunk made again."""
         with self._tx() as db:
             shard = db.execute("SELECT chunk_id, state FROM shards WHERE id = ?", (shard_id,)).fetchone()
             if shard is None or shard["state"] in ("corrupt", "consumed"):
                 return False
-            db.execute(
-                "UPDATE shards SET state = 'corrupt', holder = NULL, lease_expires = NULL WHERE id = ?",
-                (shard_id,),
-            )
-            db.execute(
-                "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL, error = ? "
-                "WHERE id = ?",
-                (f"shard {shard_id} corrupt: {error}"[:2000], shard["chunk_id"]),
-            )
-            _bump(db, "shards_corrupt", 1)
+            _mark_corrupt(db, shard_id, shard["chunk_id"], error)
             return True
 
     def release_shards(self, worker_id: str, shard_ids: Iterable[int]) -> None:
@@ -137,3 +175,15 @@ class ShardsTable(LedgerBase):
                     "WHERE id = ? AND holder = ? AND state = 'leased'",
                     (sid, worker_id),
                 )
+
+
+def _mark_corrupt(db: sqlite3.Connection, shard_id: int, chunk_id: int, error: str) -> None:
+    """A shard out of play and its raw chunk back in the pool, to be made again (same shard row)."""
+    db.execute(
+        "UPDATE shards SET state = 'corrupt', holder = NULL, lease_expires = NULL WHERE id = ?", (shard_id,)
+    )
+    db.execute(
+        "UPDATE chunks SET state = 'pending', holder = NULL, lease_expires = NULL, error = ? WHERE id = ?",
+        (f"shard {shard_id} corrupt: {error}"[:2000], chunk_id),
+    )
+    _bump(db, "shards_corrupt", 1)

@@ -13,14 +13,39 @@ from diloco.coordinator.ledger.db import LedgerBase, _bump
 
 
 class WorkersTable(LedgerBase):
-    def join(self, worker_id: str, role: str, host: str) -> None:
+    def join(self, worker_id: str, role: str, host: str, caller: str | None = None) -> None:
+        """The worker is active (again); `caller`: who joined it (coordinator/callers.py decides
+        who may), kept so that a restarted coordinator still knows it. None keeps the one held."""
         now = self.clock()
         with self._tx() as db:
             db.execute(
-                "INSERT INTO workers(id, role, host, joined, last_seen, state) VALUES (?, ?, ?, ?, ?, 'active') "
-                "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', host = excluded.host",
-                (worker_id, role, host, now, now),
+                "INSERT INTO workers(id, role, host, joined, last_seen, state, caller) "
+                "VALUES (?, ?, ?, ?, ?, 'active', ?) "
+                "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', "
+                "host = excluded.host, caller = COALESCE(excluded.caller, workers.caller)",
+                (worker_id, role, host, now, now, caller),
             )
+
+    def binding(self, worker_id: str, ttl_s: float = 0.0) -> tuple[str, str, bool] | None:
+        """(role, caller, live) of a worker id, None when it never joined: the caller that joined
+        it ("" before one was kept) and whether it is active and heard from within `ttl_s`."""
+        rows = self._q("SELECT role, caller, state, last_seen FROM workers WHERE id = ?", (worker_id,))
+        if not rows:
+            return None
+        r = rows[0]
+        live = r["state"] == "active" and leases.is_live(r["last_seen"], self.clock(), ttl_s)
+        return str(r["role"]), str(r["caller"] or ""), live
+
+    def bind_caller(self, worker_id: str, caller: str) -> None:
+        """`worker_id`'s caller, when it had none (a ledger from before they were kept)."""
+        with self._tx() as db:
+            db.execute("UPDATE workers SET caller = ? WHERE id = ? AND caller IS NULL", (caller, worker_id))
+
+    def live_workers_of(self, caller: str, ttl_s: float) -> list[str]:
+        """The live workers `caller` joined."""
+        now = self.clock()
+        rows = self._q("SELECT id, last_seen FROM workers WHERE caller = ? AND state = 'active'", (caller,))
+        return [r["id"] for r in rows if leases.is_live(r["last_seen"], now, ttl_s)]
 
     def worker_role(self, worker_id: str) -> str | None:
         role = self._one("SELECT role FROM workers WHERE id = ?", (worker_id,))

@@ -17,10 +17,12 @@ from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, merging, syncer
 from diloco.coordinator.callers import Callers, RefusalLog, caller_of, peer_host
 from diloco.coordinator.held_out import no_eval_split_warning
+from diloco.coordinator.init_check import RunModel
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.workers import Reclaimed
 from diloco.coordinator.report import tokens_reported
 from diloco.coordinator.service.state import (
+    NORM_HISTORY,
     RUN_STATES,
     FragmentState,
     RoundSum,
@@ -79,6 +81,7 @@ class ServiceBase:
         self.security_mode = "none"  # how callers are told apart (the server sets it)
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
+        self.run_model = RunModel(config.model)  # the first init is checked against it (init_check)
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         # When the last chunks completed (this life): how soon a waiting data worker asks again.
         self.chunk_completions: deque[float] = deque(maxlen=CHUNK_PACE_WINDOW)
@@ -91,7 +94,7 @@ class ServiceBase:
         self._refusal_log = RefusalLog()
         self.published_at: float | None = None  # the last merge saved (this life): stuck or not
         self._push_slots = threading.BoundedSemaphore(config.coordinator.max_inflight_pushes)
-        self.callers = Callers()  # which caller holds each worker id, and its open calls
+        self.callers = Callers(ledger)  # which caller holds each worker id, and its open calls
         self._budget_lock = threading.Lock()  # one learner's allowance is read and written at a time
         self._dropped_by_restart = ledger.pending_pushers()  # awaited by each fragment's first round
         self.epoch = ledger.next_epoch()
@@ -152,6 +155,8 @@ class ServiceBase:
         self._ticker.start()
         self._merger.start()
         self._publisher.start()
+        if not self.fragments:  # built off the request path, before the first learner offers its init
+            self.run_model.start()
 
     def stop(self, publish_timeout_s: float = 60.0) -> None:
         """Stop the clocks; merges already made are published first (bounded in time)."""
@@ -224,11 +229,16 @@ class ServiceBase:
         # the fragment's first round waits for them, bounded, so they merge together rather than
         # each in a round of its own (measured: those single-push rounds were the chaos runs' cost).
         awaited = self._dropped_by_restart.get(p, frozenset())
-        return FragmentState(
+        state = FragmentState(
             p, names, params, momentum, version, round_, self._new_sum(), published_version=version,
             files=files or [version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
             awaited=awaited, awaited_until=self.clock() + RESEND_WAIT_HEARTBEATS * self.config.coordinator.heartbeat_s,
         )  # fmt: skip
+        # The outlier check's history, as the merged pushes left it: a restart does not empty it.
+        for worker_id, norm in self.ledger.recent_norms(p, NORM_HISTORY):
+            state.recent_norms.append(norm)
+            state.recent_workers.append(worker_id)
+        return state
 
     def _new_sum(self) -> RoundSum:
         return RoundSum(merging.MergeAccumulator(self.policy.merge, self.averaged))

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import NoReturn
 
 import grpc
 
 from diloco import store
 from diloco.coordinator import limits
+from diloco.coordinator.lease_claims import Refusal, attempt_of, attempt_shard_uri
 from diloco.coordinator.ledger import ChunkLease, NoLease
+from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     log,
 )
 from diloco.data.preprocess import schema_difference
 from diloco.data.shard import completion_problem
+from diloco.store import StoreError
 from diloco.v1 import coordinator_pb2 as pb
 
 # A data worker told to wait asks again after about half the time between recent chunk completions,
@@ -59,7 +63,7 @@ class ChunkRPCs(ServiceBase):
                 self.config.data.deal,
             )
             if isinstance(lease, ChunkLease):
-                shard_uri = store.join(self.shard_root, f"chunk-{lease.chunk_id:06d}-a{lease.attempt}.shard")
+                shard_uri = attempt_shard_uri(self.shard_root, lease.chunk_id, lease.attempt)
                 reply = pb.LeaseChunkReply(
                     chunk_id=lease.chunk_id,
                     split=lease.spec.split,
@@ -109,30 +113,28 @@ class ChunkRPCs(ServiceBase):
             for k, v in request.record_stats.items()
         ):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "record_stats: short names, counts in [0, 2^50]")
-        if request.schema:
-            refusal = self._schema_refusal(request.schema)
-            if refusal:
-                log.warning("chunk %d from %s refused: %s", request.chunk_id, request.worker_id, refusal)
-                reply = pb.CompleteChunkReply(accepted=False, reason=refusal, wrong_schema=True)
-                self.wire.add_out("complete_chunk", reply)
-                return reply
-        if self.config.coordinator.verify_shards and (problem := self._shard_problem(request)):
-            # A failed attempt of the chunk (it goes back to the pool, or to quarantine), and the
-            # worker removes its file: no learner ever reads a shard its completion misdescribes.
-            log.warning(
-                "chunk %d from %s: the shard is refused: %s", request.chunk_id, request.worker_id, problem
+        # Whose completion it is, before its file is opened: only the worker that leased this
+        # attempt of the chunk, and only for the file that attempt was told to write.
+        attempt = attempt_of(self.shard_root, request.chunk_id, request.shard_uri)
+        if attempt is None:
+            self._refuse_completion(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"shard {limits.cut_text(request.shard_uri, 300)!r} is not a file a lease of chunk "
+                f"{request.chunk_id} names",
             )
-            self.ledger.fail_chunk(
-                request.worker_id,
-                request.chunk_id,
-                f"shard refused: {problem}",
-                self.config.coordinator.max_chunk_attempts,
+        verdict = self.ledger.completion_verdict(
+            request.worker_id, request.chunk_id, request.completion_id, attempt, request.shard_uri
+        )
+        if verdict is not None and verdict.refusal is Refusal.DENIED:
+            self._refuse_completion(context, grpc.StatusCode.PERMISSION_DENIED, verdict.reason)
+        if verdict is not None and not verdict.taken:  # its lease is over: its file is surplus
+            self.ledger.bump("chunk_completions_refused")
+            return self._completion_reply(
+                request, pb.CompleteChunkReply(accepted=False, reason=verdict.reason)
             )
-            reply = pb.CompleteChunkReply(
-                accepted=False, reason=f"the shard file is not what was reported: {problem}"
-            )
-            self.wire.add_out("complete_chunk", reply)
-            return reply
+        if verdict is not None and (reply := self._file_refusal(request)) is not None:
+            return self._completion_reply(request, reply)
         done = self.ledger.complete_chunk(
             request.worker_id,
             request.chunk_id,
@@ -143,6 +145,7 @@ class ChunkRPCs(ServiceBase):
             request.checksum,
             request.shard_bytes,
             dict(request.record_stats),
+            attempt=attempt,
         )
         if done.accepted and done.reason != "already recorded":  # a retried completion counts once
             # Each data worker's throughput, for status and summary.json: tokens it wrote into
@@ -162,16 +165,50 @@ class ChunkRPCs(ServiceBase):
         self.wire.add_out("complete_chunk", reply)
         return reply
 
+    def _refuse_completion(self, context: grpc.ServicerContext, code: grpc.StatusCode, why: str) -> NoReturn:
+        self.ledger.bump("chunk_completions_refused")
+        self.caller_refused("CompleteChunk", why, context.peer())
+        context.abort(code, why)
+
+    def _completion_reply(
+        self, request: pb.CompleteChunkRequest, reply: pb.CompleteChunkReply
+    ) -> pb.CompleteChunkReply:
+        log.warning(
+            "chunk %d from %s not taken: %s", request.chunk_id, request.worker_id, loggable(reply.reason)
+        )
+        self.wire.add_out("complete_chunk", reply)
+        return reply
+
+    def _file_refusal(self, request: pb.CompleteChunkRequest) -> pb.CompleteChunkReply | None:
+        """Why the lease holder's shard is refused (its columns are not the run's, or its file is
+        not what it reports), as the reply; None: it is taken."""
+        if request.schema and (refusal := self._schema_refusal(request.schema)):
+            return pb.CompleteChunkReply(accepted=False, reason=refusal, wrong_schema=True)
+        if self.config.coordinator.verify_shards and (problem := self._shard_problem(request)):
+            # A failed attempt of the chunk (it goes back to the pool, or to quarantine), and the
+            # worker removes its file: no learner ever reads a shard its completion misdescribes.
+            self.ledger.fail_chunk(
+                request.worker_id,
+                request.chunk_id,
+                f"shard refused: {problem}",
+                self.config.coordinator.max_chunk_attempts,
+            )
+            return pb.CompleteChunkReply(
+                accepted=False, reason=f"the shard file is not what was reported: {problem}"
+            )
+        return None
+
     def _shard_problem(self, request: pb.CompleteChunkRequest) -> str | None:
-        """Why the shard file is not the one the completion reports (rows, tokens, checksum)."""
+        """Why the shard file is not the one the completion reports (a regular file of its bytes,
+        then its rows, tokens and checksum): never more than the reported bytes are read."""
         if request.shard_bytes > limits.MAX_SHARD_BYTES:
             return f"{request.shard_bytes} bytes; {limits.MAX_SHARD_BYTES} at most"
         try:
-            data = store.read_bytes(request.shard_uri)
+            data = store.read_exact(request.shard_uri, request.shard_bytes)
+        except StoreError as e:
+            return limits.cut_text(str(e), 300)
         except OSError as e:
             return limits.cut_text(f"unreadable: {e}", 300)
-        if len(data) != request.shard_bytes:
-            return f"{len(data)} bytes in the file, {request.shard_bytes} reported"
         return completion_problem(data, request.rows, request.tokens, request.checksum)
 
     def _schema_refusal(self, schema_json: str) -> str:
@@ -197,7 +234,7 @@ class ChunkRPCs(ServiceBase):
             request.chunk_id,
             request.worker_id,
             quarantined,
-            request.error.splitlines()[0][:300] if request.error else "",
+            loggable(request.error.splitlines()[0]) if request.error else "",
         )
         self.events.record(
             "chunk_failed", chunk=request.chunk_id, worker_id=request.worker_id, quarantined=quarantined,

@@ -9,7 +9,7 @@ import uuid
 import grpc
 
 from diloco.coordinator import lifecycle, limits
-from diloco.coordinator.callers import caller_of
+from diloco.coordinator.callers import caller_of, own_worker_id
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -33,14 +33,23 @@ class MembershipRPCs(ServiceBase):
         self.wire.unary_in("join", request, role)
         if role is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "join needs a role")
+        caller = caller_of(context)
+        # Under mutual TLS one certificate is one worker, its name: a join without an id once took
+        # a fresh one each time, and one learner's certificate registered 64 learners.
+        named = own_worker_id(caller)
         problem = (
             limits.id_problem(request.worker_id)
+            or limits.id_problem(named, "certificate name")
             or limits.id_problem(request.host, "host")
             or limits.ranks_problem(request.ranks)
         )
         if problem:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        worker_id = request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+        if named and request.worker_id not in ("", named):
+            self._refuse_join(
+                context, grpc.StatusCode.PERMISSION_DENIED, f"{named} may not join as {request.worker_id!r}"
+            )
+        worker_id = named or request.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
         c = self.config.coordinator
         if not self.ledger.known_worker(worker_id) and len(self.ledger.live_workers(role, c.lease_ttl_s)) >= (
             c.max_workers_per_role
@@ -49,18 +58,14 @@ class MembershipRPCs(ServiceBase):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{c.max_workers_per_role} live {role} workers already (coordinator.max_workers_per_role): join refused",
             )
-        live = self.ledger.live_workers(None, c.lease_ttl_s)
-        if problem := self.callers.join_problem(
-            worker_id, caller_of(context), live, c.max_workers_per_caller
+        host = request.host or "?"
+        if refusal := self.callers.join(
+            worker_id, role, host, caller, c.max_workers_per_caller, c.lease_ttl_s
         ):
-            self.caller_refused("Join", problem, context.peer())
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, problem)  # clients retry: a lease may lapse
-        self.ledger.join(worker_id, role, request.host or "?")
+            self._refuse_join(context, refusal.code, refusal.why)  # RESOURCE_EXHAUSTED: retried
         self._roles[worker_id] = role
-        log.info(
-            "join worker=%s role=%s host=%s ranks=%d", worker_id, role, request.host, max(1, request.ranks)
-        )
-        self.events.record("join", worker_id=worker_id, role=role, host=request.host or "?")
+        log.info("join worker=%s role=%s host=%s ranks=%d", worker_id, role, host, max(1, request.ranks))
+        self.events.record("join", worker_id=worker_id, role=role, host=host)
         reply = pb.JoinReply(
             worker_id=worker_id,
             config_json=self.config.to_json(),
@@ -77,6 +82,11 @@ class MembershipRPCs(ServiceBase):
             self.cond.notify_all()
         self.wire.add_out("join", reply, role)
         return reply
+
+    def _refuse_join(self, context: grpc.ServicerContext, code: grpc.StatusCode, why: str) -> None:
+        """A join the callers' rules refuse (callers.join_refusal): counted and logged as the guard's."""
+        self.caller_refused("Join", why, context.peer())
+        context.abort(code, why)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         role = self._role_of(request.worker_id)

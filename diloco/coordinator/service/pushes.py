@@ -12,10 +12,13 @@ import torch
 from diloco.coordinator import limits, merging, syncer
 from diloco.coordinator.callers import caller_of
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
-from diloco.coordinator.ledger.rows import PushRecorded
+from diloco.coordinator.ledger.rows import Claim, PushRecorded
+from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
+    PUSH_HEADER_WAIT_S,
     PUSH_SLOT_WAIT_S,
+    FragmentState,
     PendingPush,
     RoundSum,
     log,
@@ -47,23 +50,33 @@ class PushRPCs(ServiceBase):
     def _push_in_slot(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.PushReply:
-        # At most max_inflight_pushes deltas are held at once; the rest are told to come back
-        # (clients retry RESOURCE_EXHAUSTED with backoff), so memory does not grow with learners.
-        if not self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S):
-            self.ledger.bump("pushes_deferred")
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pushes in flight; retry shortly")
+        self.wire.call("push")  # its messages are counted as gRPC reads them (CountRequestStreams)
         started = time.monotonic()
         c = self.config.coordinator
-        limits_ = StreamLimits(c.push_idle_s, c.push_base_s, c.push_min_bytes_per_s)
 
         def cancel(reason: str) -> None:
             log.warning("push stream stalled, cancelled: %s", reason)
             self.metrics.refused("stalled stream")
             context.cancel()  # the handler's next read raises; its slot is released below
 
+        # The header first, within a short deadline, and checked before any slot is taken: a
+        # stream that sends nothing (or a header that is refused) holds no slot.
+        wait = min(PUSH_HEADER_WAIT_S, c.push_idle_s)
+        with StreamWatch(StreamLimits(wait, wait, c.push_min_bytes_per_s), cancel):
+            first, messages = stream_header(request_iterator, context, "push stream must start with a header")
+        header = first.header
+        claim = self._check_header(header, context)
+        # At most max_inflight_pushes deltas are held at once; the rest are told to come back
+        # (clients retry RESOURCE_EXHAUSTED with backoff), so memory does not grow with learners.
+        if not self._push_slots.acquire(timeout=PUSH_SLOT_WAIT_S):
+            self.ledger.bump("pushes_deferred")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many pushes in flight; retry shortly")
         try:
-            with StreamWatch(limits_, cancel) as watch:
-                reply = self._push_delta(watch.messages(request_iterator), context, watch)
+            with StreamWatch(
+                StreamLimits(c.push_idle_s, c.push_base_s, c.push_min_bytes_per_s), cancel
+            ) as watch:
+                watch.declared_bytes = sum(math.prod(s.shape) * 4 for s in header.tensors)  # fp32 at most
+                reply = self._push_delta(header, claim, watch.messages(messages), context)
         finally:
             self._push_slots.release()
         self.metrics.push_seconds.observe(time.monotonic() - started)
@@ -71,16 +84,16 @@ class PushRPCs(ServiceBase):
             self.metrics.refused(reply.reason)
         return reply
 
-    def _push_delta(
-        self,
-        request_iterator: Iterator[pb.TensorStreamMessage],
-        context: grpc.ServicerContext,
-        watch: StreamWatch,
-    ) -> pb.PushReply:
-        self.wire.call("push")  # its messages are counted as gRPC reads them (CountRequestStreams)
-        first, messages = stream_header(request_iterator, context, "push stream must start with a header")
-        header = first.header
-        watch.declared_bytes = sum(math.prod(s.shape) * 4 for s in header.tensors)  # fp32 at most
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, worker_id: str, why: str) -> None:
+        self.ledger.bump("pushes_refused")
+        self.metrics.refused(why)
+        log.warning("push refused worker=%s: %s", worker_id, why)
+        context.abort(code, f"push refused: {why}")
+
+    def _check_header(self, header: pb.TensorHeader, context: grpc.ServicerContext) -> Claim | None:
+        """A push's header checked before its delta is read (worker, fragment, codec, bounds, and
+        the rows it names: ledger.push_claim); the steps and tokens it is credited with, or None
+        for a push the ledger knows (a retry: answered again) or an empty one."""
         self._require_worker(header.worker_id, context, "PushDelta")
         if not header.push_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "push_id is required")
@@ -88,7 +101,41 @@ class PushRPCs(ServiceBase):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no parameters yet")
         if header.fragment >= len(self.fragments):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown fragment {header.fragment}")
+        prior = self.ledger.push_state(header.push_id)
+        if prior is not None and prior["reason"] != DROPPED_BY_RESTART:
+            return None  # a retry after a lost reply: answered in _push_delta, nothing checked again
+        codec = header.codec or "fp32"
+        if codec != self.config.sync.codec:
+            self.ledger.bump("pushes_malformed")
+            self.metrics.refused("malformed: wrong codec")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"push uses codec {codec!r} but this run is configured for {self.config.sync.codec!r}",
+            )
+        if header.tokens == 0 and not header.tensors:
+            return None
+        if problem := limits.push_problem(header, self.config):
+            self.ledger.bump("pushes_malformed")
+            self.metrics.refused("malformed: out of bounds")
+            log.warning("push refused worker=%s: %s", header.worker_id, problem)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {problem}")
+        spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
+        claim = self.ledger.push_claim(
+            header.worker_id, header.fragment, header.push_id, spans, header.inner_steps, header.tokens,
+            self.config.train.batch_size, self.config.train.inner_steps,
+        )  # fmt: skip
+        if claim.refusal:
+            code = grpc.StatusCode.PERMISSION_DENIED if claim.denied else grpc.StatusCode.INVALID_ARGUMENT
+            self._refuse(context, code, header.worker_id, claim.refusal)
+        return claim
 
+    def _push_delta(
+        self,
+        header: pb.TensorHeader,
+        claim: Claim | None,
+        messages: Iterator[pb.TensorStreamMessage],
+        context: grpc.ServicerContext,
+    ) -> pb.PushReply:
         prior = self.ledger.push_state(header.push_id)
         if prior is not None and prior["reason"] == DROPPED_BY_RESTART:
             # Sent again after our restart dropped its round: the delta is whole (it is streamed
@@ -106,51 +153,51 @@ class PushRPCs(ServiceBase):
         empty = header.tokens == 0 and not header.tensors
         tensors: dict[str, torch.Tensor] = {}
         squared: float | None = None
-        codec = header.codec or "fp32"
-        if codec != self.config.sync.codec:
-            self.ledger.bump("pushes_malformed")
-            self.metrics.refused("malformed: wrong codec")
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"push uses codec {codec!r} but this run is configured for {self.config.sync.codec!r}",
-            )
-        if not empty and (problem := limits.push_problem(header, self.config)):
-            self.ledger.bump("pushes_malformed")
-            self.metrics.refused("malformed: out of bounds")
-            log.warning("push refused worker=%s: %s", header.worker_id, problem)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {problem}")
         if not empty:
             try:
-                tensors, squared = self._receive_delta(header, frag.names, codec, messages)
+                tensors, squared = self._receive_delta(header, frag.names, header.codec or "fp32", messages)
             except (WireError, CodecError) as e:
                 self.ledger.bump("pushes_malformed")
                 self.metrics.refused("malformed")
-                log.warning("push refused worker=%s: %s", header.worker_id, e)
+                log.warning("push refused worker=%s: %s", header.worker_id, loggable(str(e)))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad push: {e}")
             if header.tokens == 0 or header.inner_steps == 0:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a delta must report its steps and tokens")
+            for name in self.averaged.intersection(tensors):
+                if problem := limits.running_stats_problem(name, tensors[name], frag.params[name]):
+                    self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, header.worker_id, problem)
         else:
             for _ in messages:
                 pass
+        if claim is not None and (claim.steps, claim.tokens) != (header.inner_steps, header.tokens):
+            log.info(
+                "push %s of %s credited %d steps and %d tokens (it said %d and %d): what its rows hold",
+                header.push_id[:8], header.worker_id, claim.steps, claim.tokens, header.inner_steps, header.tokens,
+            )  # fmt: skip
+            header.inner_steps, header.tokens = claim.steps, claim.tokens
 
         norm_per_h = 0.0
+        outlier = ""
         if tensors:
             # The parameters' norm: running statistics move by the data, not by the learning rate.
             own = [t for n, t in tensors.items() if n not in self.averaged]
             if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
                 squared = sum(sq_norm(t) for t in own)
             norm = math.sqrt(squared)
-            # A delta of more than H steps is compared per H steps; a shorter one as it is (it
-            # is smaller, never an outlier for being short).
+            # A delta of more than H steps (credited by its rows) is compared per H steps; a
+            # shorter one as it is (it is smaller, never an outlier for being short).
             norm_per_h = norm / max(1.0, header.inner_steps / self.config.train.inner_steps)
-        with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
-            recent = tuple(frag.recent_norms)
-        # An outlier is refused like a stale push: recorded with its reason, its rows left to train.
-        outlier = limits.norm_outlier(norm_per_h, recent, self.config.sync.max_delta_norm_ratio)
+            with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
+                recent, by = tuple(frag.recent_norms), tuple(frag.recent_workers)
+            # An outlier is refused like a stale push: recorded with its reason, its rows left to train.
+            outlier = limits.norm_outlier(
+                norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
+            ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))
         with self.cond:
-            reply, fold = self._accept_push(header, tensors, empty, outlier)
+            reply, fold = self._accept_push(header, tensors, empty, outlier, norm_per_h)
             if fold is not None and norm_per_h > 0:
                 frag.recent_norms.append(norm_per_h)
+                frag.recent_workers.append(header.worker_id)
             self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
         if fold is not None:
             self._fold(header, tensors, *fold)
@@ -159,6 +206,16 @@ class PushRPCs(ServiceBase):
         reply.run_state = self._state_pb()
         self.wire.add_out("push", reply)
         return reply
+
+    def _param_norm(self, frag: FragmentState) -> tuple[float, int]:
+        """The fragment's parameter norm (running statistics left out) and its entries, computed
+        once per version."""
+        version, params = frag.version, frag.params
+        names = [n for n in frag.names if n not in self.averaged]
+        numel = sum(params[n].numel() for n in names)
+        if frag.param_norm[0] != version:
+            frag.param_norm = (version, math.sqrt(sum(sq_norm(params[n].float()) for n in names)))
+        return frag.param_norm[1], numel
 
     def _fold(
         self,
@@ -255,6 +312,7 @@ class PushRPCs(ServiceBase):
         spans: list[tuple[int, int, int]],
         released: list[int],
         stale: str | None,
+        norm: float | None = None,
     ) -> str | None:
         """The push in the ledger, pending or (stale) dropped; the ledger's refusal, or None."""
         return self.ledger.record_push(
@@ -268,10 +326,16 @@ class PushRPCs(ServiceBase):
             released,
             state="dropped" if stale else "pending",
             reason=stale or "",
+            norm=norm or None,
         )
 
     def _accept_push(
-        self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], empty: bool, refuse: str = ""
+        self,
+        header: pb.TensorHeader,
+        tensors: dict[str, torch.Tensor],
+        empty: bool,
+        refuse: str = "",
+        norm: float = 0.0,
     ) -> tuple[pb.PushReply, tuple[RoundSum, float, float] | None]:
         """Record a push in its round (lock held); returns the reply, and for a delta to merge,
         the round's sum to fold it into with its weight and its age factor."""
@@ -299,7 +363,7 @@ class PushRPCs(ServiceBase):
         )
         # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
         try:
-            refusal = self._record_push(header, spans, released, stale) or stale
+            refusal = self._record_push(header, spans, released, stale, norm) or stale
         except PushRecorded:
             # Another copy of this push (a client's retry while the first still streamed) was
             # recorded after this one read "not recorded": answered as any retry is.

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from diloco.coordinator import deal
+from diloco.coordinator import deal, limits
+from diloco.coordinator.lease_claims import Refusal
 from diloco.coordinator.ledger import NoLease, ShardLease
+from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     log,
@@ -72,16 +74,36 @@ class ShardRPCs(ServiceBase):
     def ReportShard(
         self, request: pb.ReportShardRequest, context: grpc.ServicerContext
     ) -> pb.ReportShardReply:
+        """A learner's shard that failed its checksum: taken from the learner that leased it last
+        (lease_claims.report_verdict). A report of a lease that has since gone to another learner
+        is answered "not reprocessing" (an honest learner whose lease lapsed sends it); one of a
+        shard the caller never leased, or one report too many, is refused."""
         self.wire.unary_in("report_shard", request)
         self._require_worker(request.worker_id, context, "ReportShard")
-        again = self.ledger.report_corrupt_shard(request.shard_id, request.error)
-        log.warning(
-            "shard %d reported corrupt by %s (%s); reprocessing=%s",
-            request.shard_id,
-            request.worker_id,
-            request.error,
-            again,
-        )
-        reply = pb.ReportShardReply(reprocessing=again)
+        error = limits.cut_text(request.error)
+        verdict = self.ledger.report_shard(request.worker_id, request.shard_id, error)
+        if verdict.refusal is not None:
+            self.ledger.bump("shard_reports_refused")
+            if verdict.refusal is not Refusal.STALE:
+                self.caller_refused("ReportShard", verdict.reason, context.peer())
+                code = _REFUSAL_CODES[verdict.refusal]
+                context.abort(code, verdict.reason)
+            log.info(
+                "shard %d report by %s not taken: %s", request.shard_id, request.worker_id, verdict.reason
+            )
+        else:
+            log.warning(
+                "shard %d reported corrupt by %s (%s); reprocessing",
+                request.shard_id,
+                request.worker_id,
+                loggable(error),
+            )
+        reply = pb.ReportShardReply(reprocessing=verdict.taken)
         self.wire.add_out("report_shard", reply)
         return reply
+
+
+_REFUSAL_CODES = {
+    Refusal.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Refusal.TOO_MANY: grpc.StatusCode.FAILED_PRECONDITION,
+}

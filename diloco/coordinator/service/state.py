@@ -34,6 +34,10 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["Coordinator"].full_name
 STREAMED_REQUEST_KINDS = {f"/{_SERVICE}/PushDelta": "push", f"/{_SERVICE}/InitParameters": "init"}
 MAX_PULL_WAIT_S = 30.0
 PUSH_SLOT_WAIT_S = 10.0
+# A push's header comes first and at once: a stream that sends none within this is cut, and none
+# holds a push slot before its header is read and checked (two callers' silent streams held all 16).
+PUSH_HEADER_WAIT_S = 10.0
+NORM_HISTORY = 32  # accepted deltas' norms the outlier check keeps per fragment
 
 
 @dataclass
@@ -88,7 +92,14 @@ class FragmentState:
     # between their broadcasts), the last few.
     chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
     # The norms per H steps of the last accepted deltas (the outlier check, limits.norm_outlier).
-    recent_norms: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=32))
+    # Restored from the ledger at a start (each push keeps its norm), so a restart does not empty it.
+    recent_norms: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=NORM_HISTORY)
+    )
+    recent_workers: collections.deque[str] = field(
+        default_factory=lambda: collections.deque(maxlen=NORM_HISTORY)
+    )
+    param_norm: tuple[int, float] = (-1, 0.0)  # (version, ‖params‖ less running statistics)
 
 
 def moving_average(current: float, sample: float, weight: float = 0.2) -> float:

@@ -72,8 +72,10 @@ def test_a_huge_delta_cannot_throw_the_model_away(tiny_corpus: Path, tmp_path: P
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("outer_lr", [1e38, 1e39])  # overflows to inf; fails to convert (it raised)
 def test_a_merge_that_is_not_finite_is_refused_and_changes_nothing(
-    tiny_corpus: Path, tmp_path: Path, outer_lr: float
+    tiny_corpus: Path, tmp_path: Path, outer_lr: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The merge's own guard, for a delta the push's bound against the parameters would refuse.
+    monkeypatch.setattr(limits, "MAX_DELTA_TO_PARAMS", 1e3)
     with tiny_coordinator(tiny_corpus, tmp_path, {}) as (running, learner, init):
         before = params_of(running)
         running.service.policy.outer_lr = outer_lr  # a merge of finite deltas that overflows fp32

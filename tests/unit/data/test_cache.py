@@ -8,6 +8,7 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -325,6 +326,31 @@ def test_prefetcher_reports_a_corrupt_shard_and_goes_on(tmp_path: Path) -> None:
     coordinator = FakeCoordinator([(bad_uri, bad_checksum, rows_for(12)), good])
     prefetcher, batches = run_to_done(coordinator, max_batches=4)
     assert coordinator.reported == [1]
+    assert shards_in(batches) == {2} and prefetcher.held_shards() == [2]
+
+
+class RefusedReport(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.FAILED_PRECONDITION
+
+    def details(self) -> str:
+        return "at most 16 shard reports an hour"
+
+
+def test_a_report_the_coordinator_does_not_take_still_lets_the_prefetcher_go_on(tmp_path: Path) -> None:
+    """A learner whose reports are refused (more than the coordinator takes an hour: its own disk
+    failing) trains on: the refusal was taken for the end of its data."""
+    bad_uri, bad_checksum, _ = remote_shard(14)
+    data = bytearray(store.read_bytes(bad_uri))
+    data[-3] ^= 0xFF
+    store.write_bytes_atomic(bad_uri, bytes(data))
+    coordinator = FakeCoordinator([(bad_uri, bad_checksum, rows_for(14)), remote_shard(15, n=16)])
+
+    def refuse(shard_id: int, error: str) -> pb.ReportShardReply:
+        raise RefusedReport()
+
+    coordinator.report_shard = refuse  # type: ignore[method-assign]
+    prefetcher, batches = run_to_done(coordinator, max_batches=4)
     assert shards_in(batches) == {2} and prefetcher.held_shards() == [2]
 
 
