@@ -14,11 +14,10 @@ from diloco.coordinator.callers import caller_of
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
 from diloco.coordinator.ledger.rows import Claim, PushRecorded
 from diloco.coordinator.log_text import loggable
-from diloco.coordinator.service.base import ServiceBase
+from diloco.coordinator.service.push_intake import PushIntake
 from diloco.coordinator.service.state import (
     PUSH_HEADER_WAIT_S,
     PUSH_SLOT_WAIT_S,
-    FragmentState,
     PendingPush,
     RoundSum,
     log,
@@ -27,12 +26,11 @@ from diloco.coordinator.service.state import (
 )
 from diloco.coordinator.stream_watch import StreamLimits, StreamWatch
 from diloco.v1 import coordinator_pb2 as pb
-from diloco.wire import codecs
 from diloco.wire.codecs import CodecError
-from diloco.wire.tensors import TensorAssembler, WireError, sq_norm
+from diloco.wire.tensors import WireError
 
 
-class PushRPCs(ServiceBase):
+class PushRPCs(PushIntake):
     def PushDelta(
         self, request_iterator: Iterator[pb.TensorStreamMessage], context: grpc.ServicerContext
     ) -> pb.PushReply:
@@ -176,23 +174,7 @@ class PushRPCs(ServiceBase):
             )  # fmt: skip
             header.inner_steps, header.tokens = claim.steps, claim.tokens
 
-        norm_per_h = 0.0
-        outlier = ""
-        if tensors:
-            # The parameters' norm: running statistics move by the data, not by the learning rate.
-            own = [t for n, t in tensors.items() if n not in self.averaged]
-            if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
-                squared = sum(sq_norm(t) for t in own)
-            norm = math.sqrt(squared)
-            # A delta of more than H steps (credited by its rows) is compared per H steps; a
-            # shorter one as it is (it is smaller, never an outlier for being short).
-            norm_per_h = norm / max(1.0, header.inner_steps / self.config.train.inner_steps)
-            with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
-                recent, by = tuple(frag.recent_norms), tuple(frag.recent_workers)
-            # An outlier is refused like a stale push: recorded with its reason, its rows left to train.
-            outlier = limits.norm_outlier(
-                norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
-            ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))
+        norm_per_h, outlier = self._delta_outlier(header, tensors, squared, frag) if tensors else (0.0, "")
         with self.cond:
             reply, fold = self._accept_push(header, tensors, empty, outlier, norm_per_h)
             if fold is not None and norm_per_h > 0:
@@ -206,16 +188,6 @@ class PushRPCs(ServiceBase):
         reply.run_state = self._state_pb()
         self.wire.add_out("push", reply)
         return reply
-
-    def _param_norm(self, frag: FragmentState) -> tuple[float, int]:
-        """The fragment's parameter norm (running statistics left out) and its entries, computed
-        once per version."""
-        version, params = frag.version, frag.params
-        names = [n for n in frag.names if n not in self.averaged]
-        numel = sum(params[n].numel() for n in names)
-        if frag.param_norm[0] != version:
-            frag.param_norm = (version, math.sqrt(sum(sq_norm(params[n].float()) for n in names)))
-        return frag.param_norm[1], numel
 
     def _fold(
         self,
@@ -258,53 +230,6 @@ class PushRPCs(ServiceBase):
             reason=prior["reason"] or f"already received ({prior['state']})",
             version=merged_at - 1 if merged_at else current,
         )
-
-    def _receive_delta(
-        self,
-        header: pb.TensorHeader,
-        names: list[str],
-        codec: str,
-        messages: Iterator[pb.TensorStreamMessage],
-    ) -> tuple[dict[str, torch.Tensor], float | None]:
-        """The delta's fp32 tensors: raw for fp32, else one encoded blob per tensor, decoded here;
-        and their squared norm when the wire check gave it (fp32), else None."""
-        if codec == "fp32":
-            expected = {n: self.specs[n] for n in names}
-        else:
-            expected = None
-            blobs = {s.name: s for s in header.tensors}
-            if set(blobs) != set(names) or any(
-                s.dtype != "uint8" or len(s.shape) != 1 for s in blobs.values()
-            ):
-                raise WireError(f"a {codec} push carries one 1-D uint8 blob per tensor of the fragment")
-            for n, s in blobs.items():  # bounded by what its tensor's shape allows, before any piece
-                limit = codecs.max_blob_bytes(self._codec_of(n, codec), math.prod(self.specs[n].shape))
-                if s.shape[0] > limit:
-                    raise WireError(
-                        f"{n}: a {codec} blob of {s.shape[0]} bytes; {limit} at most for its shape"
-                    )
-        # fp32 values are checked for NaN/inf piece by piece; decoded codecs check their own output.
-        asm = TensorAssembler(header, self.config.coordinator.max_push_bytes, expected, finite=True)
-        for msg in messages:
-            if msg.WhichOneof("kind") != "piece":
-                raise WireError("only one header is allowed in a push")
-            asm.add(msg.piece)
-        received = asm.tensors()
-        self.metrics.push_bytes.observe(sum(t.numel() * t.element_size() for t in received.values()))
-        if codec == "fp32":
-            return received, asm.sq_norm
-        decoded = {
-            n: codecs.decode(
-                received[n].numpy().tobytes(), self._codec_of(n, codec), tuple(self.specs[n].shape)
-            )
-            for n in names
-        }
-        return decoded, None
-
-    def _codec_of(self, name: str, codec: str) -> str:
-        """How a tensor of a `codec` push is encoded: running statistics always as fp32 blobs (a
-        layer's variances span too many orders for a block's absmax: outer.encode)."""
-        return "fp32" if name in self.averaged else codec
 
     def _record_push(
         self,
