@@ -29,7 +29,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._local import coordinator_with_shards, initial_parameters  # noqa: E402
+from benchmarks._local import coordinator_with_shards, initial_parameters, leased_rows, span_of  # noqa: E402
 from benchmarks.ingest import PUSH_METHOD, push_messages  # noqa: E402
 from diloco.client import CoordinatorClient  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
@@ -41,7 +41,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _push_once_each(address, worker_ids, shapes, cfg_json, out) -> None:
+def _push_once_each(address, worker_ids, shapes, cfg_json, out, rows) -> None:
     """M threads, one push each, all started together; puts the number of accepted pushes."""
     cfg = RunConfig.from_json(cfg_json)
     messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
@@ -54,6 +54,8 @@ def _push_once_each(address, worker_ids, shapes, cfg_json, out) -> None:
         header = pb.TensorStreamMessage()
         header.header.CopyFrom(template.header)
         header.header.push_id, header.header.worker_id = uuid.uuid4().hex, worker_id
+        shard, row = span_of(rows[worker_id], worker_id)  # a row its learner leased, as a push names
+        header.header.spans.add(shard_id=shard, row_start=row, row_end=row + 1)
         start.wait()
         for _ in range(200):  # RESOURCE_EXHAUSTED (over the in-flight limit): come back, as learners do
             try:
@@ -83,7 +85,9 @@ def one(learners: int, inflight: int, n_layer: int, n_embd: int) -> dict[str, fl
             "coordinator.max_inflight_pushes": inflight, "coordinator.lease_ttl_s": 600,
             # Every learner here calls from one host: the per-caller cap would stand in for the slots.
             "coordinator.max_pushes_per_caller": 0, "coordinator.max_workers_per_caller": 0,
-        })  # fmt: skip
+            # A shard per learner at least: a push names rows of a shard its own learner leased.
+            "data.chunk_bytes": 4096,
+        }, repeats=max(4000, learners * 200))  # fmt: skip
         cfg = running.service.config
         clients = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(learners)]
         for c in clients:
@@ -97,7 +101,14 @@ def one(learners: int, inflight: int, n_layer: int, n_embd: int) -> dict[str, fl
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         child = ctx.Process(
             target=_push_once_each,
-            args=(f"127.0.0.1:{running.port}", [c.worker_id for c in clients], shapes, cfg.to_json(), out),
+            args=(
+                f"127.0.0.1:{running.port}",
+                [c.worker_id for c in clients],
+                shapes,
+                cfg.to_json(),
+                out,
+                leased_rows(clients),
+            ),  # fmt: skip
         )
         child.start()
         accepted = out.get(timeout=600)

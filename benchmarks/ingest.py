@@ -42,8 +42,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._local import coordinator_with_shards, initial_parameters  # noqa: E402
-from diloco.client import CoordinatorClient  # noqa: E402
+from benchmarks._local import (  # noqa: E402
+    coordinator_with_shards,
+    corpus_repeats,
+    leased_rows,
+    mtls_coordinator,
+    span_of,
+    with_learners,
+)
 from diloco.config import RunConfig, parse_assignments  # noqa: E402
 from diloco.coordinator.server import grpc_options  # noqa: E402
 from diloco.security.certs import TlsFiles, init_ca, issue  # noqa: E402
@@ -79,11 +85,16 @@ def drive(send_one, learners: int, seconds: float) -> tuple[int, float]:
     lock = threading.Lock()
     stop = time.monotonic() + seconds
 
+    failed: list[BaseException] = []
+
     def loop(i: int) -> None:
-        while time.monotonic() < stop:
-            n = send_one(i)
-            with lock:
-                total[0] += n
+        try:
+            while time.monotonic() < stop:
+                n = send_one(i)
+                with lock:
+                    total[0] += n
+        except BaseException as e:  # a thread's error would end it silently: one pusher fewer
+            failed.append(e)
 
     started = time.monotonic()
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(learners)]
@@ -91,6 +102,8 @@ def drive(send_one, learners: int, seconds: float) -> tuple[int, float]:
         t.start()
     for t in threads:
         t.join()
+    if failed:
+        raise failed[0]
     return total[0], time.monotonic() - started
 
 
@@ -102,7 +115,9 @@ def push_messages(shapes: dict[str, tuple[int, ...]], piece: int) -> list[bytes]
     return [m.SerializeToString() for m in stream_tensors(header, delta, piece)]
 
 
-def _pusher_child(address, method, worker_ids, shapes, cfg_json, learners, commands, out, tls=None) -> None:
+def _pusher_child(
+    address, method, worker_ids, shapes, cfg_json, learners, commands, out, tls=None, rows=None
+) -> None:
     """The pushing process: connects once, then runs one turn of `seconds` per command (None: done)."""
     cfg = RunConfig.from_json(cfg_json)
     messages = push_messages(shapes, cfg.coordinator.stream_chunk_bytes)
@@ -136,6 +151,8 @@ def _pusher_child(address, method, worker_ids, shapes, cfg_json, learners, comma
             header.header.CopyFrom(template.header)
             header.header.push_id = uuid.uuid4().hex
             header.header.worker_id = worker_ids[i]
+            shard, row = span_of(rows[worker_ids[i]], worker_ids[i])
+            header.header.spans.add(shard_id=shard, row_start=row, row_end=row + 1)
             reply = calls[i](iter([header.SerializeToString(), *messages[1:]]), timeout=120)
             assert reply.accepted, reply.reason
             return push_bytes
@@ -174,13 +191,25 @@ class Pusher:
     `tls`: each worker id's certificate, key and CA files (mutual TLS); none, plaintext."""
 
     def __init__(self, address: str, method: str, worker_ids: list[str], shapes: dict[str, tuple[int, ...]],
-                 cfg: RunConfig, learners: int, tls: dict[str, tuple[str, str, str]] | None = None):  # fmt: skip
+                 cfg: RunConfig, learners: int, tls: dict[str, tuple[str, str, str]] | None = None,
+                 rows: dict[str, list[tuple[int, int]]] | None = None):  # fmt: skip
         ctx = mp.get_context("spawn")
         self.push_bytes = 0  # known after the first turn
         self.commands, self.out = ctx.Queue(), ctx.Queue()
         self.child = ctx.Process(
             target=_pusher_child,
-            args=(address, method, worker_ids, shapes, cfg.to_json(), learners, self.commands, self.out, tls),
+            args=(
+                address,
+                method,
+                worker_ids,
+                shapes,
+                cfg.to_json(),
+                learners,
+                self.commands,
+                self.out,
+                tls,
+                rows,
+            ),
             daemon=True,
         )
         self.child.start()
@@ -219,34 +248,6 @@ def ingest_turn(running, pusher: Pusher, seconds: float) -> Measured:
     return Measured(turn.sent, elapsed, process_cpu_s() - cpu0, turn.cpu_s)
 
 
-def with_learners(running, learners: int, security: dict[str, Security] | None = None):
-    """Joined learner clients (each on its certificate, with `security`), the first having
-    given the initial parameters; and those parameters."""
-    address = f"127.0.0.1:{running.port}"
-    names = list(security) if security else [None] * learners
-    clients = [
-        CoordinatorClient(address, pb.ROLE_COMPUTE, security=security[n] if n else Security()) for n in names
-    ]
-    for c in clients:
-        c.join()
-    params = initial_parameters(clients[0])
-    clients[0].init_parameters(params)
-    return clients, params
-
-
-def mtls_coordinator(ca: Path, workdir: Path, overrides: dict[str, Any], learners: int):
-    """A coordinator on mutual TLS (the production path) with its shards ready, `learners` learner
-    clients joined on certificates of their own (signed by `ca`), its parameters, and each
-    learner's (certificate, key, CA) files for the pushing process's channels."""
-    files = {f"learner-{i}": issue(ca, "learner", f"learner-{i}") for i in range(learners)}
-    running = coordinator_with_shards(
-        workdir, overrides, Security(tls=issue(ca, "coordinator", "coordinator")),
-        Security(tls=issue(ca, "data", "data-0")),
-    )  # fmt: skip
-    clients, params = with_learners(running, learners, {n: Security(tls=f) for n, f in files.items()})
-    return running, clients, params, {n: (f.cert, f.key, f.ca) for n, f in files.items()}
-
-
 def coordinator_overrides(
     n_layer: int = 6, n_embd: int = 384, assignments: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -255,7 +256,9 @@ def coordinator_overrides(
     return {
         "model.kwargs.n_layer": n_layer, "model.kwargs.n_embd": n_embd, "model.kwargs.n_head": 6,
         "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
-        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600, **parse_assignments(list(assignments)),
+        "sync.max_staleness": 1_000_000, "coordinator.lease_ttl_s": 600,
+        # Shards enough for every learner to lease some: a push names rows of its own learner's.
+        "data.chunk_bytes": 65536, **parse_assignments(list(assignments)),
     }  # fmt: skip
 
 
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layer", type=int, default=6)  # coordinator_overrides' model
     p.add_argument("--n-embd", type=int, default=384)
     p.add_argument("--tls", action="store_true", help="a third arm: ingest by a coordinator on mutual TLS")
+    p.add_argument("--rows", type=int, default=8000,
+                   help="rows of data per coordinator: each push names one it has not named before")  # fmt: skip
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every arm, e.g. coordinator.stream_chunk_bytes=4194304")  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
@@ -275,31 +280,36 @@ def main(argv: list[str] | None = None) -> None:
     overrides = coordinator_overrides(args.n_layer, args.n_embd, args.assignments)
 
     with tempfile.TemporaryDirectory(prefix="diloco_ingest_") as tmp:
-        running = coordinator_with_shards(Path(tmp) / "plain", overrides)
+        repeats = corpus_repeats(args.rows)
+        running = coordinator_with_shards(Path(tmp) / "plain", overrides, repeats=repeats)
         cfg = running.service.config
         clients, params = with_learners(running, args.learners)
+        rows = leased_rows(clients)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         secure, secure_clients, tls_files, raw_tls = None, [], {}, None
         if args.tls:
             ca = Path(tmp) / "ca"
             init_ca(ca)
             secure, secure_clients, _, tls_files = mtls_coordinator(
-                ca, Path(tmp) / "tls", overrides, args.learners
+                ca, Path(tmp) / "tls", overrides, args.learners, repeats
             )
+            rows.update(leased_rows(secure_clients))  # (worker ids of their own: the certificates' names)
             # gRPC's own ceiling over the same mutual TLS: what the transport's TLS costs alone.
             raw_tls = raw_server(cfg, Security(tls=issue(ca, "coordinator", "raw")))
         raw, raw_port = raw_server(cfg)
         plain = f"127.0.0.1:{running.port}"
         pushers = {
             "raw": Pusher(f"127.0.0.1:{raw_port}", RAW_METHOD, [], shapes, cfg, args.learners),
-            "ingest": Pusher(plain, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners),
+            "ingest": Pusher(
+                plain, PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, args.learners, rows=rows
+            ),
         }
         if raw_tls is not None:
             pushers["raw_tls"] = Pusher(f"127.0.0.1:{raw_tls[1]}", RAW_METHOD, [], shapes, cfg, args.learners,
                                         {"raw": tls_files["learner-0"]})  # fmt: skip
         if secure is not None:
             pushers["tls"] = Pusher(f"127.0.0.1:{secure.port}", PUSH_METHOD, [c.worker_id for c in secure_clients],
-                                    shapes, cfg, args.learners, tls_files)  # fmt: skip
+                                    shapes, cfg, args.learners, tls_files, rows)  # fmt: skip
         # The arms take turns, so a change in the machine's load falls on all alike. The same
         # pieces go to each; only the header is new per push (its own push_id).
         turns: list[dict[str, float]] = []

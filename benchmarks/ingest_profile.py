@@ -28,18 +28,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._local import coordinator_with_shards  # noqa: E402
-from benchmarks.ingest import (  # noqa: E402
-    PUSH_METHOD,
-    Pusher,
-    coordinator_overrides,
-    ingest_turn,
+from benchmarks._local import (  # noqa: E402
+    coordinator_with_shards,
+    corpus_repeats,
+    leased_rows,
     mtls_coordinator,
     with_learners,
 )
+from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn  # noqa: E402
 from diloco.security.certs import init_ca  # noqa: E402
 
 WARM_UP_S = 2.0
+ROWS = 4000  # each push names a row of data of its own: more than a profiled arm's pushes
 
 
 def merges(running) -> int:
@@ -65,14 +65,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.arm == "tls":
             ca = Path(tmp) / "ca"
             init_ca(ca)
-            running, clients, params, tls = mtls_coordinator(ca, Path(tmp) / "c", overrides, args.learners)
+            running, clients, params, tls = mtls_coordinator(
+                ca, Path(tmp) / "c", overrides, args.learners, corpus_repeats(ROWS)
+            )
         else:
-            running = coordinator_with_shards(Path(tmp) / "c", overrides)
+            running = coordinator_with_shards(Path(tmp) / "c", overrides, repeats=corpus_repeats(ROWS))
             clients, params = with_learners(running, args.learners)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         ids = [c.worker_id for c in clients]
         pusher = Pusher(f"127.0.0.1:{running.port}", PUSH_METHOD, ids, shapes, running.service.config,
-                        args.learners, tls)  # fmt: skip
+                        args.learners, tls, leased_rows(clients))  # fmt: skip
         perf = None
         try:
             ingest_turn(running, pusher, WARM_UP_S)

@@ -156,20 +156,26 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
     """The coordinator's ingest + merge with its HTTP side served and scraped every 2 s by another
     process, against the same coordinator with it off, in alternating turns (plaintext, as in
     benchmarks/ingest.py: the scraper's own TLS would be the scraper's cost)."""
-    from benchmarks._local import coordinator_with_shards
-    from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn, with_learners
+    from benchmarks._local import coordinator_with_shards, corpus_repeats, leased_rows, with_learners
+    from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn
     from diloco.coordinator.server import ObservePorts, start_observers
     from diloco.security.transport import Security
 
     overrides = coordinator_overrides()
     turns = []
     with tempfile.TemporaryDirectory(prefix="diloco-observe-ingest-") as tmp:
-        running = coordinator_with_shards(Path(tmp), overrides)
+        running = coordinator_with_shards(Path(tmp), overrides, repeats=corpus_repeats(4000))
         clients, params = with_learners(running, learners)
         shapes = {n: tuple(t.shape) for n, t in params.items()}
         cfg = running.service.config
         pusher = Pusher(
-            f"127.0.0.1:{running.port}", PUSH_METHOD, [c.worker_id for c in clients], shapes, cfg, learners
+            f"127.0.0.1:{running.port}",
+            PUSH_METHOD,
+            [c.worker_id for c in clients],
+            shapes,
+            cfg,
+            learners,
+            rows=leased_rows(clients),
         )
         try:
             for i in range(rounds):
