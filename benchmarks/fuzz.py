@@ -67,24 +67,36 @@ def main() -> None:
             address = f"127.0.0.1:{running.port}"
             channels = {who: client_channel(address, s, []) for who, s in mine.items()} if args.mtls else None
             machine = make_machine(running, init, tally, channels, two_hosts)
-            run_state_machine_as_test(
-                machine,
-                settings=settings(
-                    max_examples=args.examples,
-                    stateful_step_count=args.steps,
-                    deadline=None,
-                    database=None,
-                    suppress_health_check=list(HealthCheck),
-                ),  # fmt: skip
-            )
+            failure: BaseException | None = None
+            try:
+                run_state_machine_as_test(
+                    machine,
+                    settings=settings(
+                        max_examples=args.examples,
+                        stateful_step_count=args.steps,
+                        deadline=None,
+                        database=None,
+                        suppress_health_check=list(HealthCheck),
+                    ),  # fmt: skip
+                )
+            except Exception as e:  # an invariant failed: the counts so far, then the sequence
+                failure = e
         violations = audit_ok(workdir)
     # Reaching here means no crash: the first one stops the run with its failing call sequence.
     result = {**asdict(tally), "audit_violations": violations,
               "seconds": round(time.monotonic() - started, 1), "examples": args.examples, "steps": args.steps, "mtls": args.mtls,
               "two_hosts": two_hosts}  # fmt: skip
     print(json.dumps(result, indent=2))
+    print(
+        f"{tally.calls} calls in {result['seconds']} s: must be refused {tally.must_refuse} "
+        f"(refused {tally.must_refuse_refused}, taken {tally.must_refuse_accepted}: defects); "
+        f"honest {tally.honest} (refused {tally.honest_refused}); pushes accepted {tally.accepted_pushes}, "
+        f"refused {tally.refused_pushes}; audit {violations or 'clean'}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if failure is not None:
+        raise failure
     if violations:
         raise SystemExit("audit failed")
 

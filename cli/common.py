@@ -48,6 +48,24 @@ def coordinator_address(address: str) -> str:
         raise typer.BadParameter(str(e).removeprefix(f"--coordinator {address!r}: ")) from None
 
 
+# A worker's side of the run's code: what it lets the coordinator's config make it import.
+AllowModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help='the model factory "package.module:function" this worker lets the coordinator name '
+        "(diloco's own need none; DILOCO_ALLOW_CODE: more, comma-separated)",
+    ),
+]
+AllowPreprocessOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--preprocess",
+        help='the preprocess "package.module:function" this worker lets the coordinator name '
+        "(DILOCO_ALLOW_CODE: more, comma-separated)",
+    ),
+]
+
 CoordinatorOpt = Annotated[
     str, typer.Option("--coordinator", help="the coordinator's HOST:PORT", callback=coordinator_address)
 ]

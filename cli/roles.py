@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 
 from cli.common import (
+    AllowModelOpt,
+    AllowPreprocessOpt,
     ConfigOpt,
     ConnectOpt,
     CoordinatorOpt,
@@ -68,14 +70,17 @@ def data(
             "--read-root",
             envvar="DILOCO_READ_ROOTS",
             help="read raw data only under this file, directory or prefix (repeat for more); "
-            "segments the coordinator names elsewhere are refused",
+            "segments the coordinator names elsewhere are refused (default: the dataset it names)",
         ),
     ] = None,
+    preprocess: AllowPreprocessOpt = None,
 ) -> None:
     """Data worker: lease raw chunks, tokenize and pack them, write shards. Exits when done."""
     from diloco.data.worker import run_data_worker
+    from diloco.plugins import allow
 
     setup_logging("data")
+    allow(preprocess)
     sys.exit(
         run_data_worker(
             coordinator, stop_on_signals(), connect_timeout, worker_id, metrics_port, tuple(read_root or ())
@@ -117,12 +122,15 @@ def compute(
             "replica per rank) or fsdp (each rank holds 1/N of the model: FSDP2)",
         ),
     ] = DataParallelChoice.ddp,
+    model: AllowModelOpt = None,
 ) -> None:
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.group import torchrun_argv, under_torchrun
     from diloco.compute.overrides import LocalOverrides
     from diloco.compute.start import run_learner
+    from diloco.plugins import allow
 
+    allow(model)
     if nproc > 1 and not under_torchrun():
         args = sys.argv[sys.argv.index("compute") + 1 :]
         command = torchrun_argv(sys.executable, args, nproc)
@@ -149,11 +157,14 @@ def evaluator(
     ] = None,
     connect_timeout: ConnectOpt = 60.0,
     worker_id: WorkerIdOpt = None,
+    model: AllowModelOpt = None,
 ) -> None:
     """Evaluator: the held-out loss of the published global model, now and then, for status."""
     from diloco.evaluator import run_evaluator
+    from diloco.plugins import allow
 
     setup_logging("evaluator")
+    allow(model)
     sys.exit(
         run_evaluator(
             coordinator,

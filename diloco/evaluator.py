@@ -33,6 +33,7 @@ from diloco.evaluate import evaluate
 from diloco.export import load_parameters
 from diloco.model.factory import build_model
 from diloco.model.recalibrate import first_rows, recalibrate
+from diloco.plugins import refuse_untrusted_model
 from diloco.role import heartbeat_thread, refusing
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire.steps import decode_steps
@@ -144,6 +145,7 @@ class Evaluator:
         with refusing(self.client, log):
             device = pick_device(self.device_spec or "cpu")
             set_threads(self.threads if self.threads is not None else cfg.eval.threads)
+            refuse_untrusted_model(cfg.model)  # the coordinator's names: imported only if allowed here
             model = build_model(cfg.model, seed=cfg.train.seed).to(device)
         rows = SplitRows(cfg.eval.max_batches * cfg.train.batch_size)
         train_rows = SplitRows(cfg.eval.recalibrate_batches * cfg.train.batch_size)

@@ -26,6 +26,15 @@ def private_shard_cache(tmp_path_factory: pytest.TempPathFactory):
         os.environ["XDG_CACHE_HOME"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def test_code_allowed() -> None:
+    """The tests' own factories and preprocesses, allowed in every worker they start (a worker
+    imports only what its operator names: diloco.plugins)."""
+    os.environ["DILOCO_ALLOW_CODE"] = (
+        "tests.toy_models:*,tests.toy_preprocess:*,examples.digits.model:*,examples.digits.preprocess:*"
+    )
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 1.5 MB: enough for a training run whose loss clearly falls."""

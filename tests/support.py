@@ -211,7 +211,9 @@ def tiny_coordinator(
     security = security or {}
     cfg = RunConfig().with_overrides({
         "data.dataset": str(corpus), "data.chunk_bytes": 65536, "model.kwargs.n_layer": 1, "model.kwargs.n_embd": 32,
-        "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0, **overrides,
+        "model.kwargs.n_head": 2, "sync.fragments": 1, "sync.quorum": 1, "sync.grace_factor": 0.0,
+        # A row a step: the tests' pushes name the rows their H steps claim (ledger.push_claim).
+        "train.batch_size": 1, **overrides,
     })  # fmt: skip
     running = start_coordinator_here(
         cfg, str(workdir), host, security=security.get("coordinator", Security())
@@ -267,13 +269,18 @@ def push_and_merge(
 
 
 def delta_header(learner: CoordinatorClient, codec: str, push_id: str) -> pb.TensorHeader:
+    """A push of H steps (a whole round's work, so its merge is a whole outer step) naming the rows
+    that back them (ledger.push_claim: a push is credited P × its rows' steps at most) in a shard
+    of its own: at train.batch_size 1 (tiny_coordinator's), H rows over P."""
+    cfg = learner.config or RunConfig()
     shard = learner.lease_shard()
-    # H steps (the default): a whole round's work, so its merge is a whole outer step.
-    steps = RunConfig().train.inner_steps
+    steps = cfg.train.inner_steps
+    rows = min(shard.rows, -(-steps * cfg.train.batch_size // cfg.sync.fragments))
     header = pb.TensorHeader(
-        fragment=0, version=0, inner_steps=steps, tokens=1290, codec=codec, push_id=push_id
-    )
-    header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=10)
+        fragment=0, version=0, inner_steps=steps, tokens=rows * (cfg.model.seq_len + 1), codec=codec,
+        push_id=push_id,
+    )  # fmt: skip
+    header.spans.add(shard_id=shard.shard_id, row_start=0, row_end=rows)
     return header
 
 

@@ -33,6 +33,7 @@ from diloco.model.contract import (
 from diloco.model.factory import build_model
 from diloco.model.optim import make_inner_optimizer
 from diloco.model.weights import check_matches, load_weights
+from diloco.plugins import refuse_untrusted_model
 from diloco.role import refusing
 from diloco.tokenizer import load_checked_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
@@ -75,6 +76,8 @@ def join_run(
     cfg = client.config
     assert cfg is not None
     with refusing(client, log):
+        if own is None:  # the coordinator names the factory; this machine's operator allows it
+            refuse_untrusted_model(cfg.model)
         check_tokenizer(cfg, reply.tokenizer_hash)
         if own is None:
             chosen = pick_device(device or cfg.train.device)

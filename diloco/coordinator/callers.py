@@ -12,8 +12,8 @@ the way to tell them apart there.)
 
 Bindings (which caller joined each worker id) live in the ledger's workers table, so a restarted
 coordinator still knows them: no one takes a worker id by being first to call after a restart. A
-binding to a certificate is for the run; one to a host moves to another host once its worker's
-lease has lapsed (a worker moved to another machine). A ledger from before bindings were kept has
+binding to a certificate is for the run; one to a host, and its role, move to another host once
+its worker has left or its lease has lapsed (a worker moved to another machine). A ledger from before bindings were kept has
 none: each such id goes to its first caller whose role fits it.
 """
 
@@ -117,14 +117,19 @@ def join_refusal(
     ledger holds it (None: a new id); `mine`: the caller's other live workers; `cap`:
     coordinator.max_workers_per_caller (0: no cap).
 
-    An id keeps the role it first joined with. An id bound to a certificate is that certificate's
-    for the run; one bound to a host goes to another caller once its lease has lapsed (a worker
-    moved to another machine). A restarted worker joins again under its id at once, even while its
-    old life still looks live: it is the same caller."""
+    An id bound to a certificate is that certificate's for the run, in the role it first joined
+    with. One bound to a host goes to another caller, in any role, once its worker has left or its
+    lease has lapsed (a worker moved to another machine): a token holder that once joined a
+    learner's id as an observer, and left, locked that learner out for the run. A restarted worker
+    joins again under its id at once, even while its old life still looks live: it is the same
+    caller."""
     denied = grpc.StatusCode.PERMISSION_DENIED
     if why := role_problem(worker_id, role, caller):
         return Refusal(denied, why)
-    if bound is not None and bound.role != role:
+    role_fixed = bound is not None and (
+        certificate_of(bound.caller) or (bound.live and bound.caller in ("", caller))
+    )
+    if bound is not None and bound.role != role and role_fixed:
         return Refusal(
             denied, f"worker id {worker_id!r} is a {bound.role} worker's: it cannot join as {role}"
         )
@@ -155,6 +160,79 @@ def acting_problem(worker_id: str, caller: str, bound: Binding | None) -> str:
     return role_problem(worker_id, bound.role, caller)
 
 
+# Joins of worker ids new to the run, per caller: a burst (a host starting its workers, up to
+# coordinator.max_workers_per_caller at once) then one per NEW_ID_EVERY_S. Leave frees a live
+# slot at once, so the live cap alone let one host join and leave 238 fresh ids a second, each a
+# row the ledger keeps (805 B: 16 GB a day). Refused with RESOURCE_EXHAUSTED: clients retry.
+NEW_ID_BURST = 128
+NEW_ID_EVERY_S = 5.0
+# Heartbeats per worker: a worker beats every coordinator.heartbeat_s, and a learner also on
+# every push it waits on and while it waits for budget (compute/heartbeats.py, ALLOWANCE_ASK_S:
+# twice a second) and once at its end. Faster than this, a heartbeat is answered from the last
+# one's reply without a ledger write (580 a second from one learner each overwrote its stats).
+HEARTBEAT_BURST = 8
+HEARTBEATS_PER_INTERVAL = 4
+HEARTBEATS_PER_S_AT_LEAST = 4.0
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A token bucket: the calls its key may make (`level`), as of `at`."""
+
+    level: float
+    at: float
+
+
+def spend(bucket: Bucket | None, now: float, per_s: float, burst: float) -> tuple[Bucket, str]:
+    """One call against `bucket` (None: a key not seen, full), refilled at `per_s` up to `burst`:
+    (the bucket after, "" when the call may go on, else why not)."""
+    level = burst if bucket is None else min(burst, bucket.level + max(0.0, now - bucket.at) * per_s)
+    if level < 1.0:
+        return Bucket(level, now), f"more than {burst:g} at once and {per_s:g} a second after"
+    return Bucket(level - 1.0, now), ""
+
+
+def heartbeat_rate(heartbeat_s: float) -> float:
+    """Heartbeats a second one worker may send before they are answered without the work."""
+    return max(HEARTBEATS_PER_INTERVAL / heartbeat_s, HEARTBEATS_PER_S_AT_LEAST)
+
+
+class Rates:
+    """Token buckets by key (a caller, a worker id), thread-safe and bounded in number."""
+
+    MAX_KEYS = 4096
+
+    def __init__(self, per_s: float, burst: float) -> None:
+        self.per_s, self.burst = per_s, burst
+        self._lock = threading.Lock()
+        self._buckets: dict[str, Bucket] = {}
+
+    def take(self, key: str, now: float) -> str:
+        """One call of `key` now: "" when it may go on, else why not (nothing spent then)."""
+        with self._lock:
+            bucket, why = spend(self._buckets.get(key), now, self.per_s, self.burst)
+            if why:
+                return why
+            if key not in self._buckets and len(self._buckets) >= self.MAX_KEYS:
+                self._forget_full(now)
+            self._buckets[key] = bucket
+            return ""
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._buckets.pop(key, None)
+
+    def _forget_full(self, now: float) -> None:
+        """Drop the buckets refilled by now (as good as unseen); all of them if none is."""
+        full = [
+            k
+            for k, b in self._buckets.items()
+            if spend(b, now, self.per_s, self.burst)[0].level >= self.burst - 1
+        ]
+        for k in full or list(self._buckets):
+            del self._buckets[k]
+
+
 class WorkerBindings(Protocol):
     """Where bindings are kept: the ledger's workers table (ledger/workers.py)."""
 
@@ -162,6 +240,7 @@ class WorkerBindings(Protocol):
     def bind_caller(self, worker_id: str, caller: str) -> None: ...
     def live_workers_of(self, caller: str, ttl_s: float) -> list[str]: ...
     def join(self, worker_id: str, role: str, host: str, caller: str | None = None) -> None: ...
+    def clock(self) -> float: ...
 
 
 class Callers:
@@ -173,6 +252,7 @@ class Callers:
         self._lock = threading.Lock()  # one join (or first binding) decided and written at a time
         self._open_lock = threading.Lock()  # (apart: a push never waits on a join's commit)
         self._open: Counter[tuple[str, str]] = Counter()  # (kind, caller) -> calls open
+        self.new_ids = Rates(1.0 / NEW_ID_EVERY_S, NEW_ID_BURST)  # joins of ids new to the run, by caller
 
     def bound(self, worker_id: str, ttl_s: float = 0.0) -> Binding | None:
         found = self.ledger.binding(worker_id, ttl_s)
@@ -185,8 +265,11 @@ class Callers:
         (join_refusal): decided and written under one lock, so two joins of one id cannot both pass."""
         with self._lock:
             mine = sum(1 for w in self.ledger.live_workers_of(caller, ttl_s) if w != worker_id)
-            if refusal := join_refusal(worker_id, role, caller, self.bound(worker_id, ttl_s), mine, cap):
+            bound = self.bound(worker_id, ttl_s)
+            if refusal := join_refusal(worker_id, role, caller, bound, mine, cap):
                 return refusal
+            if bound is None and (why := self.new_ids.take(caller, self.ledger.clock())):
+                return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{caller} joins new worker ids {why}")
             self.ledger.join(worker_id, role, host, caller)
         return None
 

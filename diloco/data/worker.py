@@ -9,6 +9,9 @@ coordinator says there is nothing left to do, and on SIGTERM gives its lease bac
 from __future__ import annotations
 
 import logging
+import os
+import re
+import sysconfig
 import threading
 import time
 import traceback
@@ -16,9 +19,12 @@ import uuid
 
 from diloco import store
 from diloco.client import WORKER_OUTAGE_TOLERANCE_S, CoordinatorClient
+from diloco.corpus import STDLIB
 from diloco.data.chunks import UNIT_ROW_GROUPS, ChunkSpec, Segment
 from diloco.data.fields import MissingTextField
 from diloco.data.makers import ShardMaker, shard_maker
+from diloco.errors import DilocoError
+from diloco.plugins import refuse_unallowed
 from diloco.role import heartbeat_thread, refusing
 from diloco.security.transport import Security
 from diloco.tokenizer import load_checked_tokenizer
@@ -38,7 +44,8 @@ class DataWorker:
         read_roots: tuple[str, ...] = (),
     ):
         self.connect_timeout_s = connect_timeout_s
-        # Where this machine lets the coordinator point it (--read-root); none: wherever it says.
+        # Where this machine lets the coordinator point it (--read-root); none: under the dataset
+        # the coordinator named at join (dataset_roots), never anywhere else.
         self.read_roots = read_roots
         self.client = CoordinatorClient(
             address,
@@ -69,6 +76,14 @@ class DataWorker:
         assert config is not None
         self.unit = config.data.unit  # as the coordinator counts them
         with refusing(self.client, log):
+            refuse_unallowed(config.data.preprocess, "data.preprocess", "--preprocess")
+            if not config.data.store:  # the shard root: without one, nothing bounds where we write
+                raise DilocoError(
+                    "the coordinator named no data.store: this worker writes shards only under one"
+                )
+            if not self.read_roots:
+                self.read_roots = dataset_roots(config.data.dataset)
+                log.info("reading raw data only under %s (--read-root to choose)", self.read_roots[0])
             tokenizer = load_checked_tokenizer(config.data.tokenizer, reply.tokenizer_hash)
             maker = shard_maker(config, tokenizer)
         heartbeats = heartbeat_thread(self._heartbeat, reply.heartbeat_s, self.stop, log)
@@ -94,15 +109,13 @@ class DataWorker:
     def _lease_problem(self, lease: pb.LeaseChunkReply) -> str:
         """Why this worker will not do what a lease asks ("" when it will): a shard written (and,
         on a refused completion, deleted) outside the run's shard store, or raw data read outside
-        this worker's --read-root."""
+        this worker's read roots (--read-root, or the dataset named at join)."""
         root = self.client.config.data.store if self.client.config else ""
-        if root and not store.uri_under(lease.shard_uri, store.shard_root(root)):
+        if not root or not store.uri_under(lease.shard_uri, store.shard_root(root)):
             return f"shard URI {lease.shard_uri!r} is outside the run's shard store"
-        outside = [
-            s.uri for s in lease.segments if self.read_roots and not store.uri_within(s.uri, self.read_roots)
-        ]
-        if outside:
-            return f"segment {outside[0]!r} is outside this worker's --read-root"
+        outside = [s.uri for s in lease.segments if not store.uri_within(s.uri, self.read_roots)]
+        if outside or not self.read_roots:
+            return f"segment {(outside or [''])[0]!r} is outside this worker's read roots (--read-root)"
         return ""
 
     def _process(self, lease: pb.LeaseChunkReply, maker: ShardMaker) -> None:
@@ -179,6 +192,20 @@ class DataWorker:
             info.tokens / max(seconds, 1e-9),
             self.unit,
         )
+
+
+def dataset_roots(dataset: str) -> tuple[str, ...]:
+    """Where a worker without --read-root reads: under the dataset the coordinator named at join
+    (a directory, file or prefix; a glob's fixed part; "stdlib": the stdlib's directory). It keeps a
+    lease from reaching beyond the run's data; only --read-root also bounds what the dataset is."""
+    if dataset == STDLIB:
+        return (sysconfig.get_paths()["stdlib"],)
+    fixed = re.split(r"[*?\[]", dataset, maxsplit=1)[0]
+    if fixed != dataset:  # a glob: the directory its wildcards start in
+        fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else "."
+    if "://" in fixed:
+        return (fixed,)
+    return tuple(dict.fromkeys((fixed, os.path.abspath(fixed))))
 
 
 def run_data_worker(

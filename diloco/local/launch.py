@@ -155,9 +155,20 @@ class LocalRun:
         refusals = [line.removeprefix("error: ") for line in tail.splitlines() if line.startswith("error: ")]
         return refusals[-1] if refusals else f"\n{tail}"
 
+    def _own_code(self, role: str) -> list[str]:
+        """This run's own names, a child's operator's word: the code it may import, the data it reads."""
+        from diloco.data.worker import dataset_roots
+
+        if role != "data":
+            return ["--model", self.config.model.factory]
+        d = self.config.data
+        roots = [a for root in dataset_roots(d.dataset) for a in ("--read-root", root)]
+        return [*roots, *(["--preprocess", d.preprocess] if d.preprocess else [])]
+
     def _start_data_workers(self, address: str) -> None:
         for i in range(self.options.data_workers):
             args = ["data", "--coordinator", address, "--worker-id", f"data-{i}", *self._tls(f"data-{i}")]
+            args += self._own_code("data")
             self.group.spawn(f"data-{i}", "data", args)
 
     def _start_learners(self, address: str) -> None:
@@ -166,7 +177,7 @@ class LocalRun:
         for i in range(o.learners):
             args = ["compute", "--coordinator", address, "--threads", str(self.config.train.threads)]
             args += ["--worker-id", learner_id(i)]
-            args += ["--state-dir", str(self.workdir / "learner-state")]
+            args += ["--state-dir", str(self.workdir / "learner-state"), *self._own_code("learner")]
             if i == o.learners - 1 and o.slow_learner > 1.0:
                 args += ["--slow-factor", str(o.slow_learner)]
             if o.ranks_of(i) > 1:
@@ -179,7 +190,7 @@ class LocalRun:
             # On the learners' device: a model sized for a GPU takes minutes per evaluation on one
             # CPU thread (auto is the CPU on a machine without one).
             args = ["evaluator", "--coordinator", address, "--worker-id", "evaluator",
-                    "--device", self.config.train.device, *self._tls("evaluator")]  # fmt: skip
+                    "--device", self.config.train.device, *self._tls("evaluator"), *self._own_code("evaluator")]  # fmt: skip
             self.group.spawn("evaluator", "evaluator", args)
 
     def _stop_children(self) -> None:

@@ -2,16 +2,25 @@
 valid and malformed calls from several identities (tests/unit/security/test_fuzz.py runs a few
 hundred; benchmarks/fuzz.py runs ten thousand and more). Test tooling: it needs hypothesis (dev).
 
-After every call: the coordinator answered with a result or a refusal, never an internal error
-(no crash); the global parameters are finite; a push it refused is never merged; InitParameters
-(from anyone, after the first) changes nothing. At the end of a run the ledger's audit passes.
-Calls go through the raw stubs (no client retries), each with a short deadline.
+Calls act on the run's objects as they stand in the ledger: pushes name rows of the caller's own
+shards, of shards leased to another worker or never leased, rows already in others' pushes or its
+own, held-out, corrupt and out-of-range rows, no rows again and again, steps and tokens far beyond
+their rows, deltas far above the fragment's parameter norm; shard reports for shards the caller
+did not lease last; chunk completions of another data worker's attempt or another attempt's
+file; joins under another id, with none, or in the wrong role; heartbeats, leaves and everything
+else as another worker. Each call is judged before it is made: the policy (who may call what, as
+whom) and the oracle (diloco.testing.fuzz_oracle: the call's own facts against the README's rules)
+say whether it must be refused, or is a well-behaved worker's call that should be taken.
 
-With certificates (`channels`: one mutual-TLS channel per identity, from `diloco certs`), each call
-is made by one identity and may act as another (its request's worker id): a call from a stranger
-(a certificate of another CA), as someone else, or from a role the policy below does not allow
-must be refused, and a refused one must leave workers and leases as they were. The policy is
-written out here again, from the issue, so the guard is checked against it and not against itself.
+After every call: the coordinator answered with a result or a refusal, never an internal error;
+a call that must be refused was, and changed no worker, lease, shard or push; the global
+parameters are finite; no row is merged twice; no worker id is held by two callers (under mutual
+TLS: a certificate holds its own name only); InitParameters (the run has parameters) changes
+nothing. At the end of a run the ledger's audit passes. Calls go through the raw stubs (no client
+retries), each with a short deadline.
+
+With certificates (`channels`: one mutual-TLS channel per identity, from `diloco certs`), the
+policy below is issue 14's, written out again here so the guard is checked against it.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ from __future__ import annotations
 import math
 import socket
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +38,20 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from diloco.security.certs import init_ca, issue
 from diloco.security.transport import Security
+from diloco.testing.fuzz_oracle import (
+    Facts,
+    Tally,
+    Verdict,
+    completion_verdict,
+    norm,
+    push_verdict,
+    report_verdict,
+)
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 from diloco.wire.tensors import stream_tensors
+
+__all__ = ["Tally", "audit_ok", "fuzz_certificates", "fuzz_overrides", "make_machine", "plaintext_hosts"]
 
 # Codes a refusal may carry. Anything else (UNKNOWN, INTERNAL, ...) is a crash in a handler.
 REFUSALS = {
@@ -44,15 +63,22 @@ IDENTITIES = {
     "learner-a": pb.ROLE_COMPUTE,
     "learner-b": pb.ROLE_COMPUTE,
     "data-a": pb.ROLE_DATA,
+    "data-b": pb.ROLE_DATA,
     "stranger": 0,
 }
-OTHER_HOST = ("learner-b", "stranger")  # plaintext with two hosts: these call from ::1
-PUSH_KINDS = ["valid", "nan", "inf", "huge_values", "wrong_shape", "wrong_name", "huge_tokens", "no_rows",
-              "unknown_fragment", "stale", "wrong_codec", "empty"]  # fmt: skip
+OTHER_HOST = ("learner-b", "data-b", "stranger")  # plaintext with two hosts: these call from ::1
+# What is wrong with a push's tensors or header ("valid": nothing), and which rows it names.
+PUSH_KINDS = ["valid", "valid", "valid", "nan", "inf", "huge_values", "far", "inflated", "inflated_far",
+              "wrong_shape", "wrong_name", "huge_tokens", "unknown_fragment", "stale", "wrong_codec", "empty"]  # fmt: skip
+ROWS = ["own", "own", "own_again", "others_held", "others_pushed", "never_leased", "heldout", "corrupt",
+        "outside", "none", "all_shards"]  # fmt: skip
+INIT_KINDS = ["model", "marked", "unsplittable", "other_model", "huge"]
 COUNTERS = [1.0, 0.0, -1.0, math.nan, math.inf, 2.0**60]
-# With certificates: each identity's role, and what each role may call (issue 14's policy).
-CERT_ROLES = {"learner-a": "learner", "learner-b": "learner", "data-a": "data", "watcher": "observer",
-              "ops": "operator"}  # fmt: skip
+# With certificates: each identity's role, and what each role may call (issue 14's policy). The
+# namesake is an observer's certificate named like a learner ("learner-a").
+CERT_ROLES = {"learner-a": "learner", "learner-b": "learner", "data-a": "data", "data-b": "data",
+              "watcher": "observer", "ops": "operator", "namesake": "observer"}  # fmt: skip
+CERT_NAME = {"namesake": "learner-a"}
 ANYONE = {"join", "heartbeat", "leave", "status"}
 MAY_CALL = {
     "learner": ANYONE | {"lease_shard", "report_shard", "push", "pull", "init"},
@@ -67,18 +93,6 @@ JOIN_ROLES = [pb.ROLE_COMPUTE, pb.ROLE_DATA, pb.ROLE_OBSERVER]
 ACTING = st.one_of(st.just(""), st.just(""), st.sampled_from(sorted({*IDENTITIES, *CERT_ROLES})))
 
 
-@dataclass
-class Tally:
-    """What the fuzzer did, for the benchmark's report."""
-
-    calls: int = 0
-    refused: int = 0
-    accepted_pushes: int = 0
-    refused_pushes: int = 0
-    must_refuse: int = 0  # calls the policy forbids (all of them were refused)
-    by_call: dict[str, int] = field(default_factory=dict)
-
-
 def make_machine(
     running: Any,
     init: dict[str, torch.Tensor],
@@ -89,9 +103,8 @@ def make_machine(
     """A state machine class bound to one running coordinator (shared by every example: the
     invariants are the service's, whatever came before). `channels`: caller -> its mTLS channel,
     for every name in CERT_ROLES and "stranger"; none, every call goes in plaintext. With
-    `two_hosts` (plaintext, a coordinator listening on localhost), learner-b and the stranger call
-    from ::1 and the others from 127.0.0.1: a worker id belongs to the host that joined it, and a
-    call from the other host as a live worker of this one must be refused."""
+    `two_hosts` (plaintext, a coordinator listening on localhost), the OTHER_HOST identities call
+    from ::1 and the others from 127.0.0.1: a worker id belongs to the host that joined it."""
     secure = channels is not None
     channels = channels or {}
     plain = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{running.port}"))
@@ -100,50 +113,107 @@ def make_machine(
     if two_hosts and not secure:
         other = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"[::1]:{running.port}"))
         stubs.update({who: other for who in OTHER_HOST})
-    owner: dict[str, str] = {}  # worker id -> the host that joined it (plaintext, two hosts)
-    live: set[str] = set()  # joined and not left (leases outlive the run: fuzz_overrides)
     stub = stubs.get("watcher", plain)  # the invariants' own calls: an observer's
     callers = sorted(channels) if secure else sorted(IDENTITIES)
     service = running.service
-    names = [n for f in service.fragments for n in f.names]
+    facts = Facts(running.ledger._q)
+    h, batch = service.config.train.inner_steps, service.config.train.batch_size
+    chunk_leases: dict[tuple[int, str], str] = {}  # (chunk, the file its lease named) -> who leased it
+    # Who holds each worker id: the caller (an identity under mutual TLS, else a host) whose join
+    # was taken. Seeded with the workers joined before the fuzzer (the run's own learner).
+    holder: dict[str, str] = {}
+    for worker, caller in facts.q("SELECT id, caller FROM workers WHERE caller IS NOT NULL"):
+        kind, _, rest = str(caller).partition(":")
+        if kind == "host":
+            holder[worker] = rest
+        else:
+            role, _, name = rest.partition(":")
+            holder[worker] = next(
+                (w for w, r in CERT_ROLES.items() if r == role and CERT_NAME.get(w, w) == name), caller
+            )
 
-    def forbidden(what: str, who: str, acting: str, joins_as: int | None = None) -> bool:
-        """Whether the policy forbids this call: with certificates, by role and name; without,
-        acting as a live worker another host joined."""
-        role = CERT_ROLES.get(who)
+    def me(who: str) -> str:
+        return who if secure else host_of.get(who, "")
+
+    def own_id(who: str) -> str:
+        return CERT_NAME.get(who, who)
+
+    def forbidden(what: str, who: str, acting: str, joins_as: int | None = None, blank: bool = False) -> str:
+        """Why the policy forbids this call ("" when it does not): with certificates, by role and
+        name; by anyone, acting as a worker another caller holds (a join: while it is live)."""
+        worker = acting or own_id(who)
+        # (A plaintext join without an id is given a fresh one: it acts as nobody's worker.)
+        bound = None if blank and not secure else holder.get(worker)
+        # (A join, or a leave, of a worker that is not live takes or frees nothing: in plaintext
+        # a host's worker goes to another host once it left.)
+        if (
+            bound is not None
+            and bound != me(who)
+            and what not in ("status", "finish")
+            and (facts.live(worker) or (secure and what == "join") or what not in ("join", "leave"))
+        ):
+            return "as a worker another caller holds"
         if not secure:
-            worker = acting or who
-            taken = worker in live and owner.get(worker, host_of[who]) != host_of[who]
-            return taken and what not in ("status", "finish")
-        if role is None or what not in MAY_CALL[role] or (acting and acting != who):
-            return True
-        return joins_as is not None and joins_as != JOINS_AS[role]
+            return ""
+        role = CERT_ROLES.get(who)
+        if role is None:
+            return "a certificate of another CA"
+        if what not in MAY_CALL[role]:
+            return f"{what} by {role}"
+        if acting and acting != own_id(who):
+            return "as another worker than its certificate's"
+        if joins_as is not None and joins_as != JOINS_AS[role]:
+            return "joins in another role than its certificate's"
+        return ""
 
     def guarded_state() -> tuple:
-        """What a refused call must not change: who is joined, and who holds which lease."""
+        """What a refused call must not change: who is joined, who holds which lease, which
+        pushes will merge (a merge of an earlier push may consume a shard meanwhile: not compared)."""
         q = running.ledger._q
         return (
-            [tuple(r) for r in q("SELECT id, role, state FROM workers ORDER BY id")],
+            [tuple(r) for r in q("SELECT id, role, state, caller FROM workers ORDER BY id")],
             [tuple(r) for r in q("SELECT id, state, holder, attempts FROM chunks ORDER BY id")],
-            [tuple(r) for r in q("SELECT id, holder FROM shards ORDER BY id")],
+            {r[0]: (r[1], r[2]) for r in q("SELECT id, state, holder FROM shards")},
+            {r[0] for r in q("SELECT push_id FROM pushes WHERE state IN ('pending', 'merged')")},
         )
 
-    class ServiceFuzz(RuleBasedStateMachine):
-        def __init__(self) -> None:
-            super().__init__()
-            self.held: dict[str, list[int]] = {}  # shard leases per worker id
-            self.refused_push_ids: list[str] = []
+    def unchanged(before: tuple, after: tuple) -> bool:
+        shards = all(
+            after[2].get(s) == v or (after[2].get(s) or ("",))[0] == "consumed" for s, v in before[2].items()
+        )
+        return before[:2] == after[:2] and shards and after[3] <= before[3]
 
+    def taken(what: str, reply: Any) -> bool:
+        if reply is None:
+            return False
+        if what in ("push", "complete_chunk", "init"):
+            return bool(reply.accepted)
+        if what == "report_shard":
+            return bool(reply.reprocessing)
+        return True
+
+    class ServiceFuzz(RuleBasedStateMachine):
         # -- the call, and what a refusal is -----------------------------------------------
 
         def call(
-            self, what: str, fn: Any, who: str = "", acting: str = "", joins_as: int | None = None
+            self,
+            what: str,
+            fn: Any,
+            who: str = "",
+            acting: str = "",
+            joins_as: int | None = None,
+            verdict: tuple[Verdict, str] = (Verdict.EITHER, ""),
+            blank: bool = False,
         ) -> Any:
-            """Make one call (fn gets the caller's stub); None when it was refused."""
+            """Make one call (fn gets the caller's stub); the reply, None when refused with an
+            error. Counted by what the policy and the oracle said of it."""
             tally.calls += 1
-            tally.by_call[what] = tally.by_call.get(what, 0) + 1
-            must_refuse = forbidden(what, who, acting, joins_as)
-            before = guarded_state() if must_refuse else None
+            tally.count(tally.by_call, what)
+            policy = forbidden(what, who, acting, joins_as, blank)
+            why = policy or (verdict[1] if verdict[0] is Verdict.REFUSE else "")
+            honest = not policy and verdict[0] is Verdict.HONEST
+            before = guarded_state() if why else None
+            details = ""
             try:
                 reply = fn(stubs.get(who, plain))
             except grpc.RpcError as e:
@@ -151,100 +221,231 @@ def make_machine(
                 known = REFUSALS | ({grpc.StatusCode.UNAVAILABLE} if who == "stranger" else set())
                 assert e.code() in known, f"{what}: {e.code()} {e.details()}"  # a crash, not a refusal
                 tally.refused += 1
-                reply = None
-            if must_refuse:
+                reply, details = None, f"{e.code().name} {e.details()}"
+            ok = taken(what, reply)
+            if why:
                 tally.must_refuse += 1
-                assert reply is None, f"{what} by {who} acting as {acting or who} was accepted: {reply}"
-                assert guarded_state() == before, f"a refused {what} by {who} changed the ledger"
-            elif reply is not None and what == "join":
-                owner[acting or who] = host_of.get(who, "")
-                live.add(acting or who)
-            elif reply is not None and what == "leave":
-                live.discard(acting or who)
+                tally.count(tally.must_refuse_by_reason, f"{what}: {why}")
+                if ok:
+                    tally.must_refuse_accepted += 1
+                    tally.defects.append(f"{what} by {who} as {acting or own_id(who)} ({why}) taken: {reply}")
+                else:
+                    tally.must_refuse_refused += 1
+                assert not ok, f"{what} by {who} as {acting or own_id(who)} must be refused ({why}): {reply}"
+                assert unchanged(before, guarded_state()), f"a refused {what} by {who} changed the ledger"
+            elif honest:
+                tally.honest += 1
+                if not ok:
+                    tally.honest_refused += 1
+                    said = details or getattr(reply, "reason", "")
+                    tally.count(tally.honest_refused_by_reason, f"{what} ({verdict[1]}): {said[:90]}")
+            if ok and what not in ("leave", "status", "finish"):  # (a leave frees; checked as forbidden)
+                worker = (
+                    (reply.worker_id if what == "join" and reply.worker_id else "") or acting or own_id(who)
+                )
+                was = holder.get(worker)
+                assert was in (None, me(who)) or (what == "join" and not secure), (
+                    f"{what} by {who} taken as {worker}, which {was} holds"
+                )
+                holder[worker] = me(who)
             return reply
+
+        def worker(self, who: str, acting: str) -> str:
+            return acting or own_id(who)
+
+        def spans_for(self, worker: str, rows: str, pick: int, width: int) -> list[tuple[int, int, int]]:
+            """Rows for a push to name, chosen among the ledger's shards by `rows` (ROWS)."""
+            train = facts.shards("train")
+
+            def choose(xs: list[Any]) -> Any:
+                return xs[pick % len(xs)] if xs else None
+
+            mine = [s for s in train if s["state"] == "leased" and s["holder"] == worker]
+            if rows == "all_shards":
+                return [(s["id"], 0, 1) for s in train]
+            if rows in ("own_again", "others_pushed"):
+                pushed = facts.q(
+                    "SELECT s.shard_id, s.row_start, s.row_end FROM spans s JOIN pushes p USING (push_id) "
+                    "WHERE p.state IN ('pending', 'merged') AND (p.worker_id = ?) = ? ORDER BY p.received DESC LIMIT 8",
+                    (worker, rows == "own_again"),
+                )
+                span = choose(pushed)
+                return [] if span is None else [(span[0], span[1], span[2])]
+            shard = choose(
+                {
+                    "own": mine,
+                    "others_held": [s for s in train if s["state"] == "leased" and s["holder"] != worker],
+                    "never_leased": [s for s in train if not facts.ever_leased(s["id"], worker)],
+                    "heldout": facts.q("SELECT id, rows FROM shards WHERE split != 'train' ORDER BY id"),
+                    "corrupt": [s for s in train if s["state"] == "corrupt"],
+                    "outside": mine or train,
+                }.get(rows, [])
+            )
+            if shard is None:
+                return []
+            if rows == "outside":
+                return [(shard["id"], shard["rows"], shard["rows"] + width)]
+            start = max((y for _, y, _ in facts.pushed_rows(shard["id"])), default=0) if rows == "own" else 0
+            end = min(shard["rows"], start + width)
+            return [(shard["id"], start, end)] if start < end else []
 
         # -- rules: `who` makes the call, acting as `acting` (its own worker id when "") ---------
 
-        @rule(who=st.sampled_from(callers), acting=ACTING, as_role=st.sampled_from([0, *JOIN_ROLES]))
-        def join(self, who: str, acting: str, as_role: int) -> None:
+        @rule(who=st.sampled_from(callers), acting=ACTING, as_role=st.sampled_from([0, *JOIN_ROLES]),
+              named=st.sampled_from(["own", "own", "blank", "fresh"]))  # fmt: skip
+        def join(self, who: str, acting: str, as_role: int, named: str = "own") -> None:
+            """A join as itself, as another, without an id (under mutual TLS: its certificate's
+            name), or under a fresh id (under mutual TLS a phantom: refused)."""
             role = as_role or IDENTITIES.get(who) or JOINS_AS.get(CERT_ROLES.get(who, ""), 0)
-            request = pb.JoinRequest(role=role, host="fuzz", worker_id=acting or who)
-            self.call("join", lambda s: s.Join(request, timeout=5), who, acting, joins_as=role)
+            worker = {"own": acting or own_id(who), "blank": "", "fresh": f"phantom-{uuid.uuid4().hex[:8]}"}[
+                named
+            ]
+            request = pb.JoinRequest(role=role, host="fuzz", worker_id=worker)
+            verdict = (Verdict.REFUSE, "a phantom: an id not its certificate's") if secure and named == "fresh" else (
+                (Verdict.HONEST, "its own id, in its role") if named == "own" and not acting and not as_role else (Verdict.EITHER, "")
+            )  # fmt: skip
+            reply = self.call(
+                "join",
+                lambda s: s.Join(request, timeout=5),
+                who,
+                acting if named == "own" else worker,
+                role,
+                verdict,
+                not worker,
+            )
+            if reply is not None and secure:
+                assert reply.worker_id == own_id(who), (
+                    f"{who} joined as {reply.worker_id}: not its certificate's name"
+                )
+            elif reply is not None and named != "own":  # plaintext: a host's workers are capped; let it go
+                leave = pb.LeaveRequest(worker_id=reply.worker_id, reason="fuzz")
+                self.call("leave", lambda s: s.Leave(leave, timeout=5), who, reply.worker_id)
 
         @rule(who=st.sampled_from(callers), acting=ACTING, value=st.sampled_from(COUNTERS),
               device=st.sampled_from(["cpu", "x" * 300, "bad\x00"]))  # fmt: skip
         def heartbeat(self, who: str, acting: str, value: float, device: str) -> None:
+            worker = self.worker(who, acting)
+            leases = [s["id"] for s in facts.shards() if s["holder"] == worker]
             request = pb.HeartbeatRequest(
-                worker_id=acting or who, inner_steps=int(value) if math.isfinite(value) and 0 <= value < 2**63 else 0,
+                worker_id=worker, inner_steps=int(value) if math.isfinite(value) and 0 <= value < 2**63 else 0,
                 busy_seconds=value, wall_seconds=value, last_loss=value, device=device,
-                shard_leases=self.held.get(acting or who, []), train_metrics={"acc": value},
+                shard_leases=leases, train_metrics={"acc": value},
             )  # fmt: skip
-            self.call("heartbeat", lambda s: s.Heartbeat(request, timeout=5), who, acting)
+            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            self.call("heartbeat", lambda s: s.Heartbeat(request, timeout=5), who, acting, verdict=verdict)
 
         @rule(who=st.sampled_from(callers), acting=ACTING)
         def lease_shard(self, who: str, acting: str) -> None:
-            request = pb.LeaseShardRequest(worker_id=acting or who)
-            reply = self.call("lease_shard", lambda s: s.LeaseShard(request, timeout=5), who, acting)
-            if reply is not None and reply.shard_id:
-                self.held.setdefault(acting or who, []).append(reply.shard_id)
+            worker = self.worker(who, acting)
+            request = pb.LeaseShardRequest(worker_id=worker)
+            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            self.call("lease_shard", lambda s: s.LeaseShard(request, timeout=5), who, acting, verdict=verdict)
 
         @rule(who=st.sampled_from(callers), acting=ACTING, kind=st.sampled_from(PUSH_KINDS),
-              rows=st.integers(0, 40))  # fmt: skip
-        def push(self, who: str, acting: str, kind: str, rows: int) -> None:
+              rows=st.sampled_from(ROWS), pick=st.integers(0, 7), width=st.integers(1, 40))  # fmt: skip
+        def push(self, who: str, acting: str, kind: str, rows: str, pick: int = 0, width: int = 10) -> None:
+            worker = self.worker(who, acting)
             frag = service.fragments[0] if service.fragments else None
             version = frag.version if frag is not None else 0
+            base = max(0, version - 100) if kind == "stale" else version
+            spans = self.spans_for(worker, rows, pick, width)
+            n = sum(b - a for _, a, b in spans)
+            inflated = kind.startswith("inflated")
             header = pb.TensorHeader(
-                worker_id=acting or who, fragment=99 if kind == "unknown_fragment" else 0,
-                version=max(0, version - 100) if kind == "stale" else version, codec="int8" if kind == "wrong_codec" else "fp32",
-                inner_steps=1, tokens=(1 << 60) if kind == "huge_tokens" else 129 * max(1, rows),
+                worker_id=worker, fragment=99 if kind == "unknown_fragment" else 0, version=base,
+                codec="int8" if kind == "wrong_codec" else "fp32", inner_steps=1000 * h if inflated else max(1, -(-n // batch)),
+                tokens=(1 << 60) if kind == "huge_tokens" else (1 << 40) if inflated else 129 * max(1, n),
                 push_id=uuid.uuid4().hex, mean_loss=1.0,
             )  # fmt: skip
-            held = self.held.get(acting or who, [])
-            if held and kind != "no_rows":
-                header.spans.add(shard_id=held[0], row_start=0, row_end=max(1, rows))
-            tensors = {n: torch.randn_like(t) * 1e-3 for n, t in init.items() if n in names}
-            if kind == "nan":
-                next(iter(tensors.values())).view(-1)[0] = math.nan
-            elif kind == "inf":
-                next(iter(tensors.values())).view(-1)[0] = math.inf
+            for sid, a, b in spans:
+                header.spans.add(shard_id=sid, row_start=a, row_end=b)
+            names = [x for x in (frag.names if frag is not None else []) if x in init]
+            params = {x: frag.params[x] for x in names} if frag is not None else {}
+            tensors = {x: torch.randn_like(init[x]) * 1e-3 for x in names}
+            reach = max(1.0, math.ceil(sum(s["rows"] for s in facts.shards("train")) / batch) / h)
+            if kind in ("far", "inflated_far") and tensors:
+                # Above 10x the parameter norm however many steps the rows could credit; "far"
+                # a hundred times over, "inflated_far" just over, with a thousand H steps claimed.
+                target = 10 * max(norm(params), 1e-2) * reach * (100.0 if kind == "far" else 1.5)
+                tensors = {x: t * (target / max(norm(tensors), 1e-30)) for x, t in tensors.items()}
+            first = next(iter(tensors), None)
+            if kind == "nan" and first:
+                tensors[first].view(-1)[0] = math.nan
+            elif kind == "inf" and first:
+                tensors[first].view(-1)[0] = math.inf
             elif kind == "huge_values":
-                tensors = {n: torch.full_like(t, 1e30) for n, t in tensors.items()}
-            elif kind == "wrong_shape":
-                n = next(iter(tensors))
-                tensors[n] = torch.zeros(3, 3)
-            elif kind == "wrong_name":
-                tensors["not.a.parameter"] = tensors.pop(next(iter(tensors)))
+                tensors = {x: torch.full_like(t, 1e30) for x, t in tensors.items()}
+            elif kind == "wrong_shape" and first:
+                tensors[first] = torch.zeros(3, 3)
+            elif kind == "wrong_name" and first:
+                tensors["not.a.parameter"] = tensors.pop(first)
             elif kind == "empty":
                 tensors, header.tokens = {}, 0
-            if frag is not None:
-                tensors = {n: t for n, t in tensors.items() if n in frag.names or n == "not.a.parameter"}
+            malformed = {
+                "nan": "a NaN", "inf": "an inf", "huge_values": "values of 1e30", "wrong_shape": "a wrong shape",
+                "wrong_name": "a name not the fragment's", "huge_tokens": "2^60 tokens", "unknown_fragment":
+                "an unknown fragment", "wrong_codec": "fp32 bytes under int8",
+            }.get(kind, "")  # fmt: skip
+            # (No tensors and no tokens is a learner's "nothing this round": a message, not a delta.)
+            if kind == "empty":
+                spans, header.tokens = [], 0
+                del header.spans[:]
+            if kind == "stale" and version - base > service.config.sync.max_staleness:
+                malformed = "a base version past max_staleness"
+            verdict = (Verdict.EITHER, "nothing this round") if kind == "empty" and facts.live(worker) else push_verdict(facts, worker, header.fragment, spans, malformed and f"a push with {malformed}",
+                                   norm(tensors), norm(params), math.ceil(reach * h), h)  # fmt: skip
+            if verdict[0] is Verdict.HONEST and kind != "valid":  # claims beyond its rows: credited down
+                verdict = (Verdict.EITHER, "claims beyond its rows")
             reply = self.call(
-                "push", lambda s: s.PushDelta(stream_tensors(header, tensors, 1 << 20), timeout=10), who, acting
+                "push", lambda s: s.PushDelta(stream_tensors(header, tensors, 1 << 20), timeout=10), who, acting,
+                verdict=verdict,
             )  # fmt: skip
             if reply is None or not reply.accepted:
                 tally.refused_pushes += 1
                 self.refused_push_ids.append(header.push_id)
-            else:
-                tally.accepted_pushes += 1
+                return
+            tally.accepted_pushes += 1
+            # Credited no more than the rows behind it: every train shard its worker ever leased.
+            state = running.ledger.push_state(header.push_id)
+            rows_ever, tokens_ever = facts.ever_leased_tokens(worker)
+            credit = (state["steps"], state["tokens"]) if state is not None else (0, 0)
+            if credit[0] > max(h, math.ceil(rows_ever / batch)) or credit[1] > tokens_ever:
+                tally.defects.append(f"push {header.push_id} by {worker} credited {credit} beyond its rows")
+                raise AssertionError(tally.defects[-1])
 
-        @rule(who=st.sampled_from([c for c in callers if c.startswith("learner")]), rows=st.integers(1, 40))
-        def honest_push(self, who: str, rows: int) -> None:
-            """A learner's own join, lease and valid push, in one rule: the accepted path, taken
-            often enough that merges happen among the malformed calls (a valid push drawn at
-            random rarely finds its learner joined and holding a shard)."""
+        @rule(who=st.sampled_from([c for c in callers if c.startswith("learner")]), width=st.integers(1, 40))
+        def honest_push(self, who: str, width: int) -> None:
+            """A learner's own join, lease and valid push of fresh rows, in one rule: the accepted
+            path, taken often enough that merges happen among the malformed calls."""
             self.join(who, "", 0)
             self.lease_shard(who, "")
-            self.push(who, "", "valid", rows)
+            self.push(who, "", "valid", "own", 0, width)
 
-        @rule(who=st.sampled_from(callers), acting=ACTING, scale=st.sampled_from([0.0, 1.0, 1e30]))
-        def init_parameters(self, who: str, acting: str, scale: float) -> None:
-            """The model is set once, by the first learner: from anyone after that, nothing changes."""
+        def __init__(self) -> None:
+            super().__init__()
+            self.refused_push_ids: list[str] = []
+
+        @rule(who=st.sampled_from(callers), acting=ACTING, kind=st.sampled_from(INIT_KINDS))
+        def init_parameters(self, who: str, acting: str, kind: str) -> None:
+            """The model is set once, by the first learner: from anyone after that, whatever it
+            holds (the run's model, every tensor marked averaged, an unsplittable one, another
+            model, huge values), it is refused and nothing changes."""
             versions = [f.version for f in service.fragments]
             before = {n: t.clone() for f in service.fragments for n, t in f.params.items()}
-            header = pb.TensorHeader(worker_id=acting or who)
-            tensors = {n: t * scale for n, t in init.items()}
-            self.call("init", lambda s: s.InitParameters(stream_tensors(header, tensors, 1 << 20), timeout=10),
-                      who, acting)  # fmt: skip
+            tensors, averaged = dict(init), frozenset()
+            first = next(iter(init))
+            if kind == "marked":
+                averaged = frozenset(init)
+            elif kind == "unsplittable":
+                tensors = {"w": torch.zeros(10)}
+            elif kind == "other_model":
+                tensors[first] = torch.zeros(init[first].shape[0] + 1, *init[first].shape[1:])
+            elif kind == "huge":
+                tensors = {n: t * 1e30 for n, t in init.items()}
+            header = pb.TensorHeader(worker_id=self.worker(who, acting))
+            verdict = (Verdict.REFUSE, "the run has parameters already")
+            self.call("init", lambda s: s.InitParameters(stream_tensors(header, tensors, 1 << 20, averaged), timeout=10),
+                      who, acting, verdict=verdict)  # fmt: skip
             after = {n: t for f in service.fragments for n, t in f.params.items()}
             if [f.version for f in service.fragments] == versions:  # else a merge moved it meanwhile
                 assert all(torch.equal(before[n], after[n]) for n in before), (
@@ -266,37 +467,87 @@ def make_machine(
 
         @rule(who=st.sampled_from(callers), acting=ACTING)
         def lease_chunk(self, who: str, acting: str) -> None:
-            request = pb.LeaseChunkRequest(worker_id=acting or who)
-            self.call("lease_chunk", lambda s: s.LeaseChunk(request, timeout=5), who, acting)
+            worker = self.worker(who, acting)
+            request = pb.LeaseChunkRequest(worker_id=worker)
+            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            reply = self.call(
+                "lease_chunk", lambda s: s.LeaseChunk(request, timeout=5), who, acting, verdict=verdict
+            )
+            if reply is not None and reply.shard_uri:
+                chunk_leases[reply.chunk_id, reply.shard_uri] = worker
 
         @rule(who=st.sampled_from(callers), acting=ACTING, have=st.integers(-1, 3))
         def pull(self, who: str, acting: str, have: int) -> None:
-            request = pb.PullRequest(worker_id=acting or who, fragments=[0], have_versions=[have], wait_s=0.0)
-            self.call("pull", lambda s: list(s.PullParameters(request, timeout=10)), who, acting)
+            worker = self.worker(who, acting)
+            request = pb.PullRequest(worker_id=worker, fragments=[0], have_versions=[have], wait_s=0.0)
+            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            self.call(
+                "pull", lambda s: list(s.PullParameters(request, timeout=10)), who, acting, verdict=verdict
+            )
 
-        @rule(who=st.sampled_from(callers), acting=ACTING, chunk=st.integers(0, 200),
-              uri=st.sampled_from(["/etc/passwd", "../x", "", "s3://elsewhere/a"]),
-              count=st.sampled_from([0, 1, 1 << 62]))  # fmt: skip
-        def complete_chunk(self, who: str, acting: str, chunk: int, uri: str, count: int) -> None:
-            request = pb.CompleteChunkRequest(worker_id=acting or who, chunk_id=chunk, completion_id=uuid.uuid4().hex,
+        @rule(who=st.sampled_from(callers), acting=ACTING, aim=st.sampled_from(
+              ["own", "own", "others", "other_attempt", "made", "/etc/passwd", "../x", "", "s3://elsewhere/a"]),
+              pick=st.integers(0, 7), count=st.sampled_from([0, 1, 1 << 62]))  # fmt: skip
+        def complete_chunk(self, who: str, acting: str, aim: str, pick: int, count: int) -> None:
+            """A completion of the caller's own chunk attempt, another data worker's, another
+            attempt's file of its own chunk, a shard file made already, or a path outside the store."""
+            worker = self.worker(who, acting)
+            mine = sorted(k for k, w in chunk_leases.items() if w == worker)
+            theirs = sorted(k for k, w in chunk_leases.items() if w != worker)
+            made = [(int(r[0]), str(r[1])) for r in facts.q("SELECT chunk_id, uri FROM shards ORDER BY id")]
+            pool = {"own": mine, "others": theirs, "other_attempt": mine, "made": made}.get(aim)
+            if pool:
+                chunk, uri = pool[pick % len(pool)]
+                if aim == "other_attempt":  # the same chunk's file of the next attempt
+                    stem, _, tail = uri.rpartition("-a")
+                    uri = (
+                        f"{stem}-a{int(tail.split('.')[0]) + 1}.shard"
+                        if tail.split(".")[0].isdigit()
+                        else uri + "x"
+                    )
+            else:
+                chunk, uri = pick, aim if pool is None else "/etc/passwd"
+            verdict = completion_verdict(chunk_leases, worker, chunk, uri) if facts.live(worker) else (
+                Verdict.REFUSE, "a worker not joined")  # fmt: skip
+            request = pb.CompleteChunkRequest(worker_id=worker, chunk_id=chunk, completion_id=uuid.uuid4().hex,
                                               shard_uri=uri, rows=count, tokens=count, checksum="0" * 64)  # fmt: skip
-            self.call("complete_chunk", lambda s: s.CompleteChunk(request, timeout=5), who, acting)
+            self.call(
+                "complete_chunk", lambda s: s.CompleteChunk(request, timeout=5), who, acting, verdict=verdict
+            )
 
         @rule(who=st.sampled_from(callers), acting=ACTING, chunk=st.integers(0, 200))
         def fail_chunk(self, who: str, acting: str, chunk: int) -> None:
-            request = pb.FailChunkRequest(worker_id=acting or who, chunk_id=chunk, error="x" * 5000)
+            request = pb.FailChunkRequest(
+                worker_id=self.worker(who, acting), chunk_id=chunk, error="x" * 5000
+            )
             self.call("fail_chunk", lambda s: s.FailChunk(request, timeout=5), who, acting)
 
-        @rule(who=st.sampled_from(callers), acting=ACTING, shard=st.integers(0, 50))
-        def report_shard(self, who: str, acting: str, shard: int) -> None:
-            request = pb.ReportShardRequest(worker_id=acting or who, shard_id=shard, error="fuzz")
-            self.call("report_shard", lambda s: s.ReportShard(request, timeout=5), who, acting)
+        @rule(who=st.sampled_from(callers), acting=ACTING, pick=st.integers(0, 7), aim=st.sampled_from(
+              ["own_held", "own_last", "own_last", "others", "never", "heldout", "missing"]))  # fmt: skip
+        def report_shard(self, who: str, acting: str, pick: int, aim: str) -> None:
+            """A corruption report of a shard the caller holds or held last, another's, one it
+            never leased, a held-out shard, or no shard at all."""
+            worker = self.worker(who, acting)
+            every = facts.shards()
+            pool = {
+                "own_held": [s["id"] for s in every if s["state"] == "leased" and s["holder"] == worker],
+                "own_last": [s["id"] for s in every if facts.last_holder(s["id"]) == worker],
+                "others": [s["id"] for s in every if s["state"] == "leased" and s["holder"] != worker],
+                "never": [s["id"] for s in every if not facts.ever_leased(s["id"], worker)],
+                "heldout": [s["id"] for s in every if s["split"] != "train"],
+            }.get(aim) or [10**6]
+            shard = pool[pick % len(pool)]
+            verdict = report_verdict(facts, worker, shard) if facts.live(worker) else (
+                Verdict.REFUSE, "a worker not joined")  # fmt: skip
+            request = pb.ReportShardRequest(worker_id=worker, shard_id=shard, error="fuzz\nFAKE LOG LINE")
+            self.call(
+                "report_shard", lambda s: s.ReportShard(request, timeout=5), who, acting, verdict=verdict
+            )
 
         @rule(who=st.sampled_from(callers), acting=ACTING)
         def leave(self, who: str, acting: str) -> None:
-            request = pb.LeaveRequest(worker_id=acting or who, reason="fuzz")
-            if self.call("leave", lambda s: s.Leave(request, timeout=5), who, acting) is not None:
-                self.held[acting or who] = []
+            request = pb.LeaveRequest(worker_id=self.worker(who, acting), reason="fuzz")
+            self.call("leave", lambda s: s.Leave(request, timeout=5), who, acting)
 
         # -- invariants -------------------------------------------------------------------------
 
@@ -316,6 +567,21 @@ def make_machine(
                 state = running.ledger.push_state(push_id)
                 assert state is None or state["state"] != "merged", (push_id, state)
 
+        @invariant()
+        def every_row_merges_at_most_once(self) -> None:
+            twice = facts.q(
+                "SELECT a.shard_id, a.row_start, a.row_end, a.push_id, b.push_id FROM spans a JOIN spans b "
+                "ON a.shard_id = b.shard_id AND a.push_id < b.push_id AND a.row_start < b.row_end AND "
+                "b.row_start < a.row_end JOIN pushes p ON p.push_id = a.push_id JOIN pushes q ON q.push_id = b.push_id "
+                "WHERE p.state = 'merged' AND q.state = 'merged' LIMIT 1"
+            )
+            assert not twice, f"rows merged twice: {tuple(twice[0])}"
+
+        @invariant()
+        def a_certificate_holds_its_own_name_only(self) -> None:
+            for worker, caller in facts.q("SELECT id, caller FROM workers WHERE caller LIKE 'cert:%'"):
+                assert str(caller).endswith(f":{worker}"), f"{caller} holds worker {worker!r}: a phantom"
+
     return ServiceFuzz
 
 
@@ -324,7 +590,10 @@ def fuzz_certificates(tmp: Path) -> tuple[dict[str, Security], dict[str, Securit
     another CA), and for `tiny_coordinator`: the coordinator's, its data worker's, its learner's."""
     init_ca(tmp / "ca")
     init_ca(tmp / "other-ca")
-    mine = {name: Security(tls=issue(tmp / "ca", role, name)) for name, role in CERT_ROLES.items()}
+    mine = {
+        who: Security(tls=issue(tmp / "ca", role, CERT_NAME.get(who, who), out=tmp / "certs" / who))
+        for who, role in CERT_ROLES.items()
+    }
     mine["stranger"] = Security(tls=issue(tmp / "other-ca", "learner", "stranger"))
     coordinator = Security(tls=issue(tmp / "ca", "coordinator", "coordinator"))
     return mine, {"coordinator": coordinator, "data": mine["data-a"], "learner": mine["learner-a"]}

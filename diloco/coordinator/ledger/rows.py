@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from diloco.coordinator import leases
-from diloco.coordinator.ledger.db import DROPPED_BY_RESTART, LedgerBase, _bump
+from diloco.coordinator.ledger.claims import ClaimsTable
+from diloco.coordinator.ledger.db import DROPPED_BY_RESTART, _bump
 from diloco.coordinator.ledger.records import MergeRecord
 
 
@@ -17,18 +16,7 @@ class PushRecorded(Exception):
     copies of one push arrived together, and the other was recorded first. Answer it as a retry."""
 
 
-@dataclass(frozen=True)
-class Claim:
-    """What a push is credited with (push_claim): its steps and tokens as the rows behind it
-    allow, or why no rows back it at all (`refusal`, with the gRPC status it deserves)."""
-
-    steps: int
-    tokens: int
-    refusal: str = ""
-    denied: bool = False  # PERMISSION_DENIED (rows not the pusher's); else INVALID_ARGUMENT
-
-
-class PushesTable(LedgerBase):
+class PushesTable(ClaimsTable):
     def push_state(self, push_id: str) -> sqlite3.Row | None:
         rows = self._q("SELECT * FROM pushes WHERE push_id = ?", (push_id,))
         return rows[0] if rows else None
@@ -58,8 +46,9 @@ class PushesTable(LedgerBase):
         dropped, and refused. Raises PushRecorded when `push_id` is recorded already.
 
         Spans must lie in train shards that are not corrupt. Whose rows they are (leased to this
-        worker now or before, not all in other workers' pushes) push_claim checked before the
-        delta streamed: that never changes back. `steps` and `tokens` are what push_claim
+        worker now or before, not leased now to another, not all in other workers' pushes)
+        push_claim checked before the delta streamed; rows of a shard leased to another worker
+        since are cut out here, as rows trained twice are. `steps` and `tokens` are what push_claim
         credited; `norm` (per H steps) is kept for the outlier check's history across restarts.
         """
         resent = None
@@ -94,7 +83,10 @@ class PushesTable(LedgerBase):
                     spans = []
                 kept: list[tuple[int, int, int]] = []
                 for sid, a, b in spans:
-                    fresh = leases.subtract((a, b), self._spans(db, sid, ("merged", "pending")))
+                    # A shard leased to another worker since push_claim read it: its rows are
+                    # its holder's (counted by its push), this push merges without them.
+                    taken = [(0, b)] if self._held_by_other(db, sid, worker_id) else []
+                    fresh = leases.subtract((a, b), taken + self._spans(db, sid, ("merged", "pending")))
                     kept.extend((sid, x, y) for x, y in fresh)
                     _bump(db, "rows_trained_twice", (b - a) - sum(y - x for x, y in fresh))
                 spans = kept
@@ -125,123 +117,6 @@ class PushesTable(LedgerBase):
             _bump(db, "tokens_trained", self._span_tokens(db, spans))
             _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
         return resent
-
-    def _span_problem(self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]]) -> str | None:
-        """Why a push's spans are refused (overlapping each other, outside their shard, in a shard
-        that is not a train shard or is corrupt), or None."""
-        by_shard: dict[int, list[leases.Range]] = {}
-        for sid, a, b in spans:
-            by_shard.setdefault(sid, []).append((a, b))
-        if any(leases.overlaps(ranges) for ranges in by_shard.values()):
-            return "spans of this push overlap each other"
-        for sid, a, b in spans:
-            shard = db.execute("SELECT rows, split, state FROM shards WHERE id = ?", (sid,)).fetchone()
-            if shard is None or not 0 <= a < b <= shard["rows"]:
-                return f"span {sid}:[{a},{b}) is not inside a known shard"
-            if shard["split"] != "train" or shard["state"] == "corrupt":
-                return f"span {sid}:[{a},{b}) is in a {shard['state']} {shard['split']} shard: not trainable"
-        return None
-
-    def _not_leased(
-        self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]], worker_id: str
-    ) -> str | None:
-        """Why spans are not `worker_id`'s to name: a shard never leased to it. A lease now or
-        before: a learner resumed after kill -9 (or sending a push again from its journal) names
-        rows of a lease that lapsed while it was down."""
-        for sid, a, b in spans:
-            if not db.execute(
-                "SELECT 1 FROM shard_holders WHERE shard_id = ? AND worker_id = ?", (sid, worker_id)
-            ).fetchone():
-                return f"span {sid}:[{a},{b}) is in a shard never leased to {worker_id}"
-        return None
-
-    def _others_rows(
-        self, db: sqlite3.Connection, worker_id: str, sid: int, exclude: str = ""
-    ) -> list[leases.Range]:
-        """Rows of shard `sid` in other workers' pending or merged pushes."""
-        rows = db.execute(
-            "SELECT s.row_start, s.row_end FROM spans s JOIN pushes p ON p.push_id = s.push_id "
-            "WHERE s.shard_id = ? AND p.worker_id != ? AND p.push_id != ? AND p.state IN ('pending', 'merged')",
-            (sid, worker_id, exclude),
-        ).fetchall()
-        return [(r[0], r[1]) for r in rows]
-
-    def _all_taken(
-        self, db: sqlite3.Connection, worker_id: str, spans: Sequence[tuple[int, int, int]], exclude: str = ""
-    ) -> str | None:
-        """Why a push whose spans hold no row of their own is refused: every row it names is in
-        other workers' pushes already. Counted as they are (rows trained twice cut out), it would
-        merge with no rows, and could be sent again and again with fresh push ids."""
-        if not spans or any(
-            leases.subtract((a, b), self._others_rows(db, worker_id, sid, exclude)) for sid, a, b in spans
-        ):
-            return None
-        return "every row this push names is in other workers' pushes already"
-
-    def push_claim(
-        self,
-        worker_id: str,
-        fragment: int,
-        push_id: str,
-        spans: Sequence[tuple[int, int, int]],
-        steps: int,
-        tokens: int,
-        batch_size: int,
-        inner_steps: int,
-    ) -> Claim:
-        """What a delta is credited with, checked before it is received: its spans must be the
-        pusher's (_span_problem), and its steps and tokens are bounded by the rows behind it.
-
-        The rows behind a push: those it names that nobody else's push holds, plus the untrained
-        (unpushed) rows of the train shards the worker holds now. With several fragments a row
-        rides on the push that completes its cover, a later fragment's push; until then it lies
-        in a shard its learner still holds (a shard is released by the push carrying its last
-        rows). So a push is credited at most ceil(rows / batch_size) steps (a step is batch_size
-        rows on any number of ranks) but never fewer than H (below H the outlier check does not
-        scale its norm, so a claim up to H gains nothing), and at most the rows' tokens.
-
-        A delta that names no rows needs a shard held now, and the worker's previous push of this
-        fragment to have named rows: one push per fragment rides ahead of its rows, as a learner's
-        first P − 1 pushes do; a delta sent again under fresh push ids does not."""
-        with self._lock:
-            db = self._db
-            if problem := self._not_leased(db, spans, worker_id):
-                return Claim(0, 0, problem, denied=True)
-            if problem := self._span_problem(db, spans):
-                return Claim(0, 0, problem)
-            if problem := self._all_taken(db, worker_id, spans, exclude=push_id):
-                return Claim(0, 0, problem)
-            rows = toks = 0
-            for sid, a, b in spans:
-                fresh = leases.subtract((a, b), self._others_rows(db, worker_id, sid, exclude=push_id))
-                n = sum(y - x for x, y in fresh)
-                rows, toks = rows + n, toks + self._span_tokens(db, [(sid, 0, n)])
-            held = db.execute(
-                "SELECT id, rows, tokens FROM shards WHERE holder = ? AND state = 'leased' AND split = 'train'",
-                (worker_id,),
-            ).fetchall()
-            if not spans:
-                if not held:
-                    return Claim(0, 0, "a delta must name the rows it trained on (spans)")
-                last = db.execute(
-                    "SELECT push_id FROM pushes WHERE worker_id = ? AND fragment = ? AND push_id != ? "
-                    "AND state IN ('pending', 'merged') ORDER BY received DESC LIMIT 1",
-                    (worker_id, fragment, push_id),
-                ).fetchone()
-                if (
-                    last is not None
-                    and not db.execute("SELECT 1 FROM spans WHERE push_id = ? LIMIT 1", (last[0],)).fetchone()
-                ):
-                    return Claim(
-                        0, 0, f"a second delta of fragment {fragment} in a row names no rows (spans)"
-                    )
-            for shard in held:
-                todo = sum(y - x for x, y in self._todo(db, shard["id"], shard["rows"]))
-                rows, toks = rows + todo, toks + todo * (shard["tokens"] // max(1, shard["rows"]))
-        credited = min(steps, max(inner_steps, math.ceil(rows / max(1, batch_size))))
-        if toks < 1:
-            return Claim(0, 0, "no rows back this delta: its spans and held shards hold none untrained")
-        return Claim(credited, min(tokens, toks))
 
     def recent_norms(self, fragment: int, limit: int) -> list[tuple[str, float]]:
         """The last `limit` merged pushes of `fragment` with a norm, oldest first: (worker, norm
@@ -285,14 +160,6 @@ class PushesTable(LedgerBase):
                     f"worker's {hit[1]} push {hit[0]} already"
                 )
         return None
-
-    def _span_tokens(self, db: sqlite3.Connection, spans: Sequence[tuple[int, int, int]]) -> int:
-        total = 0
-        for sid, a, b in spans:
-            shard = db.execute("SELECT rows, tokens FROM shards WHERE id = ?", (sid,)).fetchone()
-            if shard is not None and shard["rows"]:
-                total += (b - a) * (shard["tokens"] // shard["rows"])
-        return total
 
     def commit_merges(self, fragment: int, merges: Sequence[MergeRecord]) -> None:
         """One transaction: the rounds, their pushes merged, their shards' rows counted, version on.

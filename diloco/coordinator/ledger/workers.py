@@ -14,14 +14,15 @@ from diloco.coordinator.ledger.db import LedgerBase, _bump
 
 class WorkersTable(LedgerBase):
     def join(self, worker_id: str, role: str, host: str, caller: str | None = None) -> None:
-        """The worker is active (again); `caller`: who joined it (coordinator/callers.py decides
-        who may), kept so that a restarted coordinator still knows it. None keeps the one held."""
+        """The worker is active (again), in `role`; `caller`: who joined it (coordinator/callers.py
+        decides who may, and when an id may change its role), kept so that a restarted coordinator
+        still knows it. None keeps the one held."""
         now = self.clock()
         with self._tx() as db:
             db.execute(
                 "INSERT INTO workers(id, role, host, joined, last_seen, state, caller) "
                 "VALUES (?, ?, ?, ?, ?, 'active', ?) "
-                "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', "
+                "ON CONFLICT(id) DO UPDATE SET last_seen = excluded.last_seen, state = 'active', role = excluded.role, "
                 "host = excluded.host, caller = COALESCE(excluded.caller, workers.caller)",
                 (worker_id, role, host, now, now, caller),
             )

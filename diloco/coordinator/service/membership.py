@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import uuid
@@ -9,7 +10,7 @@ import uuid
 import grpc
 
 from diloco.coordinator import lifecycle, limits
-from diloco.coordinator.callers import caller_of, own_worker_id
+from diloco.coordinator.callers import HEARTBEAT_BURST, Rates, caller_of, heartbeat_rate, own_worker_id
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -94,6 +95,9 @@ class MembershipRPCs(ServiceBase):
         self._require_worker(request.worker_id, context, "Heartbeat")
         if problem := limits.heartbeat_problem(request):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad heartbeat: {problem}")
+        told = self._allowed.get(request.worker_id)  # (a worker not answered yet is never too soon)
+        if told is not None and self._heartbeats.take(request.worker_id, self.ledger.clock()):
+            return self._heartbeat_too_soon(request, told, role)
         stats = {
             "inner_steps": request.inner_steps,
             "tokens_trained": request.tokens_trained,
@@ -134,6 +138,31 @@ class MembershipRPCs(ServiceBase):
         )
         if allowed is not None:
             reply.tokens_allowed = allowed
+        if len(self._allowed) >= Rates.MAX_KEYS and request.worker_id not in self._allowed:
+            self._allowed.clear()  # (each worker's next heartbeat is then answered in full)
+        self._allowed[request.worker_id] = (request.tokens_trained, allowed)
+        self.wire.add_out("heartbeat", reply, role)
+        return reply
+
+    @functools.cached_property
+    def _heartbeats(self) -> Rates:
+        """Each worker's heartbeats (callers.heartbeat_rate): those faster are answered unread."""
+        return Rates(heartbeat_rate(self.config.coordinator.heartbeat_s), HEARTBEAT_BURST)
+
+    @functools.cached_property
+    def _allowed(self) -> dict[str, tuple[int, int | None]]:
+        """Each worker's last heartbeat answered in full: (its tokens_trained, the allowance it got)."""
+        return {}
+
+    def _heartbeat_too_soon(
+        self, request: pb.HeartbeatRequest, told: tuple[int, int | None], role: str | None
+    ) -> pb.HeartbeatReply:
+        """A heartbeat faster than its worker's rate: the run's state and what is left of the last
+        allowance, with no ledger write (its stats, leases and claim wait for the next in time)."""
+        reply = pb.HeartbeatReply(run_state=self._state_pb(), coordinator_epoch=self.epoch)
+        trained_then, allowed = told
+        if allowed is not None:  # the learner counts an allowance from the tokens it reports now
+            reply.tokens_allowed = max(0, allowed - max(0, request.tokens_trained - trained_then))
         self.wire.add_out("heartbeat", reply, role)
         return reply
 
@@ -191,6 +220,8 @@ class MembershipRPCs(ServiceBase):
         if self.ledger.known_worker(request.worker_id):  # an unknown id is no one's: nothing to free
             self._require_owner(request.worker_id, context, "Leave")
         self.ledger.leave(request.worker_id)
+        self._heartbeats.forget(request.worker_id)
+        self._allowed.pop(request.worker_id, None)
         request.reason = limits.cut_text(request.reason, 512)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
         self.events.record("leave", worker_id=request.worker_id, role=role, reason=request.reason)

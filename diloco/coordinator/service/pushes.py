@@ -11,8 +11,9 @@ import torch
 
 from diloco.coordinator import limits, merging, syncer
 from diloco.coordinator.callers import caller_of
+from diloco.coordinator.ledger.claims import Claim
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
-from diloco.coordinator.ledger.rows import Claim, PushRecorded
+from diloco.coordinator.ledger.rows import PushRecorded
 from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.push_intake import PushIntake
 from diloco.coordinator.service.state import (
@@ -120,7 +121,7 @@ class PushRPCs(PushIntake):
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
         claim = self.ledger.push_claim(
             header.worker_id, header.fragment, header.push_id, spans, header.inner_steps, header.tokens,
-            self.config.train.batch_size, self.config.train.inner_steps,
+            self.config.train.batch_size, len(self.fragments),
         )  # fmt: skip
         if claim.refusal:
             code = grpc.StatusCode.PERMISSION_DENIED if claim.denied else grpc.StatusCode.INVALID_ARGUMENT

@@ -26,6 +26,7 @@ def test_running_statistics_are_merged_as_a_plain_mean_and_kept_across_a_restart
     cfg = RunConfig().with_overrides({
         "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "sync.fragments": 1, "sync.quorum": 1,
         "sync.grace_factor": 0.0, "sync.outer_warmup_rounds": 0,  # lr 0.7, μ 0.9 from the first merge
+        "train.batch_size": 1,  # a row a step: the push names the rows of its H steps (delta_header)
     })  # fmt: skip
     running = start_coordinator_here(cfg, str(tmp_path), "127.0.0.1")
     address = f"127.0.0.1:{running.port}"

@@ -57,6 +57,7 @@ def test_a_coordinator_scales_a_short_push_after_the_first_merge(
         def merge(steps: int, push_id: str) -> float:
             header = delta_header(learner, "fp32", push_id)  # rows of a shard of its own
             header.version, header.inner_steps = frag.version, steps
+            header.tokens = steps * (running.service.config.model.seq_len + 1)  # a row a step
             return push_and_merge(learner, frag, header, delta)
 
         # The first merge is plain averaging, a short push or not: never scaled.

@@ -87,7 +87,10 @@ def test_a_preprocess_that_breaks_the_contract_or_differs_fails_its_chunks(
     assert not list((tmp_path / "coord" / "shards").glob("*")), "a refused shard was left in the store"
 
 
-def test_a_preprocess_that_cannot_be_imported_is_refused_at_join(tmp_path: Path) -> None:
+def test_a_preprocess_that_cannot_be_imported_is_refused_at_join(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DILOCO_ALLOW_CODE", "tests.no_such_module:f")  # allowed here, yet not installed
     running = start_coordinator(config(tmp_path, "tests.no_such_module:f"), str(tmp_path / "coord"))
     try:
         with pytest.raises(DilocoError, match=r"data.preprocess 'tests.no_such_module:f': cannot import"):

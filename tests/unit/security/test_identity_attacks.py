@@ -56,7 +56,8 @@ def test_a_worker_id_bound_to_a_certificate_is_its_for_the_run() -> None:
 def test_a_worker_id_bound_to_a_host_moves_once_its_lease_lapsed() -> None:
     assert refusal("w", "compute", "host:b", Binding("compute", "host:a", live=True)) == RETRY
     assert refusal("w", "compute", "host:b", Binding("compute", "host:a", live=False)) is None
-    assert refusal("w", "data", "host:a", Binding("compute", "host:a", live=False)) == DENIED
+    assert refusal("w", "data", "host:a", Binding("compute", "host:a", live=True)) == DENIED
+    assert refusal("w", "data", "host:a", Binding("compute", "host:a", live=False)) is None  # (round 2, #7)
     # A run resumed under mutual TLS: its certificates take the ids its hosts held, once lapsed.
     assert refusal("l1", "compute", LEARNER, Binding("compute", "host:a", live=True)) == RETRY
     assert refusal("l1", "compute", LEARNER, Binding("compute", "host:a", live=False)) is None

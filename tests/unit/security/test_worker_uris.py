@@ -80,7 +80,9 @@ def test_a_data_worker_reads_only_under_its_read_roots(tmp_path) -> None:
     shard = str(tmp_path / "store" / "shards" / "chunk-000002-a1.shard")
     lease = pb.LeaseChunkReply(chunk_id=2, shard_uri=shard, segments=[pb.Segment(uri="/etc/shadow", end=10)])
     worker._process(lease, MUST_NOT_RUN)  # type: ignore[arg-type]
-    assert worker.client.failed == [(2, "segment '/etc/shadow' is outside this worker's --read-root")]
+    assert worker.client.failed == [
+        (2, "segment '/etc/shadow' is outside this worker's read roots (--read-root)")
+    ]
 
 
 @pytest.mark.timeout(120)

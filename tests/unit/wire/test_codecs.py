@@ -293,7 +293,8 @@ def test_a_burst_of_merges_is_checkpointed_once(tiny_corpus: Path, tmp_path: Pat
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
         shard = learner.call("LeaseShard", pb.LeaseShardRequest()).shard_id
         for i in range(4):  # quorum 1: four merges, the last three while the publisher waits
-            header = pb.TensorHeader(fragment=0, version=i, inner_steps=1, tokens=1290, push_id=f"burst-{i}")
+            # 10 steps of a row each (tiny_coordinator's batch of 1), their 10 rows named
+            header = pb.TensorHeader(fragment=0, version=i, inner_steps=10, tokens=1290, push_id=f"burst-{i}")
             header.spans.add(shard_id=shard, row_start=10 * i, row_end=10 * i + 10)
             delta = {n: torch.randn_like(t) * 1e-3 for n, t in init.items()}
             assert learner.push(header, delta).accepted
