@@ -146,6 +146,14 @@ class RunModel:
                 self._thread = threading.Thread(target=self._build, name="run-model", daemon=True)
                 self._thread.start()
 
+    def join(self, timeout_s: float) -> None:
+        """At the service's stop: a build still under way (importing torch's compiler) killed
+        with its interpreter aborts the process ("terminate called without an active exception")."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
     def get(self, wait_s: float) -> tuple[ModelLayout | None, str]:
         """(the layout, "") once built; else (None, why not), waiting up to `wait_s` for the build."""
         self.start()

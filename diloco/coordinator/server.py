@@ -259,7 +259,7 @@ def start_observers(
         for port, page in ((ports.metrics_port, False), (ports.http_port, True))
         if port is not None
     ]
-    token = access_token(security.mode, security.token, workdir) if wanted else ""
+    token = access_token(security.mode, workdir) if wanted else ""
     servers = []
     try:
         for port, page in wanted:

@@ -7,8 +7,10 @@ pure function, and what it needs (the access token, the TLS context).
     mtls   HTTPS with the coordinator's certificate; a verified client certificate whose role is
            observer or operator, or the access token as above
 
-The access token is the run's token in token mode; with mTLS it is a random one, kept in
-`<workdir>/http_token` (0600) so a restarted coordinator keeps the pages already logged in.
+The access token is a random one, kept in `<workdir>/http_token` (0600) so a restarted
+coordinator keeps the pages already logged in: the login link carries it, never the run's token
+(a link is printed, kept in browser history and proxy logs; the run's token drives gRPC as any
+worker). In token mode the run's token is taken too, as a bearer only (Prometheus, scripts).
 """
 
 from __future__ import annotations
@@ -69,10 +71,12 @@ def http_access(
     cert_role: str = "",
     token: str = "",
     cookie_key: str = "diloco",
+    bearer_also: str = "",
 ) -> Access:
     """May this request be answered? `target` is the request's path and query, `authorization`
     and `cookie` its headers, `cert_role` the role of its verified client certificate ("" when
-    none), `token` the access token and `cookie_key` the cookie's name."""
+    none), `token` the access token, `cookie_key` the cookie's name and `bearer_also` a token
+    taken as a bearer alone (the run's, in token mode: never in a link or a cookie)."""
     if mode == "none":
         return Access(True, "open: no TLS, no token")
     parts = urlsplit(target)
@@ -85,7 +89,7 @@ def http_access(
         return Access(True, f"an {cert_role} certificate")
     scheme, _, sent = authorization.partition(" ")
     if scheme.lower() == "bearer":
-        if _same(sent.strip(), token):
+        if _same(sent.strip(), token) or _same(sent.strip(), bearer_also):
             return Access(True, "the bearer token")
         return Access(False, "a wrong bearer token")
     if token and _same(_cookie(cookie, cookie_key), cookie_value(token)):
@@ -95,12 +99,10 @@ def http_access(
     return Access(False, "no credentials: the login link, a bearer token or an observer certificate")
 
 
-def access_token(mode: str, run_token: str, workdir: str | Path | None) -> str:
-    """The token that opens the HTTP side: the run's in token mode; with mTLS a random one, kept
-    in <workdir>/http_token (0600) when there is a workdir; none without either."""
-    if mode == "token":
-        return run_token
-    if mode != "mtls":
+def access_token(mode: str, workdir: str | Path | None) -> str:
+    """The token that opens the HTTP side with TLS or a run token: a random one, kept in
+    <workdir>/http_token (0600) when there is a workdir; none in plaintext without a token."""
+    if mode not in ("mtls", "token"):
         return ""
     if workdir is None:
         return secrets.token_urlsafe(24)

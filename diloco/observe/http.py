@@ -121,6 +121,7 @@ class GuardedServer:
         access_token: str,
         on_refused: Callable[[str, str, str], None] | None = None,
         name: str = "observe-http",
+        bearer_also: str = "",
         what: str = "HTTP",
     ):
         """`what`: the endpoint, as a refused bind names it ("the status page", "the learner's
@@ -152,6 +153,7 @@ class GuardedServer:
                     cert_role=role_of(self.request.getpeercert()) if context is not None else "",
                     token=access_token,
                     cookie_key=server.cookie,
+                    bearer_also=bearer_also,
                 )
                 if not verdict.allowed:
                     refused(
@@ -250,5 +252,6 @@ class ObserveServer(GuardedServer):
         self.page = page
         super().__init__(
             host, port, routes, security=security, access_token=access_token, on_refused=on_refused,
+            bearer_also=security.token if security.mode == "token" else "",
             what="the status page (--http-port)" if page else "the coordinator's /metrics (--metrics-port)",
         )  # fmt: skip

@@ -76,8 +76,8 @@ class ClaimsTable(LedgerBase):
         self, db: sqlite3.Connection, worker_id: str, spans: Sequence[tuple[int, int, int]], exclude: str
     ) -> tuple[int, int, str, bool]:
         """The rows and tokens a push's spans hold that are its own: not in other workers'
-        pushes, not in a shard leased now to another worker. With none, why (and whether the
-        refusal is PERMISSION_DENIED: every row named is another holder's)."""
+        pushes, not in a shard leased now to another worker. With none, why (never
+        PERMISSION_DENIED: the worker held those shards once)."""
         rows = toks = 0
         others_lease = False
         for sid, a, b in spans:
@@ -90,7 +90,10 @@ class ClaimsTable(LedgerBase):
         if not spans or rows:
             return rows, toks, "", False
         if others_lease:
-            return 0, 0, "the rows this push names are in a shard leased now to another worker", True
+            # INVALID_ARGUMENT, not PERMISSION_DENIED: an honest learner paused past its lease (its
+            # shard leased on to another) sends such pushes too; refused, it trains on (a learner
+            # takes PERMISSION_DENIED as its identity refused, and leaves).
+            return 0, 0, "the rows this push names are in a shard leased now to another worker", False
         return 0, 0, "every row this push names is in other workers' pushes already", False
 
     def _held_todo(

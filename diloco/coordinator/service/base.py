@@ -168,6 +168,7 @@ class ServiceBase:
                 thread.join(timeout=5)
         if self._publisher.is_alive():
             self._publisher.join(timeout=publish_timeout_s)
+        self.run_model.join(timeout_s=30)
         with contextlib.suppress(Exception):  # a ledger closed under us: the last sample stands
             self._save_counts()
         self.events.close()

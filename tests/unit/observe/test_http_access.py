@@ -25,6 +25,7 @@ from diloco.security.transport import Security
 from tests.unit.observe.test_prometheus import DETAIL
 
 TOKEN = "a-token-of-the-run-0123456789"
+PAGE_TOKEN = "the-page-s-own-0123456789"  # access_token's: the login link never carries the run's
 COOKIE = f"diloco_8080={cookie_value(TOKEN)}"
 
 
@@ -74,13 +75,28 @@ def test_mtls_admits_observer_and_operator_certificates_or_the_token() -> None:
     assert not rule("token", cert_role="observer").allowed  # without TLS a role is nobody's word
 
 
-def test_the_mtls_token_is_random_and_kept_0600_in_the_workdir(tmp_path: Path) -> None:
-    assert access_token("token", TOKEN, tmp_path) == TOKEN
-    assert access_token("none", "", tmp_path) == ""
-    made = access_token("mtls", "", tmp_path)
-    assert len(made) >= 24 and access_token("mtls", "", tmp_path) == made  # a restart keeps it
+def test_the_access_token_is_random_and_kept_0600_in_the_workdir(tmp_path: Path) -> None:
+    """In token mode too: the login link carries a token of its own, never the run's (a red team
+    read the run's token off a printed link: it drives gRPC as any worker)."""
+    assert access_token("none", tmp_path) == ""
+    made = access_token("mtls", tmp_path)
+    assert len(made) >= 24 and access_token("mtls", tmp_path) == made  # a restart keeps it
+    assert access_token("token", tmp_path) == made  # the same file, whatever the mode
     assert (tmp_path / "http_token").stat().st_mode & 0o777 == 0o600
-    assert access_token("mtls", "", None) != access_token("mtls", "", None)
+    assert access_token("mtls", None) != access_token("mtls", None)
+    assert access_token("token", None) not in ("", access_token("token", None))
+
+
+def test_the_run_token_opens_as_a_bearer_only() -> None:
+    page = "page-token-0123456789"
+    assert http_access(
+        "token", "/api/status", authorization=f"Bearer {TOKEN}", token=page, bearer_also=TOKEN
+    ).allowed
+    assert not http_access("token", f"/?token={TOKEN}", token=page, bearer_also=TOKEN).allowed
+    assert not http_access(
+        "token", "/", cookie=f"diloco={cookie_value(TOKEN)}", token=page, bearer_also=TOKEN
+    ).allowed
+    assert http_access("token", f"/?token={page}", token=page, bearer_also=TOKEN).login
 
 
 # -- real servers ------------------------------------------------------------------------------
@@ -125,14 +141,14 @@ def fetch(url: str, context: ssl.SSLContext | None = None, **headers: str) -> tu
 @pytest.fixture
 def token_server() -> Iterator[tuple[ObserveServer, list]]:
     refused: list[tuple[str, str]] = []
-    server = observe_server(Security(token=TOKEN), TOKEN, refused)
+    server = observe_server(Security(token=TOKEN), PAGE_TOKEN, refused)
     yield server, refused
     server.stop()
 
 
 def test_a_token_mode_server_answers_only_with_the_token(token_server) -> None:  # noqa: ANN001
     server, refused = token_server
-    assert server.url.startswith("http://") and server.login_url == f"{server.url}?token={TOKEN}"
+    assert server.url.startswith("http://") and server.login_url == f"{server.url}?token={PAGE_TOKEN}"
     code, _, body = fetch(server.url + "api/status")
     assert code == 401 and body.count(b"\n") == 1 and refused == [("http /api/status", body.decode().strip())]
     assert fetch(server.url + "metrics", Authorization="Bearer wrong")[0] == 401
@@ -149,6 +165,8 @@ def test_a_token_mode_server_answers_only_with_the_token(token_server) -> None: 
     assert code == 200 and headers["Content-Type"].startswith("text/html") and b"<html" in body.lower()
     assert fetch(server.url + "api/history", Cookie=cookie.split(";")[0])[0] == 200
     assert fetch(server.url + "?token=wrong")[0] == 401
+    assert fetch(server.url + f"?token={TOKEN}")[0] == 401  # the run's token logs no browser in
+    assert fetch(server.url + "api/status", Authorization=f"Bearer {PAGE_TOKEN}")[0] == 200
 
 
 def test_an_mtls_server_is_https_for_readers_certificates_or_the_token(
