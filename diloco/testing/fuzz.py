@@ -42,17 +42,17 @@ from diloco.testing.fuzz_oracle import (
     norm,
     push_verdict,
     report_verdict,
+    taken,
+    unchanged,
 )
 from diloco.testing.fuzz_policy import (
     ACTING,
-    CERT_NAME,
     CERT_ROLES,
     COUNTERS,
     IDENTITIES,
     INIT_KINDS,
     JOIN_ROLES,
     JOINS_AS,
-    MAY_CALL,
     OTHER_HOST,
     PUSH_KINDS,
     REFUSALS,
@@ -61,7 +61,19 @@ from diloco.testing.fuzz_policy import (
     fuzz_certificates,
     fuzz_overrides,
     has_ipv6_loopback,
+    holders_of,
+    own_id,
     plaintext_hosts,
+    policy_refusal,
+)
+from diloco.testing.fuzz_targets import (
+    MALFORMED,
+    completion_target,
+    init_tensors,
+    joined_or_refused,
+    push_spans,
+    push_tensors,
+    report_target,
 )
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
@@ -102,76 +114,15 @@ def make_machine(
     chunk_leases: dict[tuple[int, str], str] = {}  # (chunk, the file its lease named) -> who leased it
     # Who holds each worker id: the caller (an identity under mutual TLS, else a host) whose join
     # was taken. Seeded with the workers joined before the fuzzer (the run's own learner).
-    holder: dict[str, str] = {}
-    for worker, caller in facts.q("SELECT id, caller FROM workers WHERE caller IS NOT NULL"):
-        kind, _, rest = str(caller).partition(":")
-        if kind == "host":
-            holder[worker] = rest
-        else:
-            role, _, name = rest.partition(":")
-            holder[worker] = next(
-                (w for w, r in CERT_ROLES.items() if r == role and CERT_NAME.get(w, w) == name), caller
-            )
+    holder = holders_of(facts.q("SELECT id, caller FROM workers WHERE caller IS NOT NULL"))
 
     def me(who: str) -> str:
         return who if secure else host_of.get(who, "")
 
-    def own_id(who: str) -> str:
-        return CERT_NAME.get(who, who)
-
     def forbidden(what: str, who: str, acting: str, joins_as: int | None = None, blank: bool = False) -> str:
-        """Why the policy forbids this call ("" when it does not): with certificates, by role and
-        name; by anyone, acting as a worker another caller holds (a join: while it is live)."""
-        worker = acting or own_id(who)
-        # (A plaintext join without an id is given a fresh one: it acts as nobody's worker.)
-        bound = None if blank and not secure else holder.get(worker)
-        # (A join, or a leave, of a worker that is not live takes or frees nothing: in plaintext
-        # a host's worker goes to another host once it left.)
-        if (
-            bound is not None
-            and bound != me(who)
-            and what not in ("status", "finish")
-            and (facts.live(worker) or (secure and what == "join") or what not in ("join", "leave"))
-        ):
-            return "as a worker another caller holds"
-        if not secure:
-            return ""
-        role = CERT_ROLES.get(who)
-        if role is None:
-            return "a certificate of another CA"
-        if what not in MAY_CALL[role]:
-            return f"{what} by {role}"
-        if acting and acting != own_id(who):
-            return "as another worker than its certificate's"
-        if joins_as is not None and joins_as != JOINS_AS[role]:
-            return "joins in another role than its certificate's"
-        return ""
-
-    def guarded_state() -> tuple:
-        """What a refused call must not change: who is joined, who holds which lease, which
-        pushes will merge (a merge of an earlier push may consume a shard meanwhile: not compared)."""
-        q = running.ledger._q
-        return (
-            [tuple(r) for r in q("SELECT id, role, state, caller FROM workers ORDER BY id")],
-            [tuple(r) for r in q("SELECT id, state, holder, attempts FROM chunks ORDER BY id")],
-            {r[0]: (r[1], r[2]) for r in q("SELECT id, state, holder FROM shards")},
-            {r[0] for r in q("SELECT push_id FROM pushes WHERE state IN ('pending', 'merged')")},
+        return policy_refusal(
+            what, who, acting, joins_as, blank, secure=secure, holder=holder, me=me(who), live=facts.live
         )
-
-    def unchanged(before: tuple, after: tuple) -> bool:
-        shards = all(
-            after[2].get(s) == v or (after[2].get(s) or ("",))[0] == "consumed" for s, v in before[2].items()
-        )
-        return before[:2] == after[:2] and shards and after[3] <= before[3]
-
-    def taken(what: str, reply: Any) -> bool:
-        if reply is None:
-            return False
-        if what in ("push", "complete_chunk", "init"):
-            return bool(reply.accepted)
-        if what == "report_shard":
-            return bool(reply.reprocessing)
-        return True
 
     class ServiceFuzz(RuleBasedStateMachine):
         # -- the call, and what a refusal is -----------------------------------------------
@@ -193,7 +144,7 @@ def make_machine(
             policy = forbidden(what, who, acting, joins_as, blank)
             why = policy or (verdict[1] if verdict[0] is Verdict.REFUSE else "")
             honest = not policy and verdict[0] is Verdict.HONEST
-            before = guarded_state() if why else None
+            before = facts.guarded_state() if why else None
             details = ""
             try:
                 reply = fn(stubs.get(who, plain))
@@ -213,7 +164,9 @@ def make_machine(
                 else:
                     tally.must_refuse_refused += 1
                 assert not ok, f"{what} by {who} as {acting or own_id(who)} must be refused ({why}): {reply}"
-                assert unchanged(before, guarded_state()), f"a refused {what} by {who} changed the ledger"
+                assert unchanged(before, facts.guarded_state()), (
+                    f"a refused {what} by {who} changed the ledger"
+                )
             elif honest:
                 tally.honest += 1
                 if not ok:
@@ -233,42 +186,6 @@ def make_machine(
 
         def worker(self, who: str, acting: str) -> str:
             return acting or own_id(who)
-
-        def spans_for(self, worker: str, rows: str, pick: int, width: int) -> list[tuple[int, int, int]]:
-            """Rows for a push to name, chosen among the ledger's shards by `rows` (ROWS)."""
-            train = facts.shards("train")
-
-            def choose(xs: list[Any]) -> Any:
-                return xs[pick % len(xs)] if xs else None
-
-            mine = [s for s in train if s["state"] == "leased" and s["holder"] == worker]
-            if rows == "all_shards":
-                return [(s["id"], 0, 1) for s in train]
-            if rows in ("own_again", "others_pushed"):
-                pushed = facts.q(
-                    "SELECT s.shard_id, s.row_start, s.row_end FROM spans s JOIN pushes p USING (push_id) "
-                    "WHERE p.state IN ('pending', 'merged') AND (p.worker_id = ?) = ? ORDER BY p.received DESC LIMIT 8",
-                    (worker, rows == "own_again"),
-                )
-                span = choose(pushed)
-                return [] if span is None else [(span[0], span[1], span[2])]
-            shard = choose(
-                {
-                    "own": mine,
-                    "others_held": [s for s in train if s["state"] == "leased" and s["holder"] != worker],
-                    "never_leased": [s for s in train if not facts.ever_leased(s["id"], worker)],
-                    "heldout": facts.q("SELECT id, rows FROM shards WHERE split != 'train' ORDER BY id"),
-                    "corrupt": [s for s in train if s["state"] == "corrupt"],
-                    "outside": mine or train,
-                }.get(rows, [])
-            )
-            if shard is None:
-                return []
-            if rows == "outside":
-                return [(shard["id"], shard["rows"], shard["rows"] + width)]
-            start = max((y for _, y, _ in facts.pushed_rows(shard["id"])), default=0) if rows == "own" else 0
-            end = min(shard["rows"], start + width)
-            return [(shard["id"], start, end)] if start < end else []
 
         # -- rules: `who` makes the call, acting as `acting` (its own worker id when "") ---------
 
@@ -312,14 +229,14 @@ def make_machine(
                 busy_seconds=value, wall_seconds=value, last_loss=value, device=device,
                 shard_leases=leases, train_metrics={"acc": value},
             )  # fmt: skip
-            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            verdict = joined_or_refused(facts, worker)
             self.call("heartbeat", lambda s: s.Heartbeat(request, timeout=5), who, acting, verdict=verdict)
 
         @rule(who=st.sampled_from(callers), acting=ACTING)
         def lease_shard(self, who: str, acting: str) -> None:
             worker = self.worker(who, acting)
             request = pb.LeaseShardRequest(worker_id=worker)
-            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            verdict = joined_or_refused(facts, worker)
             self.call("lease_shard", lambda s: s.LeaseShard(request, timeout=5), who, acting, verdict=verdict)
 
         @rule(who=st.sampled_from(callers), acting=ACTING, kind=st.sampled_from(PUSH_KINDS),
@@ -329,7 +246,7 @@ def make_machine(
             frag = service.fragments[0] if service.fragments else None
             version = frag.version if frag is not None else 0
             base = max(0, version - 100) if kind == "stale" else version
-            spans = self.spans_for(worker, rows, pick, width)
+            spans = push_spans(facts, worker, rows, pick, width)
             n = sum(b - a for _, a, b in spans)
             inflated = kind.startswith("inflated")
             header = pb.TensorHeader(
@@ -340,33 +257,9 @@ def make_machine(
             )  # fmt: skip
             for sid, a, b in spans:
                 header.spans.add(shard_id=sid, row_start=a, row_end=b)
-            names = [x for x in (frag.names if frag is not None else []) if x in init]
-            params = {x: frag.params[x] for x in names} if frag is not None else {}
-            tensors = {x: torch.randn_like(init[x]) * 1e-3 for x in names}
             reach = max(1.0, math.ceil(sum(s["rows"] for s in facts.shards("train")) / batch) / h)
-            if kind in ("far", "inflated_far") and tensors:
-                # Above 10x the parameter norm however many steps the rows could credit; "far"
-                # a hundred times over, "inflated_far" just over, with a thousand H steps claimed.
-                target = 10 * max(norm(params), 1e-2) * reach * (100.0 if kind == "far" else 1.5)
-                tensors = {x: t * (target / max(norm(tensors), 1e-30)) for x, t in tensors.items()}
-            first = next(iter(tensors), None)
-            if kind == "nan" and first:
-                tensors[first].view(-1)[0] = math.nan
-            elif kind == "inf" and first:
-                tensors[first].view(-1)[0] = math.inf
-            elif kind == "huge_values":
-                tensors = {x: torch.full_like(t, 1e30) for x, t in tensors.items()}
-            elif kind == "wrong_shape" and first:
-                tensors[first] = torch.zeros(3, 3)
-            elif kind == "wrong_name" and first:
-                tensors["not.a.parameter"] = tensors.pop(first)
-            elif kind == "empty":
-                tensors, header.tokens = {}, 0
-            malformed = {
-                "nan": "a NaN", "inf": "an inf", "huge_values": "values of 1e30", "wrong_shape": "a wrong shape",
-                "wrong_name": "a name not the fragment's", "huge_tokens": "2^60 tokens", "unknown_fragment":
-                "an unknown fragment", "wrong_codec": "fp32 bytes under int8",
-            }.get(kind, "")  # fmt: skip
+            params, tensors = push_tensors(kind, init, frag, reach)
+            malformed = MALFORMED.get(kind, "")
             # (No tensors and no tokens is a learner's "nothing this round": a message, not a delta.)
             if kind == "empty":
                 spans, header.tokens = [], 0
@@ -413,16 +306,7 @@ def make_machine(
             model, huge values), it is refused and nothing changes."""
             versions = [f.version for f in service.fragments]
             before = {n: t.clone() for f in service.fragments for n, t in f.params.items()}
-            tensors, averaged = dict(init), frozenset()
-            first = next(iter(init))
-            if kind == "marked":
-                averaged = frozenset(init)
-            elif kind == "unsplittable":
-                tensors = {"w": torch.zeros(10)}
-            elif kind == "other_model":
-                tensors[first] = torch.zeros(init[first].shape[0] + 1, *init[first].shape[1:])
-            elif kind == "huge":
-                tensors = {n: t * 1e30 for n, t in init.items()}
+            tensors, averaged = init_tensors(kind, init)
             header = pb.TensorHeader(worker_id=self.worker(who, acting))
             verdict = (Verdict.REFUSE, "the run has parameters already")
             self.call("init", lambda s: s.InitParameters(stream_tensors(header, tensors, 1 << 20, averaged), timeout=10),
@@ -450,7 +334,7 @@ def make_machine(
         def lease_chunk(self, who: str, acting: str) -> None:
             worker = self.worker(who, acting)
             request = pb.LeaseChunkRequest(worker_id=worker)
-            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            verdict = joined_or_refused(facts, worker)
             reply = self.call(
                 "lease_chunk", lambda s: s.LeaseChunk(request, timeout=5), who, acting, verdict=verdict
             )
@@ -461,7 +345,7 @@ def make_machine(
         def pull(self, who: str, acting: str, have: int) -> None:
             worker = self.worker(who, acting)
             request = pb.PullRequest(worker_id=worker, fragments=[0], have_versions=[have], wait_s=0.0)
-            verdict = (Verdict.EITHER, "") if facts.live(worker) else (Verdict.REFUSE, "a worker not joined")
+            verdict = joined_or_refused(facts, worker)
             self.call(
                 "pull", lambda s: list(s.PullParameters(request, timeout=10)), who, acting, verdict=verdict
             )
@@ -473,21 +357,7 @@ def make_machine(
             """A completion of the caller's own chunk attempt, another data worker's, another
             attempt's file of its own chunk, a shard file made already, or a path outside the store."""
             worker = self.worker(who, acting)
-            mine = sorted(k for k, w in chunk_leases.items() if w == worker)
-            theirs = sorted(k for k, w in chunk_leases.items() if w != worker)
-            made = [(int(r[0]), str(r[1])) for r in facts.q("SELECT chunk_id, uri FROM shards ORDER BY id")]
-            pool = {"own": mine, "others": theirs, "other_attempt": mine, "made": made}.get(aim)
-            if pool:
-                chunk, uri = pool[pick % len(pool)]
-                if aim == "other_attempt":  # the same chunk's file of the next attempt
-                    stem, _, tail = uri.rpartition("-a")
-                    uri = (
-                        f"{stem}-a{int(tail.split('.')[0]) + 1}.shard"
-                        if tail.split(".")[0].isdigit()
-                        else uri + "x"
-                    )
-            else:
-                chunk, uri = pick, aim if pool is None else "/etc/passwd"
+            chunk, uri = completion_target(facts, chunk_leases, worker, aim, pick)
             verdict = completion_verdict(chunk_leases, worker, chunk, uri) if facts.live(worker) else (
                 Verdict.REFUSE, "a worker not joined")  # fmt: skip
             request = pb.CompleteChunkRequest(worker_id=worker, chunk_id=chunk, completion_id=uuid.uuid4().hex,
@@ -509,15 +379,7 @@ def make_machine(
             """A corruption report of a shard the caller holds or held last, another's, one it
             never leased, a held-out shard, or no shard at all."""
             worker = self.worker(who, acting)
-            every = facts.shards()
-            pool = {
-                "own_held": [s["id"] for s in every if s["state"] == "leased" and s["holder"] == worker],
-                "own_last": [s["id"] for s in every if facts.last_holder(s["id"]) == worker],
-                "others": [s["id"] for s in every if s["state"] == "leased" and s["holder"] != worker],
-                "never": [s["id"] for s in every if not facts.ever_leased(s["id"], worker)],
-                "heldout": [s["id"] for s in every if s["split"] != "train"],
-            }.get(aim) or [10**6]
-            shard = pool[pick % len(pool)]
+            shard = report_target(facts, worker, aim, pick)
             verdict = report_verdict(facts, worker, shard) if facts.live(worker) else (
                 Verdict.REFUSE, "a worker not joined")  # fmt: skip
             request = pb.ReportShardRequest(worker_id=worker, shard_id=shard, error="fuzz\nFAKE LOG LINE")
@@ -550,13 +412,8 @@ def make_machine(
 
         @invariant()
         def every_row_merges_at_most_once(self) -> None:
-            twice = facts.q(
-                "SELECT a.shard_id, a.row_start, a.row_end, a.push_id, b.push_id FROM spans a JOIN spans b "
-                "ON a.shard_id = b.shard_id AND a.push_id < b.push_id AND a.row_start < b.row_end AND "
-                "b.row_start < a.row_end JOIN pushes p ON p.push_id = a.push_id JOIN pushes q ON q.push_id = b.push_id "
-                "WHERE p.state = 'merged' AND q.state = 'merged' LIMIT 1"
-            )
-            assert not twice, f"rows merged twice: {tuple(twice[0])}"
+            twice = facts.rows_merged_twice()
+            assert not twice, f"rows merged twice: {twice}"
 
         @invariant()
         def a_certificate_holds_its_own_name_only(self) -> None:

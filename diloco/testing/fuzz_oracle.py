@@ -63,6 +63,27 @@ class Facts:
     def __init__(self, query: Callable[..., list[Any]]) -> None:
         self.q = query
 
+    def guarded_state(self) -> tuple:
+        """What a refused call must not change: who is joined, who holds which lease, which
+        pushes will merge (a merge of an earlier push may consume a shard meanwhile: not compared)."""
+        q = self.q
+        return (
+            [tuple(r) for r in q("SELECT id, role, state, caller FROM workers ORDER BY id")],
+            [tuple(r) for r in q("SELECT id, state, holder, attempts FROM chunks ORDER BY id")],
+            {r[0]: (r[1], r[2]) for r in q("SELECT id, state, holder FROM shards")},
+            {r[0] for r in q("SELECT push_id FROM pushes WHERE state IN ('pending', 'merged')")},
+        )
+
+    def rows_merged_twice(self) -> tuple | None:
+        """Two merged pushes' overlapping spans (shard, start, end, push, push), or None."""
+        twice = self.q(
+            "SELECT a.shard_id, a.row_start, a.row_end, a.push_id, b.push_id FROM spans a JOIN spans b "
+            "ON a.shard_id = b.shard_id AND a.push_id < b.push_id AND a.row_start < b.row_end AND "
+            "b.row_start < a.row_end JOIN pushes p ON p.push_id = a.push_id JOIN pushes q ON q.push_id = b.push_id "
+            "WHERE p.state = 'merged' AND q.state = 'merged' LIMIT 1"
+        )
+        return tuple(twice[0]) if twice else None
+
     def shard(self, sid: int) -> Any:
         rows = self.q("SELECT id, rows, tokens, split, state, holder FROM shards WHERE id = ?", (sid,))
         return rows[0] if rows else None
@@ -201,3 +222,22 @@ def norm(tensors: dict[str, Any]) -> float:
         value = float(t.double().norm()) if t.numel() else 0.0
         total += value * value
     return math.sqrt(total) if math.isfinite(total) else math.inf
+
+
+def unchanged(before: tuple, after: tuple) -> bool:
+    """Facts.guarded_state's two readings agree (a shard consumed meanwhile by a merge aside)."""
+    shards = all(
+        after[2].get(s) == v or (after[2].get(s) or ("",))[0] == "consumed" for s, v in before[2].items()
+    )
+    return before[:2] == after[:2] and shards and after[3] <= before[3]
+
+
+def taken(what: str, reply: Any) -> bool:
+    """Whether a call's reply says it was taken (a refusal may come as a reply, not an error)."""
+    if reply is None:
+        return False
+    if what in ("push", "complete_chunk", "init"):
+        return bool(reply.accepted)
+    if what == "report_shard":
+        return bool(reply.reprocessing)
+    return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -55,6 +56,68 @@ JOINS_AS = {"learner": pb.ROLE_COMPUTE, "data": pb.ROLE_DATA, "observer": pb.ROL
 JOIN_ROLES = [pb.ROLE_COMPUTE, pb.ROLE_DATA, pb.ROLE_OBSERVER]
 # The worker id a call acts as: mostly the caller's own (""), else any other identity's.
 ACTING = st.one_of(st.just(""), st.just(""), st.sampled_from(sorted({*IDENTITIES, *CERT_ROLES})))
+
+
+def own_id(who: str) -> str:
+    """The worker id an identity holds as itself (its certificate's name)."""
+    return CERT_NAME.get(who, who)
+
+
+def policy_refusal(
+    what: str,
+    who: str,
+    acting: str,
+    joins_as: int | None,
+    blank: bool,
+    *,
+    secure: bool,
+    holder: dict[str, str],
+    me: str,
+    live: Callable[[str], bool],
+) -> str:
+    """Why the policy forbids this call ("" when it does not): with certificates, by role and
+    name; by anyone, acting as a worker another caller holds (a join: while it is live). `holder`:
+    who holds each worker id; `me`: the caller as `holder` names it."""
+    worker = acting or own_id(who)
+    # (A plaintext join without an id is given a fresh one: it acts as nobody's worker.)
+    bound = None if blank and not secure else holder.get(worker)
+    # (A join, or a leave, of a worker that is not live takes or frees nothing: in plaintext a
+    # host's worker goes to another host once it left.)
+    if (
+        bound is not None
+        and bound != me
+        and what not in ("status", "finish")
+        and (live(worker) or (secure and what == "join") or what not in ("join", "leave"))
+    ):
+        return "as a worker another caller holds"
+    if not secure:
+        return ""
+    role = CERT_ROLES.get(who)
+    if role is None:
+        return "a certificate of another CA"
+    if what not in MAY_CALL[role]:
+        return f"{what} by {role}"
+    if acting and acting != own_id(who):
+        return "as another worker than its certificate's"
+    if joins_as is not None and joins_as != JOINS_AS[role]:
+        return "joins in another role than its certificate's"
+    return ""
+
+
+def holders_of(bound: list[tuple[str, str]]) -> dict[str, str]:
+    """Who holds each worker id, from the ledger's (worker, caller) bindings: a host, or the
+    identity whose certificate (role, name) the caller names."""
+    holder: dict[str, str] = {}
+    for worker, caller in bound:
+        kind, _, rest = str(caller).partition(":")
+        if kind == "host":
+            holder[worker] = rest
+        else:
+            role, _, name = rest.partition(":")
+            holder[worker] = next(
+                (w for w, r in CERT_ROLES.items() if r == role and CERT_NAME.get(w, w) == name), caller
+            )
+    return holder
 
 
 def fuzz_certificates(tmp: Path) -> tuple[dict[str, Security], dict[str, Security]]:
