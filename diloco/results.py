@@ -27,7 +27,7 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.compute.device import pick_device
-from diloco.config import EvalConfig, RunConfig
+from diloco.config import RunConfig
 from diloco.coordinator.report import read_only, stored_run
 from diloco.data.chunks import partition_dataset
 from diloco.data.makers import shard_maker
@@ -41,8 +41,6 @@ from diloco.model.weights import load_weights
 from diloco.security.transport import Security
 from diloco.tokenizer import load_tokenizer
 from diloco.v1 import coordinator_pb2 as pb
-
-EVAL_MAX_BATCHES = EvalConfig.final_batches  # as the final evaluation of `diloco run` by default
 
 
 @dataclass

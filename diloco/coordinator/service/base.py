@@ -15,7 +15,15 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, merging, syncer
-from diloco.coordinator.callers import Callers, RefusalLog, caller_of, peer_host
+from diloco.coordinator.callers import (
+    HEARTBEAT_BURST,
+    Callers,
+    Rates,
+    RefusalLog,
+    caller_of,
+    heartbeat_rate,
+    peer_host,
+)
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.init_check import RunModel
 from diloco.coordinator.ledger import Ledger
@@ -82,6 +90,11 @@ class ServiceBase:
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self.run_model = RunModel(config.model)  # the first init is checked against it (init_check)
+        # Each worker's heartbeats (callers.heartbeat_rate): those faster are answered unread, from
+        # its last heartbeat answered in full (its tokens_trained, the allowance it got). Made here,
+        # with the service: made on first use, two first heartbeats at once could each make one.
+        self._heartbeats = Rates(heartbeat_rate(config.coordinator.heartbeat_s), HEARTBEAT_BURST)
+        self._allowed: dict[str, tuple[int, int | None]] = {}
         self._deal_slots: dict[str, int] = {}  # learner -> its deal slot (data.deal > 0)
         # When the last chunks completed (this life): how soon a waiting data worker asks again.
         self.chunk_completions: deque[float] = deque(maxlen=CHUNK_PACE_WINDOW)

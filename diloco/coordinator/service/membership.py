@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import uuid
@@ -10,7 +9,7 @@ import uuid
 import grpc
 
 from diloco.coordinator import lifecycle, limits
-from diloco.coordinator.callers import HEARTBEAT_BURST, Rates, caller_of, heartbeat_rate, own_worker_id
+from diloco.coordinator.callers import Rates, caller_of, own_worker_id
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -143,16 +142,6 @@ class MembershipRPCs(ServiceBase):
         self._allowed[request.worker_id] = (request.tokens_trained, allowed)
         self.wire.add_out("heartbeat", reply, role)
         return reply
-
-    @functools.cached_property
-    def _heartbeats(self) -> Rates:
-        """Each worker's heartbeats (callers.heartbeat_rate): those faster are answered unread."""
-        return Rates(heartbeat_rate(self.config.coordinator.heartbeat_s), HEARTBEAT_BURST)
-
-    @functools.cached_property
-    def _allowed(self) -> dict[str, tuple[int, int | None]]:
-        """Each worker's last heartbeat answered in full: (its tokens_trained, the allowance it got)."""
-        return {}
 
     def _heartbeat_too_soon(
         self, request: pb.HeartbeatRequest, told: tuple[int, int | None], role: str | None
