@@ -273,6 +273,9 @@ class CoordinatorConfig:
     # have waiting for a new version. 0: no cap. Without them one machine could join fake
     # learners, or hold every push slot and handler thread.
     max_workers_per_caller: int = 64
+    # A worker gone (left or lost) this long that holds nothing in the ledger (no lease ever, no
+    # push, evaluation or report: an id that only joined) is deleted from it; 0: kept for good.
+    forget_workers_after_s: float = 3600.0
     # Chunk and shard leases one worker holds at once; beyond, it is told to wait. A learner holds
     # the shards whose rows it trained but has not pushed yet: H steps' worth, a few shards.
     max_leases_per_worker: int = 256

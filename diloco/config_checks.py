@@ -76,6 +76,7 @@ def check_limits(cfg: RunConfig) -> None:
         "coordinator.push_base_s": (c.push_base_s, 0, ""),
         "coordinator.max_workers_per_role": (c.max_workers_per_role, 1, ""),
         "coordinator.max_workers_per_caller": (c.max_workers_per_caller, 0, " (0: no cap)"),
+        "coordinator.forget_workers_after_s": (c.forget_workers_after_s, 0, " (0: kept for good)"),
         "coordinator.max_leases_per_worker": (c.max_leases_per_worker, 0, " (0: no cap)"),
         "coordinator.max_pushes_per_caller": (c.max_pushes_per_caller, 0, " (0: no cap)"),
         "coordinator.max_waiting_pulls_per_caller": (c.max_waiting_pulls_per_caller, 0, " (0: no cap)"),

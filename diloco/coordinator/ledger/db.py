@@ -90,6 +90,11 @@ CREATE TABLE IF NOT EXISTS evals (
   versions TEXT NOT NULL, tokens_merged INTEGER NOT NULL, loss REAL NOT NULL,
   metrics TEXT NOT NULL, rows INTEGER NOT NULL, seconds REAL NOT NULL
 );
+-- Who is named anywhere, by worker: a worker gone long and named nowhere is forgotten
+-- (WorkersTable.forget_idle), one named is kept for good (its history holds its id).
+CREATE INDEX IF NOT EXISTS shard_holders_by_worker ON shard_holders(worker_id);
+CREATE INDEX IF NOT EXISTS chunk_attempts_by_worker ON chunk_attempts(worker_id);
+CREATE INDEX IF NOT EXISTS evals_by_worker ON evals(worker_id);
 """
 
 

@@ -115,6 +115,28 @@ class WorkersTable(LedgerBase):
                 (worker_id,),
             )
 
+    def forget_idle(self, gone_s: float, limit: int = 1000) -> int:
+        """Delete up to `limit` workers gone (left or lost) for `gone_s` seconds that are named
+        nowhere else: no lease ever held, no push, no evaluation, no report. Returns how many.
+
+        Ids that only joined (fake learners, a misconfigured script in a loop) would otherwise stay
+        for good: the new-id rate bound slows them to thousands a day per host, not to none. A
+        worker named anywhere stays, since its history (rows held, pushes credited, bindings)
+        holds its id; such workers grow with the run's real work, not with joins.
+        """
+        cutoff = self.clock() - gone_s
+        with self._tx() as db:
+            return db.execute(
+                "DELETE FROM workers WHERE id IN (SELECT w.id FROM workers w "
+                "WHERE w.state != 'active' AND w.last_seen <= ? "
+                "AND NOT EXISTS (SELECT 1 FROM pushes p WHERE p.worker_id = w.id) "
+                "AND NOT EXISTS (SELECT 1 FROM shard_holders h WHERE h.worker_id = w.id) "
+                "AND NOT EXISTS (SELECT 1 FROM chunk_attempts a WHERE a.worker_id = w.id) "
+                "AND NOT EXISTS (SELECT 1 FROM evals e WHERE e.worker_id = w.id) "
+                "AND NOT EXISTS (SELECT 1 FROM shard_reports r WHERE r.worker_id = w.id) LIMIT ?)",
+                (cutoff, limit),
+            ).rowcount
+
     def live_workers(self, role: str | None, ttl_s: float) -> list[str]:
         """The live workers of a role (None: of every role)."""
         now = self.clock()

@@ -51,6 +51,8 @@ CHUNK_PACE_WINDOW = 8
 
 # How often the run's rates are sampled as a "progress" event (curves of the page, TensorBoard).
 PROGRESS_EVERY_S = 5.0
+# How often workers gone long and named nowhere are looked for (coordinator.forget_workers_after_s).
+FORGET_EVERY_S = 60.0
 
 
 class ServiceBase:
@@ -86,6 +88,7 @@ class ServiceBase:
         self.workdir = workdir
         self._progress_at: tuple[float, int, int] | None = None  # (monotonic, merged, wire) sampled last
         self._ticked_at: float | None = None  # (monotonic) when the ticker's last tick ended
+        self._forgot_at = time.monotonic()  # (monotonic) when gone workers were last looked for
         self.security_mode = "none"  # how callers are told apart (the server sets it)
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
@@ -322,6 +325,13 @@ class ServiceBase:
             self.ledger.extend_deadlines(stall)
         ttl = self.config.coordinator.lease_ttl_s
         self._say_reclaimed(self.ledger.reclaim_expired(ttl, self.config.coordinator.max_chunk_attempts), ttl)
+        gone_s = self.config.coordinator.forget_workers_after_s
+        if gone_s > 0 and time.monotonic() - self._forgot_at >= FORGET_EVERY_S:
+            self._forgot_at = time.monotonic()
+            if forgotten := self.ledger.forget_idle(gone_s):
+                log.info(
+                    "forgot %d workers gone over %.0f s that left nothing in the ledger", forgotten, gone_s
+                )
         for _ in range(2):  # running → finishing → finished may both happen in one tick
             with self.cond:
                 unpublished = any(f.pending or f.unpublished for f in self.fragments)

@@ -6,6 +6,7 @@ by a fake clock, then each attack against a real coordinator in token mode."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,9 +27,11 @@ from diloco.coordinator.callers import (
     spend,
 )
 from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.service import base as service_base
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import FakeClock, start_coordinator_here
+from tests.unit.coordinator.ledger_setup import TTL, push, with_train_shard
 
 DENIED, RETRY = grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
 TOKEN = Security(token="s3cret-token-for-the-test")
@@ -172,6 +175,67 @@ def test_join_and_leave_of_fresh_ids_does_not_grow_the_ledger_without_bound(
         assert running.service.status_detail()["calls_refused"] == refused + 1  # and counted
         # Its own id again (a restarted worker), at once.
         evil.stub.Join(pb.JoinRequest(role=pb.ROLE_COMPUTE, host="h", worker_id="x0"), timeout=5)
+    finally:
+        evil.close()
+        running.stop()
+
+
+def test_ids_that_only_joined_are_forgotten_and_the_rest_kept(tmp_path: Path) -> None:
+    # The rate bound slows fresh ids to thousands a day per host; those that only joined and went
+    # are deleted an hour after, while every id the run's history names stays.
+    clock = FakeClock()
+    ledger = Ledger(str(tmp_path / "ledger.sqlite"), clock=clock)
+    (sid,) = with_train_shard(ledger)  # data worker d1 leased and completed a chunk
+    for worker in ("d1", "phantom", "lapsed", "pusher", "holder", "evaluator", "alive", "late"):
+        ledger.join(worker, "compute", "h")
+    ledger.leave("phantom")
+    assert push(ledger, "p1", [(sid, 0, 2)], worker="pusher") is None
+    ledger.leave("pusher")
+    ledger.lease_shard("holder", TTL)
+    ledger.leave("holder")
+    ledger.record_eval("evaluator", [0], 0, 3.0, {}, 8, 0.1)
+    ledger.leave("evaluator")
+    ledger.leave("d1")
+    clock.advance(TTL + 1)
+    ledger.heartbeat("alive", {})
+    ledger.heartbeat("late", {})
+    ledger.reclaim_expired(TTL)  # "lapsed" went silent: lost
+    assert ledger.forget_idle(3600) == 0  # gone, but not for an hour yet
+    clock.advance(3600)
+    ledger.heartbeat("alive", {})
+    ledger.heartbeat("late", {})
+    ledger.leave("late")  # gone a second ago
+    clock.advance(1)
+    assert ledger.forget_idle(3600, limit=1) == 1  # a bounded batch per pass
+    assert ledger.forget_idle(3600) == 1
+    left = {r["id"] for r in ledger.workers()}
+    assert left == {"pusher", "holder", "evaluator", "alive", "late", "d1"}
+    assert ledger.binding("phantom") is None  # its id is a fresh one again, its role free
+    ledger.close()
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinator_forgets_ids_that_only_joined(
+    tiny_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service_base, "FORGET_EVERY_S", 0.0)
+    cfg = RunConfig().with_overrides(
+        {
+            "data.dataset": str(tiny_corpus),
+            "data.chunk_bytes": 65536,
+            "coordinator.forget_workers_after_s": 0.1,
+        }
+    )
+    running = start_coordinator_here(cfg, str(tmp_path), security=TOKEN)
+    evil = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE, security=TOKEN)
+    try:
+        for i in range(20):
+            evil.stub.Join(pb.JoinRequest(role=pb.ROLE_COMPUTE, host="h", worker_id=f"x{i}"), timeout=5)
+            evil.stub.Leave(pb.LeaveRequest(worker_id=f"x{i}"), timeout=5)
+        deadline = time.monotonic() + 30
+        while running.ledger._q("SELECT COUNT(*) FROM workers WHERE id LIKE 'x%'")[0][0]:
+            assert time.monotonic() < deadline, "ids that only joined were never forgotten"
+            time.sleep(0.1)
     finally:
         evil.close()
         running.stop()
