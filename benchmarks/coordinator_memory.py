@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._local import coordinator_with_shards, initial_parameters, leased_rows, span_of  # noqa: E402
-from benchmarks.ingest import PUSH_METHOD, push_messages  # noqa: E402
+from benchmarks._pushers import push_messages  # noqa: E402
+from benchmarks.ingest import PUSH_METHOD  # noqa: E402
 from diloco.client import CoordinatorClient  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
 from diloco.coordinator.server import grpc_options  # noqa: E402

@@ -35,7 +35,8 @@ from benchmarks._local import (  # noqa: E402
     mtls_coordinator,
     with_learners,
 )
-from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn  # noqa: E402
+from benchmarks._pushers import Pusher, ingest_turn  # noqa: E402
+from benchmarks.ingest import PUSH_METHOD, coordinator_overrides  # noqa: E402
 from diloco.security.certs import init_ca  # noqa: E402
 
 WARM_UP_S = 2.0

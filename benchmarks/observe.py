@@ -157,7 +157,8 @@ def ingest_cost(rounds: int, seconds: float, learners: int) -> dict[str, Any]:
     process, against the same coordinator with it off, in alternating turns (plaintext, as in
     benchmarks/ingest.py: the scraper's own TLS would be the scraper's cost)."""
     from benchmarks._local import coordinator_with_shards, corpus_repeats, leased_rows, with_learners
-    from benchmarks.ingest import PUSH_METHOD, Pusher, coordinator_overrides, ingest_turn
+    from benchmarks._pushers import Pusher, ingest_turn
+    from benchmarks.ingest import PUSH_METHOD, coordinator_overrides
     from diloco.coordinator.server import ObservePorts, start_observers
     from diloco.security.transport import Security
 
