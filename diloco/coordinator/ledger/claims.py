@@ -5,8 +5,9 @@ Each row a learner trains moves every fragment once, so a row backs at most one 
 fragment: over a worker's pushes of one fragment, the tokens credited never exceed the rows it
 has named (in any fragment's push) plus the untrained rows of the shards it holds now. That is
 the budget (`_budget`) every push draws on; a push with rows is credited at most P times the fresh
-rows it names, and a little more (CREDIT_SLACK; a steady learner names about H/P steps of rows per
-push, each push holding H steps), and
+rows it names, or those rows and P − 1 intervals of H/P steps if more (a steady learner names H/P
+steps of rows per push, each push holding H steps: the rows of the oldest of the P intervals it
+holds), and
 a push with none rides on its held rows only as one of the first P − 1 pushes after the worker's
 last push with rows (a learner's first pushes, while its first rows wait for every fragment's
 push to cover them: compute/rows.py)."""
@@ -20,14 +21,6 @@ from dataclasses import dataclass
 
 from diloco.coordinator import leases
 from diloco.coordinator.ledger.db import LedgerBase
-
-# A push with rows may be credited this much above P times the fresh rows it names. An honest push
-# names the rows whose cover it completes, which move with the timing of the other fragments'
-# pushes (overlap τ, a round's grace): a few more or fewer than its steps trained (measured: 44 of
-# 47 steps' rows, 42 of 46). Without the slack each push naming fewer was trimmed and no later
-# push made it up. The worker's budget (`_budget`) still holds its pushes of each fragment, in
-# all, to the rows it named and holds: the slack moves credit between pushes, never adds to it.
-CREDIT_SLACK = 1.25
 
 
 @dataclass(frozen=True)
@@ -192,13 +185,15 @@ class ClaimsTable(LedgerBase):
         tokens: int,
         batch_size: int,
         fragments: int = 1,
+        inner_steps: int = 0,
     ) -> Claim:
         """What a delta is credited with, checked before it is received: its spans must be the
         pusher's (leased to it now or before, not leased now to another worker, not all in other
         workers' pushes), and its steps and tokens are bounded by the rows behind it.
 
-        A push with rows is backed by the fresh rows it names, P (`fragments`) times: every row
-        moved every fragment. A push with none by the untrained rows of the train shards its
+        A push with rows is backed by the fresh rows it names, P (`fragments`) times (every row
+        moved every fragment), or by them and P − 1 intervals of `inner_steps` / P steps if more
+        (the rows its steps trained since its oldest interval, still waiting for their cover). A push with none by the untrained rows of the train shards its
         worker holds, and only as one of the first P − 1 pushes since the worker's last push
         with rows. Either way, the tokens credited to the worker's pushes of this fragment stay
         within the rows it named and holds (`_budget`): held rows credited to a push ahead of its
@@ -215,10 +210,14 @@ class ClaimsTable(LedgerBase):
                 return Claim(0, 0, problem, denied=denied)
             held_rows, held_toks = self._held_todo(db, worker_id, spans)
             if spans:
-                cap_rows, cap_toks = (
-                    CREDIT_SLACK * fragments * rows,
-                    math.floor(CREDIT_SLACK * fragments * toks),
-                )
+                # A push of fragment p holds the steps since p's last push: the P intervals between
+                # its worker's last P pushes. It names the rows of the oldest (the others' rows
+                # wait for their cover, compute/rows.py), so it may be credited up to P − 1 more
+                # intervals of H/P steps: a learner that pushed early to catch up after a resume
+                # names fewer rows than its next push trained (measured: 14 steps' rows for 39).
+                waiting_rows = (fragments - 1) * inner_steps * batch_size / fragments
+                cap_rows = max(fragments * rows, rows + waiting_rows)
+                cap_toks = math.floor(cap_rows * toks / rows)
             else:
                 if not held_toks:
                     return Claim(0, 0, "a delta must name the rows it trained on (spans)")

@@ -121,7 +121,7 @@ class PushRPCs(PushIntake):
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
         claim = self.ledger.push_claim(
             header.worker_id, header.fragment, header.push_id, spans, header.inner_steps, header.tokens,
-            self.config.train.batch_size, len(self.fragments),
+            self.config.train.batch_size, len(self.fragments), self.config.train.inner_steps,
         )  # fmt: skip
         if claim.refusal:
             code = grpc.StatusCode.PERMISSION_DENIED if claim.denied else grpc.StatusCode.INVALID_ARGUMENT
