@@ -7,10 +7,9 @@ has named (in any fragment's push) plus the untrained rows of the shards it hold
 the budget (`_budget`) every push draws on; a push with rows is credited at most P times the fresh
 rows it names, or those rows and P − 1 intervals of H/P steps if more (a steady learner names H/P
 steps of rows per push, each push holding H steps: the rows of the oldest of the P intervals it
-holds), and
-a push with none rides on its held rows only as one of the first P − 1 pushes after the worker's
-last push with rows (a learner's first pushes, while its first rows wait for every fragment's
-push to cover them: compute/rows.py)."""
+holds), and a push with none rides on its held rows only as one of the first P − 1 pushes after
+the worker's last push with rows (a learner's first pushes, while its first rows wait for every
+fragment's push to cover them: compute/rows.py)."""
 
 from __future__ import annotations
 
@@ -193,9 +192,9 @@ class ClaimsTable(LedgerBase):
 
         A push with rows is backed by the fresh rows it names, P (`fragments`) times (every row
         moved every fragment), or by them and P − 1 intervals of `inner_steps` / P steps if more
-        (the rows its steps trained since its oldest interval, still waiting for their cover). A push with none by the untrained rows of the train shards its
-        worker holds, and only as one of the first P − 1 pushes since the worker's last push
-        with rows. Either way, the tokens credited to the worker's pushes of this fragment stay
+        (rows its steps trained after its oldest interval, still waiting for their cover). A push
+        with none by the untrained rows of the train shards its worker holds, and only as one of
+        the first P − 1 pushes since the worker's last push with rows. Either way, the tokens credited to the worker's pushes of this fragment stay
         within the rows it named and holds (`_budget`): held rows credited to a push ahead of its
         rows are counted off when those rows are named. Steps are credited as the credited rows
         fill batches of `batch_size` rows (a step is batch_size rows on any number of ranks)."""
