@@ -58,8 +58,11 @@ def test_a_host_bound_id_that_left_or_lapsed_frees_its_role() -> None:
     assert refusal("compute", "cert:learner:learner-host-3", cert) == DENIED
 
 
-def coordinator(corpus: Path, workdir: Path):
-    cfg = RunConfig().with_overrides({"data.dataset": str(corpus), "data.chunk_bytes": 65536})
+def coordinator(corpus: Path, workdir: Path, extra: dict[str, object] | None = None):
+    """A token-mode coordinator on `corpus`, with `extra` config keys."""
+    cfg = RunConfig().with_overrides(
+        {"data.dataset": str(corpus), "data.chunk_bytes": 65536, **(extra or {})}
+    )
     return start_coordinator_here(cfg, str(workdir), security=TOKEN)
 
 
@@ -219,14 +222,7 @@ def test_the_coordinator_forgets_ids_that_only_joined(
     tiny_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(service_base, "FORGET_EVERY_S", 0.0)
-    cfg = RunConfig().with_overrides(
-        {
-            "data.dataset": str(tiny_corpus),
-            "data.chunk_bytes": 65536,
-            "coordinator.forget_workers_after_s": 0.1,
-        }
-    )
-    running = start_coordinator_here(cfg, str(tmp_path), security=TOKEN)
+    running = coordinator(tiny_corpus, tmp_path, {"coordinator.forget_workers_after_s": 0.1})
     evil = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE, security=TOKEN)
     try:
         for i in range(20):
