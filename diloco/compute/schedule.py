@@ -135,7 +135,16 @@ class HandIn:
 
 
 def hand_in(frags: Sequence[HeldFragment]) -> HandIn:
-    pending = [p for p, f in enumerate(frags) if f.steps and not f.in_flight]
+    """What a learner hands in when it stops training: the fragments to push, else whether to give back.
+
+    The fragment pushed longest ago (most steps since) goes first, as the schedule would have it:
+    a push names the rows every fragment has carried since they were trained, so pushed in that
+    order each push names rows. Fragment order instead made a learner that pushed fragment 0 once
+    and handed in at once push fragment 0 again with no rows, and the coordinator refused it
+    (a second rowless push in a row; seen in a quorum-2 run, whose last round then waited for it)."""
+    pending = sorted(
+        (p for p, f in enumerate(frags) if f.steps and not f.in_flight), key=lambda p: -frags[p].steps
+    )
     if pending:
         return HandIn(pending, False, f"fragment(s) {pending} hold unpushed steps")
     if any(f.in_flight for f in frags):

@@ -278,3 +278,5 @@ class SyncChannel:
                         self._results[p] = Merged(p, parts[-1][0].version, parts, accepted)
                 if got:
                     self._cond.notify_all()
+            if not got:  # the long poll ran out (or, a defect, answered nothing at once): no busy loop
+                self.stop.wait(0.05)

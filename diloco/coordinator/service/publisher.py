@@ -135,7 +135,10 @@ class Publisher(ServiceBase):
             if codec != "fp32" and have >= 0
             else None
         )
-        if chain is not None:
+        # An empty chain (the learner holds the latest already) is sent whole too: a learner whose
+        # push was refused asks for any version, and must get one. (Seen: an int8-pull learner
+        # pulled nothing back, over and over, while a quorum-2 round waited for its next push.)
+        if chain:
             return [
                 (
                     pb.TensorHeader(fragment=p, version=v, delta=True, codec=codec),

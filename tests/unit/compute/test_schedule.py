@@ -194,6 +194,13 @@ def test_hand_in_pushes_what_holds_steps_and_is_not_in_flight():
     assert plan.push == [0] and not plan.give_back
 
 
+def test_hand_in_pushes_the_fragment_pushed_longest_ago_first():
+    # Fragment 0 was pushed 2 steps ago, fragment 1 never (7 steps): 1 goes first, as the schedule
+    # would have it, so that each push names rows (test_rows: a hand-in in the schedule's order).
+    plan = schedule.hand_in([held(2), held(7), held(2)])
+    assert plan.push == [1, 0, 2] and not plan.give_back
+
+
 def test_hand_in_waits_for_pushes_in_flight_before_giving_rows_back():
     plan = schedule.hand_in([held(0), held(3, in_flight=True)])
     assert plan.push == [] and not plan.give_back and "in flight" in plan.reason

@@ -247,6 +247,11 @@ def test_pulls_as_encoded_steps_rebuild_exactly_what_a_full_pull_sends(tiny_corp
         for name in init:
             assert (full[name] - theta[name]).norm() <= 0.15 * (theta[name] - init[name]).norm() + 1e-6
         assert step_bytes < 0.5 * full_bytes  # three int4 steps cost less than one fp32 fragment
+        # A learner whose push was refused waits above no version and may hold the latest: it gets
+        # it whole (no steps lead there), not an empty answer it would ask again for at once.
+        ((again_header, again),) = learner.pull([0], [3], wait_s=1.0, wait_above=[-1])
+        assert again_header.version == 3 and not again_header.delta
+        assert all(torch.equal(again[n], full[n]) for n in init)
         learner.close()
     finally:
         running.stop()
