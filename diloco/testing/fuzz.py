@@ -39,8 +39,6 @@ from diloco.testing.fuzz_oracle import (
     Tally,
     Verdict,
     completion_verdict,
-    norm,
-    push_verdict,
     report_verdict,
     taken,
     unchanged,
@@ -67,12 +65,10 @@ from diloco.testing.fuzz_policy import (
     policy_refusal,
 )
 from diloco.testing.fuzz_targets import (
-    MALFORMED,
     completion_target,
     init_tensors,
     joined_or_refused,
-    push_spans,
-    push_tensors,
+    push_request,
     report_target,
 )
 from diloco.v1 import coordinator_pb2 as pb
@@ -243,33 +239,7 @@ def make_machine(
               rows=st.sampled_from(ROWS), pick=st.integers(0, 7), width=st.integers(1, 40))  # fmt: skip
         def push(self, who: str, acting: str, kind: str, rows: str, pick: int = 0, width: int = 10) -> None:
             worker = self.worker(who, acting)
-            frag = service.fragments[0] if service.fragments else None
-            version = frag.version if frag is not None else 0
-            base = max(0, version - 100) if kind == "stale" else version
-            spans = push_spans(facts, worker, rows, pick, width)
-            n = sum(b - a for _, a, b in spans)
-            inflated = kind.startswith("inflated")
-            header = pb.TensorHeader(
-                worker_id=worker, fragment=99 if kind == "unknown_fragment" else 0, version=base,
-                codec="int8" if kind == "wrong_codec" else "fp32", inner_steps=1000 * h if inflated else max(1, -(-n // batch)),
-                tokens=(1 << 60) if kind == "huge_tokens" else (1 << 40) if inflated else 129 * max(1, n),
-                push_id=uuid.uuid4().hex, mean_loss=1.0,
-            )  # fmt: skip
-            for sid, a, b in spans:
-                header.spans.add(shard_id=sid, row_start=a, row_end=b)
-            reach = max(1.0, math.ceil(sum(s["rows"] for s in facts.shards("train")) / batch) / h)
-            params, tensors = push_tensors(kind, init, frag, reach)
-            malformed = MALFORMED.get(kind, "")
-            # (No tensors and no tokens is a learner's "nothing this round": a message, not a delta.)
-            if kind == "empty":
-                spans, header.tokens = [], 0
-                del header.spans[:]
-            if kind == "stale" and version - base > service.config.sync.max_staleness:
-                malformed = "a base version past max_staleness"
-            verdict = (Verdict.EITHER, "nothing this round") if kind == "empty" and facts.live(worker) else push_verdict(facts, worker, header.fragment, spans, malformed and f"a push with {malformed}",
-                                   norm(tensors), norm(params), math.ceil(reach * h), h)  # fmt: skip
-            if verdict[0] is Verdict.HONEST and kind != "valid":  # claims beyond its rows: credited down
-                verdict = (Verdict.EITHER, "claims beyond its rows")
+            header, tensors, verdict = push_request(facts, service, init, worker, kind, rows, pick, width)
             reply = self.call(
                 "push", lambda s: s.PushDelta(stream_tensors(header, tensors, 1 << 20), timeout=10), who, acting,
                 verdict=verdict,

@@ -6,11 +6,13 @@ the state machine (diloco.testing.fuzz) only makes the calls and judges them."""
 from __future__ import annotations
 
 import math
+import uuid
 from typing import Any
 
 import torch
 
-from diloco.testing.fuzz_oracle import Facts, Verdict, norm
+from diloco.testing.fuzz_oracle import Facts, Verdict, norm, push_verdict
+from diloco.v1 import coordinator_pb2 as pb
 
 # A push's kind -> what makes it malformed (refused whatever its rows).
 MALFORMED = {
@@ -136,3 +138,48 @@ def report_target(facts: Facts, worker: str, aim: str, pick: int) -> int:
         "heldout": [s["id"] for s in every if s["split"] != "train"],
     }.get(aim) or [10**6]
     return pool[pick % len(pool)]
+
+
+def push_request(
+    facts: Facts,
+    service: Any,
+    init: dict[str, torch.Tensor],
+    worker: str,
+    kind: str,
+    rows: str,
+    pick: int,
+    width: int,
+) -> tuple[pb.TensorHeader, dict[str, torch.Tensor], tuple[Verdict, str]]:
+    """A push of `kind` by `worker` naming `rows` (push_spans), its tensors, and what the oracle says
+    of it: a valid delta of its rows, or one malformed, stale, inflated or far too large."""
+    h, batch = service.config.train.inner_steps, service.config.train.batch_size
+    frag = service.fragments[0] if service.fragments else None
+    version = frag.version if frag is not None else 0
+    base = max(0, version - 100) if kind == "stale" else version
+    spans = push_spans(facts, worker, rows, pick, width)
+    n = sum(b - a for _, a, b in spans)
+    inflated = kind.startswith("inflated")
+    header = pb.TensorHeader(
+        worker_id=worker, fragment=99 if kind == "unknown_fragment" else 0, version=base,
+        codec="int8" if kind == "wrong_codec" else "fp32", inner_steps=1000 * h if inflated else max(1, -(-n // batch)),
+        tokens=(1 << 60) if kind == "huge_tokens" else (1 << 40) if inflated else 129 * max(1, n),
+        push_id=uuid.uuid4().hex, mean_loss=1.0,
+    )  # fmt: skip
+    for sid, a, b in spans:
+        header.spans.add(shard_id=sid, row_start=a, row_end=b)
+    reach = max(1.0, math.ceil(sum(s["rows"] for s in facts.shards("train")) / batch) / h)
+    params, tensors = push_tensors(kind, init, frag, reach)
+    malformed = MALFORMED.get(kind, "")
+    # (No tensors and no tokens is a learner's "nothing this round": a message, not a delta.)
+    if kind == "empty":
+        spans, header.tokens = [], 0
+        del header.spans[:]
+        if facts.live(worker):
+            return header, tensors, (Verdict.EITHER, "nothing this round")
+    if kind == "stale" and version - base > service.config.sync.max_staleness:
+        malformed = "a base version past max_staleness"
+    verdict = push_verdict(facts, worker, header.fragment, spans, malformed and f"a push with {malformed}",
+                           norm(tensors), norm(params), math.ceil(reach * h), h)  # fmt: skip
+    if verdict[0] is Verdict.HONEST and kind != "valid":  # claims beyond its rows: credited down
+        verdict = (Verdict.EITHER, "claims beyond its rows")
+    return header, tensors, verdict
