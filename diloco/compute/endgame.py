@@ -80,6 +80,7 @@ class EndGame:
         plan = schedule.hand_in(self.frags)
         if plan.push:
             log.info("handing in: %s", plan.reason)
+            self.rows.hand_in()  # every row rides on the first of these pushes
         for p in plan.push:
             self._push(p)
         if plan.give_back:

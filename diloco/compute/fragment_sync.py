@@ -50,6 +50,7 @@ class SyncsFragments:
     data_parallel: replicas.Replicated | replicas.Sharded | None
     schedule_shift: int
     shifted_after: int
+    rowless_pushes: int
     _catch_up_after_resume: Callable[[], None]  # a resumed life's lag made up (resume.py)
 
     def _apply(self, merged: Merged) -> None:
@@ -148,8 +149,19 @@ class SyncsFragments:
         self.channel.submit(header, tensors)
 
     def _covered_by(self, p: int) -> Unpushed:
-        """The rows whose effect is in every fragment once fragment p is pushed now."""
-        carried = self.rows.carry(p, len(self.frags), self.progress.busy_s)
+        """The rows whose effect is in every fragment once fragment p is pushed now, or every row
+        held when that is none and the coordinator would refuse another push that names none."""
+        fragments = len(self.frags)
+        carried = self.rows.carry(p, fragments, self.progress.busy_s)
+        if not carried.spans and self.rowless_pushes >= fragments - 1 and self.rows.spans():
+            # At most P − 1 pushes in a row may name no rows (ledger/claims.py). A hand-in's last
+            # pushes name none (its first names every row), and so do the first of the schedule
+            # when training goes on after it, or a fragment's pushes while another's push waits
+            # long for its merge: the rows held ride now, their cover completing after them (as
+            # in a hand-in) instead of the push being refused, its steps with it.
+            self.rows.hand_in()
+            carried = self.rows.carry(p, fragments, self.progress.busy_s)
+        self.rowless_pushes = 0 if carried.spans else self.rowless_pushes + 1
         if self.rows.all_carried():  # every step so far rides on a push: a kill now loses none of it
             self.progress.kept_busy_s = self.progress.busy_s
         else:  # the steps before the rows that still wait for another fragment's push

@@ -51,15 +51,20 @@ class Heartbeats:
 
     _on_starved: Callable[[float], float]
 
-    def _tokens_unmerged(self) -> int:
-        """This learner's claim on the budget: rows trained that no merge it took counts yet."""
+    def _unmerged_spans(self) -> list[tuple[int, int, int]]:
+        """Rows trained that no merge this learner took counts yet: in its row book, or named by a
+        push in flight. (Read from other threads: the lists are copied as they stand.)"""
         in_flight = [
             (s.shard_id, s.row_start, s.row_end)
-            for f in self.frags
+            for f in list(self.frags)
             if f.in_flight and f.push
             for s in f.push[0].spans
         ]
-        return span_tokens(self.rows.spans() + in_flight, self.row_tokens)
+        return self.rows.spans() + in_flight
+
+    def _tokens_unmerged(self) -> int:
+        """This learner's claim on the budget: rows trained that no merge it took counts yet."""
+        return span_tokens(self._unmerged_spans(), self.row_tokens)
 
     def _heartbeat(self) -> None:
         request = self.progress.heartbeat(self.prefetcher.held_shards())

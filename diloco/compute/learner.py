@@ -76,6 +76,7 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         self.finishing = threading.Event()
         self.progress = Progress()
         self.rows = RowBook()  # the shard rows trained on that no merge has counted yet
+        self.rowless_pushes = 0  # this life's pushes in a row that named no rows (fragment_sync)
         self.row_tokens: dict[int, int] = {}  # shard id -> what one of its rows counts for (tokens)
         # A Decoupled run's token budget: (tokens_trained reported, tokens allowed past it) from
         # the last heartbeat; None: no limit (lifecycle.training_allowance).
@@ -268,6 +269,7 @@ class Learner(SyncsFragments, KeepsLocalState, EndGame, Heartbeats):
         self.channel = SyncChannel(
             self.client, self.stop, cfg.sync.pull_wait_s, lambda p: self.frags[p].version
         )
+        self.prefetcher.leave_out(self._unmerged_spans)
         if self.resumed is not None:
             self._resume_in_flight(self.resumed)
         self.prefetcher.start()

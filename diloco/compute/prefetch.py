@@ -96,6 +96,10 @@ class ShardPrefetcher:
         # shard id -> rows this learner trained on in an earlier life and still holds unmerged
         # (diloco.compute.local_state): never cut into batches again, or a push would carry them twice.
         self._skip: dict[int, list[tuple[int, int]]] = {}
+        # Rows this learner trained in this life and holds unmerged (set by the learner): a shard
+        # whose lease lapsed while we trained on (a partition) can be leased to us again, and its
+        # ledger counts those rows untrained until a push names them.
+        self._unmerged: Callable[[], list[tuple[int, int, int]]] = list
         self._leases = 0
         # Until this holds, no lease is asked for (None: at once). A resumed learner's first lease
         # waits for its last life's leases to be given back (KeepsLocalState._resume_in_flight).
@@ -134,6 +138,12 @@ class ShardPrefetcher:
         with self._lock:
             for shard_id, a, b in spans:
                 self._skip.setdefault(shard_id, []).append((a, b))
+
+    def leave_out(self, unmerged: Callable[[], list[tuple[int, int, int]]]) -> None:
+        """Rows `unmerged()` names (shard, start, end) are left out of every later lease's batches:
+        trained again, they rode on later pushes that the coordinator refused as re-sent work (seen
+        after a 60-s partition: twelve pushes in a row, each of 15-20 steps)."""
+        self._unmerged = unmerged
 
     def held_shards(self) -> list[int]:
         with self._lock:
@@ -304,8 +314,9 @@ class ShardPrefetcher:
             self._put(self.queue, DONE)
 
     def _rows(self, lease: pb.LeaseShardReply, number: int, shard: Shard) -> ShardRows:
-        """The leased rows of a shard, less those trained in an earlier life."""
+        """The leased rows of a shard, less those trained in an earlier life or unmerged in this one."""
         with self._lock:
             done = list(self._skip.get(lease.shard_id, ()))
+        done += [(a, b) for sid, a, b in self._unmerged() if sid == lease.shard_id]
         ranges = [r for s in lease.todo for r in subtract((s.row_start, s.row_end), done)]
         return ShardRows(shard, lease.shard_id, number, ranges)

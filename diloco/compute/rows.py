@@ -147,6 +147,23 @@ class RowBook:
         self.kept_busy_s = max(self.kept_busy_s, kept)
         self.resolved.extend(done)
 
+    def hand_in(self) -> None:
+        """Training stops, and every fragment with steps is pushed now, one after another: every
+        row rides on the first of those pushes (its cover completes within the hand-in; a fragment
+        in flight holds the rows as far as they get, as an overwritten one does).
+
+        Left to wait for their cover, the rows rode on the hand-in's last push, whose fragment the
+        coordinator may credit nothing more: each push is credited ahead of its rows by the
+        schedule, against the rows its learner holds, so a learner that trained steps twice (a
+        resume) has no credit left for its last push. Refused, that push lost the rows it named;
+        they went back to the pool, were trained again, pushed, refused (seen: a resumed learner
+        that never ended). The first push is the fragment pushed longest ago (schedule.hand_in),
+        credited least ahead."""
+        for group in self.awaiting:
+            self.resolved.extend(group.rows)
+        self.resolved.extend(self.unpushed)
+        self.awaiting, self.unpushed = [], Unpushed()
+
     def all_carried(self) -> bool:
         """Every row so far rides on a push already made: a kill now loses none of the steps."""
         return not self.awaiting

@@ -137,11 +137,13 @@ class HandIn:
 def hand_in(frags: Sequence[HeldFragment]) -> HandIn:
     """What a learner hands in when it stops training: the fragments to push, else whether to give back.
 
-    The fragment pushed longest ago (most steps since) goes first, as the schedule would have it:
-    a push names the rows every fragment has carried since they were trained, so pushed in that
-    order each push names rows. Fragment order instead made a learner that pushed fragment 0 once
-    and handed in at once push fragment 0 again with no rows, and the coordinator refused it
-    (a second rowless push in a row; seen in a quorum-2 run, whose last round then waited for it)."""
+    The fragment pushed longest ago (most steps since) goes first, as the schedule would have it,
+    and every row rides on its push (rows.RowBook.hand_in): the coordinator credits each push
+    ahead of its rows by the schedule, so that fragment is the one with credit left for them.
+    The others follow with none of their own (at most P − 1 such pushes follow a push with rows).
+    Before, fragment order with rows waiting for their cover: a learner that pushed fragment 0
+    once and handed in at once pushed fragment 0 again with no rows, and the coordinator refused
+    that second rowless push in a row (seen in a quorum-2 run, whose last round then waited)."""
     pending = sorted(
         (p for p, f in enumerate(frags) if f.steps and not f.in_flight), key=lambda p: -frags[p].steps
     )

@@ -89,16 +89,19 @@ def test_the_row_book_carries_rows_once_every_fragment_is_pushed_after_them() ->
     assert book.carry(1, 2).spans == [(3, 8, 16)] and not book.resolved.spans
 
 
-def test_a_hand_in_in_the_schedules_order_names_rows_on_every_push() -> None:
+def test_a_hand_in_names_every_row_on_its_first_push() -> None:
     """Fragment 0 pushed at step 5 (its rows wait for fragment 1), then training stops at step 7:
-    pushed in fragment order, fragment 0's second push would name no rows (the coordinator refuses
-    a second rowless push in a row); fragment 1 first, then 0, each push names rows."""
+    the hand-in's first push (fragment 1, pushed longest ago) names every row, waiting or fresh,
+    and fragment 0's push follows with none. Pushed with their cover, the rows rode on the
+    hand-in's last push, whose fragment may have no credit left: refused, they were lost."""
     book = RowBook()
     book.trained(batch(3, 0, 5))
     assert book.carry(0, 2).spans == []  # the learner's first push: its rows wait for fragment 1
     book.trained(batch(3, 5, 7))
-    assert book.carry(1, 2).spans == [(3, 0, 5)]
-    assert book.carry(0, 2).spans == [(3, 5, 7)] and book.all_carried()
+    book.hand_in()
+    assert book.all_carried()
+    assert book.carry(1, 2).spans == [(3, 0, 5), (3, 5, 7)]
+    assert book.carry(0, 2).spans == [] and not book.spans()
 
 
 def test_the_steps_before_rows_that_still_wait_are_kept_work() -> None:

@@ -196,7 +196,7 @@ def test_hand_in_pushes_what_holds_steps_and_is_not_in_flight():
 
 def test_hand_in_pushes_the_fragment_pushed_longest_ago_first():
     # Fragment 0 was pushed 2 steps ago, fragment 1 never (7 steps): 1 goes first, as the schedule
-    # would have it, so that each push names rows (test_rows: a hand-in in the schedule's order).
+    # would have it: it carries every row (test_rows: a hand-in names every row on its first push).
     plan = schedule.hand_in([held(2), held(7), held(2)])
     assert plan.push == [1, 0, 2] and not plan.give_back
 
