@@ -54,12 +54,9 @@ class Heartbeats:
     def _unmerged_spans(self) -> list[tuple[int, int, int]]:
         """Rows trained that no merge this learner took counts yet: in its row book, or named by a
         push in flight. (Read from other threads: the lists are copied as they stand.)"""
-        in_flight = [
-            (s.shard_id, s.row_start, s.row_end)
-            for f in list(self.frags)
-            if f.in_flight and f.push
-            for s in f.push[0].spans
-        ]
+        # Each push read once: the training thread may set it to None between two reads.
+        pushes = [f.push for f in list(self.frags) if f.in_flight]
+        in_flight = [(s.shard_id, s.row_start, s.row_end) for push in pushes if push for s in push[0].spans]
         return self.rows.spans() + in_flight
 
     def _tokens_unmerged(self) -> int:
