@@ -56,6 +56,11 @@ class SyncsFragments:
     def _apply(self, merged: Merged) -> None:
         """Take a merged fragment: θ_p ← α·θ_p + (1−α)·Θ_p, and Θ_p becomes the new base."""
         f = self.frags[merged.fragment]
+        if not merged.accepted:
+            # The ledger counts row-less pushes back to its last recorded push with rows, and a
+            # refused push is not recorded: ours may be P − 1 already (seen after a partition: two
+            # pushes with rows refused, then a row-less one refused too).
+            self.rowless_pushes = max(self.rowless_pushes, len(self.frags) - 1)
         alpha = self.cfg.sync.mix_alpha
         value, version = self._merged_value(f, merged)
         keep = alpha == 0 and self.cfg.sync.keep_overlap and bool(f.at_push)

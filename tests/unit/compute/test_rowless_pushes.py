@@ -4,6 +4,7 @@ a row may name none (ledger/claims.py), and a hand-in names every row on its fir
 from __future__ import annotations
 
 from diloco.compute.learner import Learner
+from diloco.compute.sync_channel import Merged
 from tests.unit.compute.test_keep_overlap import learner_with_one_tensor, train
 
 
@@ -54,3 +55,21 @@ def test_a_hand_in_names_every_row_on_the_push_of_the_fragment_pushed_longest_ag
     train(learner, 0.1, shard=3)
     learner._push(1)
     assert spans(learner)[-1] == [(3, 0, 4)]
+
+
+def test_after_a_refused_push_the_next_that_would_name_no_rows_names_the_rows_held() -> None:
+    """The ledger does not record a refused push: its count of row-less pushes in a row goes back
+    to the last recorded push with rows, which the learner cannot see. After a refusal it assumes
+    the worst (P − 1 already)."""
+    learner = learner_with_one_tensor(keep=False)
+    train(learner, 0.1, shard=1)
+    learner._push(0)  # row-less: the ledger's count is 1 now
+    learner.frags[0].in_flight = False
+    train(learner, 0.1, shard=2)
+    learner._push(1)  # names shard 1's rows ... and is refused (rows leased now to another)
+    assert learner.rowless_pushes == 0
+    learner._apply(Merged.full(1, 0, {}, accepted=False))
+    assert learner.rowless_pushes == 1
+    train(learner, 0.1, shard=3)
+    learner._push(1)  # by the cover it would name none: the rows of shards 2 and 3 wait for fragment 0
+    assert spans(learner)[-1] == [(2, 0, 4), (3, 0, 4)]
