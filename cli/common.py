@@ -113,25 +113,31 @@ def os_error_line(e: OSError) -> str:
     return f"{' -> '.join(paths)}: {why}" if paths else why
 
 
+def error_line(e: BaseException) -> str | None:
+    """The one line an expected failure ends in: the library's own errors, a failed coordinator
+    call, and what the operating system refused (a workdir that cannot be written, a port in use).
+    None for anything else (a bug: raised, with its traceback)."""
+    if isinstance(e, (DilocoError, ConfigError, StoreError)):
+        return f"error: {e}"
+    if isinstance(e, grpc.RpcError):
+        return f"error: coordinator call failed: {e.code().name}: {e.details()}"
+    if isinstance(e, OSError) and not isinstance(e, io.UnsupportedOperation):  # (a stream misused: a bug)
+        return f"error: {os_error_line(e)}"
+    return None
+
+
 def clear_errors(fn: F) -> F:
-    """Expected failures become one line on stderr and exit code 2, never a traceback: the
-    library's own errors, a failed coordinator call, and what the operating system refused (a
-    workdir that cannot be written, a port in use)."""
+    """Expected failures (error_line) become one line on stderr and exit code 2, never a traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (DilocoError, ConfigError, StoreError) as e:
-            typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(2) from None
-        except grpc.RpcError as e:
-            typer.echo(f"error: coordinator call failed: {e.code().name}: {e.details()}", err=True)
-            raise typer.Exit(2) from None
-        except OSError as e:
-            if isinstance(e, io.UnsupportedOperation):  # a stream used as it cannot be: a bug
+        except (DilocoError, ConfigError, StoreError, grpc.RpcError, OSError) as e:
+            line = error_line(e)
+            if line is None:
                 raise
-            typer.echo(f"error: {os_error_line(e)}", err=True)
+            typer.echo(line, err=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt as e:  # Ctrl-C: 130; SIGTERM (Terminated): 143, as a shell says
             typer.echo("terminated" if isinstance(e, Terminated) else "interrupted", err=True)

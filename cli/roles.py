@@ -22,6 +22,7 @@ from cli.common import (
     WorkerIdOpt,
     build_config,
     clear_errors,
+    error_line,
     stop_on_signals,
 )
 from diloco.config import RunConfig
@@ -127,7 +128,7 @@ def compute(
     """Learner: lease shards, run inner steps, push deltas, take merged parameters."""
     from diloco.compute.group import torchrun_argv, under_torchrun
     from diloco.compute.overrides import LocalOverrides
-    from diloco.compute.start import run_learner
+    from diloco.compute.start import leave_rank, run_learner
     from diloco.plugins import allow
 
     allow(model)
@@ -140,7 +141,19 @@ def compute(
     overrides = LocalOverrides(
         device, threads, slow_factor, connect_timeout, worker_id, state_dir, metrics_port, data_parallel.value
     )
-    sys.exit(run_learner(coordinator, overrides, stop_on_signals()))
+    try:
+        code = run_learner(coordinator, overrides, stop_on_signals())
+    except Exception as e:
+        line = error_line(e)
+        if line is None or not under_torchrun():
+            raise
+        # A rank of a group leaves as a follower does, without the interpreter's teardown: there
+        # gloo's threads aborted a rank 0 refused at join ("terminate called without an active
+        # exception", twice in CI), and torchrun reported exit code 134 instead of the refusal's.
+        # Its own threads were stopped before the error came up (Learner.run).
+        typer.echo(line, err=True)
+        leave_rank(2)
+    sys.exit(code)
 
 
 @clear_errors

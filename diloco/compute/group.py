@@ -140,14 +140,9 @@ class Group:
 
     def no_run(self) -> None:
         """Rank 0, refused before the group started: the other ranks, waiting for the run's config,
-        exit quietly (rank 0 says why in one line) instead of with gloo's error when it exits.
-        The group is then torn down here: gloo's threads left alive at the interpreter's teardown
-        can abort rank 0 ("terminate called without an active exception"; seen once in CI), and
-        its exit code, the refusal's, would be lost."""
+        exit quietly (rank 0 says why in one line) instead of with gloo's error when it exits."""
         with contextlib.suppress(Exception):  # the group itself may be what failed
             self.share_text(NO_RUN)
-        with contextlib.suppress(Exception):
-            self.close()
 
     def share_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
         """Rank 0's values of these tensors (the same ones, in the same order, on every rank)

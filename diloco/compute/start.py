@@ -28,10 +28,11 @@ def run_learner(
 
 
 def leave_rank(code: int) -> NoReturn:
-    """A follower rank whose work is done (rank 0 said stop) leaves without the interpreter's teardown:
-    gloo's threads can abort it ("terminate called without an active exception", SIGABRT), and
-    torchrun then reports a group that finished as failed (seen once in CI: rank 1 of a 2-rank
-    learner, after "learner done"; a supervisor would restart it)."""
+    """A rank whose work is done (a follower told to stop, or a rank that ends in an error line)
+    leaves without the interpreter's teardown: gloo's threads can abort it ("terminate called
+    without an active exception", SIGABRT), and torchrun then reports a group that finished as
+    failed, or its exit code as 134 (seen in CI: rank 1 of a 2-rank learner after "learner done";
+    rank 0 refused at join; a supervisor would restart it)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
