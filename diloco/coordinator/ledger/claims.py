@@ -194,9 +194,10 @@ class ClaimsTable(LedgerBase):
         moved every fragment), or by them and P − 1 intervals of `inner_steps` / P steps if more
         (rows its steps trained after its oldest interval, still waiting for their cover). A push
         with none by the untrained rows of the train shards its worker holds, and only as one of
-        the first P − 1 pushes since the worker's last push with rows. Either way, the tokens credited to the worker's pushes of this fragment stay
-        within the rows it named and holds (`_budget`): held rows credited to a push ahead of its
-        rows are counted off when those rows are named. Steps are credited as the credited rows
+        the first P − 1 pushes since the worker's last push with rows. Either way, the tokens
+        credited to the worker's pushes of this fragment stay within the rows it named and holds
+        (`_budget`): held rows credited to a push ahead of its rows are counted off when those
+        rows are named. Steps are credited as the credited rows
         fill batches of `batch_size` rows (a step is batch_size rows on any number of ranks)."""
         with self._lock:
             db = self._db
