@@ -9,7 +9,10 @@ rows it names, or those rows and P − 1 intervals of H/P steps if more (a stead
 steps of rows per push, each push holding H steps: the rows of the oldest of the P intervals it
 holds), and a push with none rides on its held rows only as one of the first P − 1 pushes after
 the worker's last push with rows (a learner's first pushes, while its first rows wait for every
-fragment's push to cover them: compute/rows.py)."""
+fragment's push to cover them: compute/rows.py). A push whose own fresh rows find the budget
+spent (their training was credited ahead, to earlier pushes) is taken for its rows only: they are
+recorded as trained, its delta merges nothing (`Claim.rows_only`), so no honest row is refused and
+trained again."""
 
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ class Claim:
     tokens: int
     refusal: str = ""
     denied: bool = False  # PERMISSION_DENIED (rows not the pusher's); else INVALID_ARGUMENT
+    # Its own fresh rows, with no credit left for them: the rows are recorded, the delta not merged.
+    rows_only: bool = False
 
 
 class ClaimsTable(LedgerBase):
@@ -231,7 +236,13 @@ class ClaimsTable(LedgerBase):
                 cap_rows, cap_toks = held_rows, held_toks
             budget = self._budget(db, worker_id, fragment, push_id) + toks + held_toks
         toks_ok = min(tokens, cap_toks, budget)
+        if toks_ok < 1 and spans:
+            # Its rows are its own and untrained by anyone else, but what they back was credited
+            # ahead to this fragment's earlier pushes (a learner resumed from a state older than
+            # its last push trains some steps twice). Refused, its rows would be lost and trained
+            # again, and refused again: they are recorded instead, and the delta merges nothing.
+            return Claim(0, 0, rows_only=True)
         if toks_ok < 1:
-            return Claim(0, 0, "no rows back this delta: the rows it names and holds are credited already")
+            return Claim(0, 0, "no rows back this delta: the rows it holds are credited already")
         rows_ok = cap_rows * toks_ok / max(1, cap_toks)
         return Claim(min(steps, max(1, math.ceil(rows_ok / max(1, batch_size)))), toks_ok)

@@ -177,6 +177,9 @@ class PushesTable(ClaimsTable):
                 "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)",
                 (f"fragment_version.{fragment}", str(merges[-1].version)),
             )
+        self._count_merged_by_worker(by_worker)
+
+    def _count_merged_by_worker(self, by_worker: dict[str, int]) -> None:
         with self._lock:  # once committed
             for worker_id, tokens in by_worker.items():
                 self._merged_by_worker[worker_id] = self._merged_by_worker.get(worker_id, 0) + tokens
@@ -184,12 +187,7 @@ class PushesTable(ClaimsTable):
     def _commit_one_merge(
         self, db: sqlite3.Connection, fragment: int, merge: MergeRecord, by_worker: dict[str, int]
     ) -> None:
-        push_ids = merge.push_ids
-        marks = ",".join("?" * len(push_ids))
-        db.execute(
-            f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE state = 'pending' AND push_id IN ({marks})",
-            (merge.version, *push_ids),
-        )
+        self._mark_merged(db, merge.push_ids, merge.version, by_worker)
         db.execute(
             "INSERT INTO rounds(fragment, version, closed, pushes, tokens, steps, mean_loss, reason, scale) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -197,13 +195,25 @@ class PushesTable(ClaimsTable):
                 fragment,
                 merge.version,
                 self.clock(),
-                len(push_ids),
+                len(merge.push_ids),
                 merge.tokens,
                 merge.steps,
                 merge.mean_loss,
                 merge.reason,
                 merge.scale,
             ),
+        )
+        _bump(db, "rounds", 1)
+
+    def _mark_merged(
+        self, db: sqlite3.Connection, push_ids: Sequence[str], version: int, by_worker: dict[str, int]
+    ) -> None:
+        """Pending pushes merged at `version`: their rows counted merged (by worker, into
+        `by_worker`), and each shard whose rows are all merged now consumed."""
+        marks = ",".join("?" * len(push_ids))
+        db.execute(
+            f"UPDATE pushes SET state = 'merged', merged_version = ? WHERE state = 'pending' AND push_id IN ({marks})",
+            (version, *push_ids),
         )
         shard_ids = [
             r[0]
@@ -228,7 +238,33 @@ class PushesTable(ClaimsTable):
                     (sid,),
                 )
         _bump(db, "tokens_merged", merged_tokens)
-        _bump(db, "rounds", 1)
+
+    def record_rows_only(
+        self,
+        push_id: str,
+        worker_id: str,
+        fragment: int,
+        base_version: int,
+        spans: Sequence[tuple[int, int, int]],
+        released: Sequence[int],
+        version: int,
+    ) -> str | None:
+        """A push taken for its rows only (push_claim's `rows_only`: its own fresh rows, with no
+        credit left for them): recorded with no steps or tokens and merged at once, at the
+        fragment's current `version`, with no round of its own. Its rows count as trained and
+        merged (their training was credited to the worker's earlier pushes), so they are never
+        leased again; its delta merges nothing. The refusal of record_push, or None."""
+        reason = "rows only: no credit left for this delta"
+        refusal = self.record_push(
+            push_id, worker_id, fragment, base_version, 0, 0, spans, released, reason=reason
+        )
+        if refusal is not None:
+            return refusal
+        by_worker: dict[str, int] = {}
+        with self._tx() as db:
+            self._mark_merged(db, [push_id], version, by_worker)
+        self._count_merged_by_worker(by_worker)
+        return None
 
     def drop_pushes(self, push_ids: Sequence[str], reason: str) -> None:
         """Pushes that will never merge: their rows become trainable again."""
@@ -242,7 +278,8 @@ class PushesTable(ClaimsTable):
     def round_pushers(self, fragment: int, version: int) -> tuple[float, frozenset[str]] | None:
         """The merged round that made `version`: when its first push arrived, and who pushed."""
         rows = self._q(
-            "SELECT worker_id, received FROM pushes WHERE fragment = ? AND merged_version = ? AND state = 'merged'",
+            "SELECT worker_id, received FROM pushes WHERE fragment = ? AND merged_version = ? "
+            "AND state = 'merged' AND tokens > 0",
             (fragment, version),
         )
         if not rows:

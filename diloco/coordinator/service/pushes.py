@@ -148,6 +148,16 @@ class PushRPCs(PushIntake):
             self.wire.add_out("push", reply)
             return reply
 
+        if claim is not None and claim.rows_only:
+            for _ in messages:  # read, not decoded: it merges nothing
+                pass
+            with self.cond:
+                reply = self._accept_rows_only(header)
+                self.cond.notify_all()
+            reply.run_state = self._state_pb()
+            self.wire.add_out("push", reply)
+            return reply
+
         frag = self.fragments[header.fragment]
         empty = header.tokens == 0 and not header.tensors
         tensors: dict[str, torch.Tensor] = {}
@@ -255,6 +265,42 @@ class PushRPCs(PushIntake):
             norm=norm or None,
         )
 
+    def _nothing_this_round(self, header: pb.TensorHeader) -> None:
+        """The pusher's word that it has nothing for its fragment's open round (lock held): it
+        counts for closing the round, and merges nothing."""
+        arrivals = self.fragments[header.fragment].round.arrivals
+        arrivals[:] = [a for a in arrivals if not (a.worker_id == header.worker_id and a.tokens == 0)]
+        arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
+
+    def _accept_rows_only(self, header: pb.TensorHeader) -> pb.PushReply:
+        """Record a push taken for its rows only (lock held): its rows merged at the current
+        version, its delta not. It counts for closing its round as a "nothing this round" push
+        does, and is answered as a push merged into the current version is (the learner takes
+        that version at once, as after any merge)."""
+        frag = self.fragments[header.fragment]
+        while frag.sealing:
+            self.cond.wait(0.05)
+        spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
+        try:
+            refusal = self.ledger.record_rows_only(
+                header.push_id, header.worker_id, header.fragment, header.version, spans,
+                list(header.released_shards), frag.version,
+            )  # fmt: skip
+        except PushRecorded:
+            return self._known_push_reply(header)
+        if refusal is not None:
+            log.info("push refused worker=%s fragment=%d: %s", header.worker_id, header.fragment, refusal)
+            return pb.PushReply(accepted=False, reason=refusal, version=frag.version)
+        log.info(
+            "push %s of %s taken for its rows only: no credit left for its delta",
+            header.push_id[:8], header.worker_id,
+        )  # fmt: skip
+        self.ledger.bump("pushes_rows_only")
+        self._nothing_this_round(header)
+        return pb.PushReply(
+            accepted=True, reason="rows recorded: no credit left for this delta", version=frag.version - 1
+        )
+
     def _accept_push(
         self,
         header: pb.TensorHeader,
@@ -276,10 +322,7 @@ class PushRPCs(PushIntake):
         if empty:
             # "Nothing this round" (a learner waiting for data): counts for closing, merges nothing.
             self.ledger.release_shards(header.worker_id, released)
-            frag.round.arrivals[:] = [
-                a for a in frag.round.arrivals if not (a.worker_id == header.worker_id and a.tokens == 0)
-            ]
-            frag.round.arrivals.append(syncer.Arrival(header.worker_id, 0, 0, self.clock(), header.version))
+            self._nothing_this_round(header)
             return pb.PushReply(accepted=True, reason="nothing to merge", version=frag.version), None
         spans = [(s.shard_id, s.row_start, s.row_end) for s in header.spans]
         stale = (

@@ -100,6 +100,8 @@ class StatusRPCs(ServiceBase):
             ),
             "pushes_received": int(counters.get("pushes_received", 0)),
             "pushes_refused": int(counters.get("pushes_refused", 0)),
+            # Taken for their rows only (own fresh rows, no credit left): rows kept, delta not merged.
+            "pushes_rows_only": int(counters.get("pushes_rows_only", 0)),
             "record_stats": {
                 k.split(".", 1)[1]: int(v) for k, v in counters.items() if k.startswith("records.")
             },

@@ -14,6 +14,7 @@ import torch
 
 from diloco.client import CoordinatorClient
 from diloco.config import RunConfig
+from diloco.coordinator.audit import audit
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import tiny_coordinator
 from tests.unit.security.test_merge_attacks import header, refused, small
@@ -69,9 +70,13 @@ def test_held_rows_credit_one_push_per_fragment(tiny_corpus: Path, tmp_path: Pat
         err = refused(learner, full(header(shard.shard_id, None, "ahead-again")), small(frag0))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "credited already" in err.details()
         # Fresh rows of this shard credit fragment 0 nothing more: its held rows were counted off
-        # against them ahead (a learner's later rows lie in shards it leases later).
-        err = refused(learner, full(header(shard.shard_id, (1, 3), "fresh")), small(frag0))
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "credited already" in err.details()
+        # against them ahead (a learner's later rows lie in shards it leases later). The push is
+        # taken for its rows only: they are recorded, trained and merged, and its delta is not.
+        reply = learner.push(full(header(shard.shard_id, (1, 3), "fresh")), small(frag0, scale=1.0))
+        assert reply.accepted and "no credit left" in reply.reason
+        fresh = running.ledger.push_state("fresh")
+        assert (fresh["state"], fresh["steps"], fresh["tokens"]) == ("merged", 0, 0)
+        assert fresh["merged_version"] == reply.version + 1  # the learner takes that version at once
         more = learner.lease_shard()
         assert learner.push(full(header(more.shard_id, (0, 4), "more")), small(frag0)).accepted
         _, tokens = credited(running, "more")
@@ -170,3 +175,67 @@ def test_a_resumed_learner_keeps_rows_of_a_lapsed_lease_nobody_holds(
             is None
         )
         assert running.ledger._q("SELECT 1 FROM spans WHERE push_id = 'late'") == []
+
+
+def settled(running, fragment: int, within_s: float = 20.0) -> int:
+    """The fragment's version once no push of it waits to merge (the merger runs on its own)."""
+    frag = running.service.fragments[fragment]
+    deadline = time.monotonic() + within_s
+    while frag.pending or frag.sum.folding:
+        assert time.monotonic() < deadline, "pushes still waiting to merge"
+        time.sleep(0.05)
+    return frag.version
+
+
+@pytest.mark.timeout(120)
+def test_own_fresh_rows_with_no_credit_left_are_recorded_and_their_delta_not_merged(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    """A resumed learner that trained steps twice had its last push refused ("credited already"):
+    its rows were lost, leased again, trained again and refused again. Such a push is now taken for
+    its rows only: they count as trained and merged, its delta moves nothing, a retry of it is
+    answered the same, and the audit holds."""
+    with tiny_coordinator(tiny_corpus, tmp_path, {**OVERRIDES, "sync.fragments": 2}) as (
+        running,
+        learner,
+        init,
+    ):
+        frag0 = {n: t for n, t in init.items() if n in running.service.fragments[0].names}
+        frag1 = {n: t for n, t in init.items() if n in running.service.fragments[1].names}
+        shard = learner.lease_shard()
+        # Fragment 0's credit is spent ahead on the held rows, then by a push of every row but two.
+        assert learner.push(full(header(shard.shard_id, None, "ahead")), small(frag0)).accepted
+        assert learner.push(full(header(shard.shard_id, (0, 1), "one-row"), 1), small(frag1)).accepted
+        version = settled(running, 0)
+        settled(running, 1)
+        before = {n: t.clone() for n, t in running.service.fragments[0].params.items()}
+        counters = running.ledger.counters()
+        pushed = full(header(shard.shard_id, (1, 3), "no-credit"))
+        pushed.version = version
+        reply = learner.push(pushed, small(frag0, scale=1.0))
+        assert reply.accepted and "no credit left" in reply.reason, reply
+        assert reply.version == version - 1  # its rows merged at the current version: taken at once
+        row = running.ledger.push_state("no-credit")
+        assert (row["state"], row["steps"], row["tokens"], row["merged_version"]) == ("merged", 0, 0, version)
+        spans = running.ledger._q(
+            "SELECT shard_id, row_start, row_end FROM spans WHERE push_id = 'no-credit'"
+        )
+        assert [tuple(r) for r in spans] == [(shard.shard_id, 1, 3)]
+        per_row = per_row_of(running, shard.shard_id)
+        after = running.ledger.counters()
+        assert after["tokens_merged"] - counters.get("tokens_merged", 0) == 2 * per_row
+        assert after["pushes_rows_only"] == counters.get("pushes_rows_only", 0) + 1
+        # Its delta merged nothing: the fragment is as it was, at the same version.
+        assert settled(running, 0) == version
+        for n, t in running.service.fragments[0].params.items():
+            assert torch.equal(t, before[n]), n
+        # A retry after a lost reply gets the same answer, and changes nothing.
+        again = learner.push(pushed, small(frag0, scale=1.0))
+        assert (again.accepted, again.version) == (True, version - 1)
+        assert running.ledger.counters()["tokens_merged"] == after["tokens_merged"]
+        # Sent again under a new id (a life resumed from before it): re-sent work, refused.
+        pushed.push_id = "no-credit-again"
+        refusal = learner.push(pushed, small(frag0))
+        assert not refusal.accepted and "re-sent work" in refusal.reason
+        report = audit(tmp_path, check_files=False)
+        assert report.ok, report.violations
