@@ -169,13 +169,18 @@ INSECURE_HELP = {
     "coordinator": "serve plaintext (no TLS, no token) on a --host beyond loopback, "
     "gRPC and the status page: anyone who reaches the port drives the run",
 }
+# Likewise --tls-crl: only a server checks the certificates it is shown.
+CRL_HELP = {
+    "coordinator": "certificates revoked since issued (ca.crl of `diloco certs revoke`): their calls are "
+    "refused; the file is read again within a second of a change",
+}
 
 
 def with_security(fn: F) -> F:
     """Give a command the identity flags every role takes (--tls-cert/--tls-key/--tls-ca,
     --token-file, --insecure); given, they go into the environment, where every client and the
     coordinator of this process find them (diloco.security.transport)."""
-    insecure_help = INSECURE_HELP.get(fn.__name__)
+    insecure_help, crl_help = INSECURE_HELP.get(fn.__name__), CRL_HELP.get(fn.__name__)
     extra = [
         inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
         for name, annotation, default in (
@@ -188,6 +193,14 @@ def with_security(fn: F) -> F:
             (
                 "tls_ca",
                 Annotated[str | None, typer.Option(help="the run's CA certificate: mutual TLS")],
+                None,
+            ),
+            (
+                "tls_crl",
+                Annotated[
+                    str | None,
+                    typer.Option(help=crl_help or "no effect for this command", hidden=crl_help is None),
+                ],
                 None,
             ),
             (
@@ -210,10 +223,17 @@ def with_security(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from diloco.security.transport import ENV, INSECURE_ENV, TOKEN_FILE_ENV
+        from diloco.security.transport import CRL_ENV, ENV, INSECURE_ENV, TOKEN_FILE_ENV
 
-        values = {k: kwargs.pop(k) for k in ("tls_cert", "tls_key", "tls_ca", "token_file", "insecure")}
-        for key, variable in (*((f"tls_{k}", v) for k, v in ENV.items()), ("token_file", TOKEN_FILE_ENV)):
+        values = {
+            k: kwargs.pop(k) for k in ("tls_cert", "tls_key", "tls_ca", "tls_crl", "token_file", "insecure")
+        }
+        named = (
+            *((f"tls_{k}", v) for k, v in ENV.items()),
+            ("tls_crl", CRL_ENV),
+            ("token_file", TOKEN_FILE_ENV),
+        )
+        for key, variable in named:
             if values[key]:
                 os.environ[variable] = str(values[key])
         if values["insecure"]:

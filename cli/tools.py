@@ -330,3 +330,23 @@ def certs_issue(
 
     files = issue(out, role, name, out, tuple(host or ()), force=force)
     typer.echo(f"--tls-cert {files.cert} --tls-key {files.key} --tls-ca {files.ca}")
+
+
+@clear_errors
+def certs_revoke(
+    out: Annotated[Path, typer.Option(help="the CA's directory; the list is written there (ca.crl)")],
+    name: Annotated[
+        str | None, typer.Option(help="revoke <out>/<name>.crt, as `certs issue` wrote it")
+    ] = None,
+    cert: Annotated[Path | None, typer.Option(help="revoke this certificate file instead")] = None,
+) -> None:
+    """Revoke a certificate the run's CA issued: a coordinator started with --tls-crl <out>/ca.crl
+    refuses its calls from its next one (the file is read again when it changes)."""
+    from diloco.errors import DilocoError
+    from diloco.security.revocation import revoke
+
+    if (name is None) == (cert is None):
+        raise DilocoError("give one of --name (a certificate in --out) or --cert (a certificate file)")
+    crl, serial, role, who = revoke(out, cert if cert is not None else out / f"{name}.crt")
+    typer.echo(f"revoked {role or 'no role'} {who} (serial {serial:x}) in {crl}")
+    typer.echo(f"a coordinator checks it with: --tls-crl {crl}")

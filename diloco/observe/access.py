@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import secrets
 import ssl
+import time
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -26,6 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 from diloco import store
 from diloco.plugins import a_or_an
 from diloco.security.certs import TlsFiles
+from diloco.security.revocation import RevocationList
 
 # The certificate roles that may read the page and /metrics (as they may call Status).
 READER_ROLES = ("observer", "operator")
@@ -129,8 +131,12 @@ def server_context(tls: TlsFiles) -> ssl.SSLContext:
     return context
 
 
-def role_of(peer: dict | None) -> str:
-    """The organizational unit (our certificates' role) of a verified peer certificate."""
+def role_of(peer: dict | None, revocations: RevocationList | None = None) -> str:
+    """The organizational unit (our certificates' role) of a verified peer certificate; none for
+    a certificate revoked since it was issued (--tls-crl)."""
+    serial = (peer or {}).get("serialNumber")
+    if serial and revocations is not None and revocations.revoked(int(serial, 16), time.monotonic()):
+        return ""
     for rdn in (peer or {}).get("subject", ()):
         for key, value in rdn:
             if key == "organizationalUnitName":

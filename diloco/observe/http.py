@@ -130,6 +130,7 @@ class GuardedServer:
             log.warning("%s", warning)
         context = server_context(security.tls) if security.tls else None
         mode, refused = security.mode, on_refused or (lambda method, why, peer: None)
+        revocations = security.revocations
 
         class Handler(BaseHTTPRequestHandler):
             timeout = REQUEST_TIMEOUT_S
@@ -150,7 +151,7 @@ class GuardedServer:
                     self.path,
                     authorization=self.headers.get("Authorization", ""),
                     cookie=self.headers.get("Cookie", ""),
-                    cert_role=role_of(self.request.getpeercert()) if context is not None else "",
+                    cert_role=role_of(self.request.getpeercert(), revocations) if context is not None else "",
                     token=access_token,
                     cookie_key=server.cookie,
                     bearer_also=bearer_also,

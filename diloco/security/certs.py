@@ -36,6 +36,7 @@ from diloco.plugins import a_or_an
 
 ROLES = ("coordinator", "learner", "data", "evaluator", "observer", "operator")
 VALID_DAYS = 365
+CRL_NAME = "ca.crl"  # the CA's certificate revocation list, beside ca.crt
 # A name is both a worker id and `<name>.crt`/`<name>.key` beside ca.crt: a DNS-label-like token
 # (and '_', '.') cannot climb out of the directory (`..`, `a/b`), hide (`.x`) or be empty.
 NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62}[A-Za-z0-9])?")
@@ -121,14 +122,14 @@ def replace_problem(crt: Path, key: Path, role: str, name: str, ca: x509.Certifi
     except (OSError, ValueError):
         return f"{crt} exists and is not a certificate"
     held_role, held_name = _identity(held)
-    if not _signed_by(held, ca):
+    if not signed_by(held, ca):
         return f"{crt} holds a certificate from another CA"
     if (held_role, held_name) != (role, name):
         return f"{crt} holds {a_or_an(held_role or 'unknown')}'s certificate ({held_name})"
     return ""
 
 
-def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
+def signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
     # By signature: two CAs made by `certs init` carry the same subject name.
     try:
         cert.verify_directly_issued_by(ca)
@@ -137,7 +138,7 @@ def _signed_by(cert: x509.Certificate, ca: x509.Certificate) -> bool:
     return True
 
 
-def _load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+def load_ca(ca_dir: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA in `ca_dir`; refused when its key does not sign for its certificate (a directory
     whose ca.crt/ca.key a worker's replaced) rather than issuing certificates nobody trusts."""
     hint = f"(run `diloco certs init --out {ca_dir}`)"
@@ -165,7 +166,8 @@ def _same_key(cert: x509.Certificate, key: object) -> bool:
 
 
 def init_ca(out: str | Path, name: str = "diloco run CA") -> Path:
-    """A new CA in `out` (ca.crt, ca.key); refuses to overwrite one."""
+    """A new CA in `out` (ca.crt, ca.key, and an empty revocation list ca.crl, for a coordinator's
+    --tls-crl before anything is revoked); refuses to overwrite one."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if (out / "ca.key").exists():
@@ -191,7 +193,32 @@ def init_ca(out: str | Path, name: str = "diloco run CA") -> Path:
     )
     _write_key(out / "ca.key", key)
     _write_cert(out / "ca.crt", cert)
+    write_crl(out, cert, key, set())
     return out / "ca.crt"
+
+
+def write_crl(
+    ca_dir: Path, ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, serials: set[int]
+) -> Path:
+    """The CA's revocation list (`<ca_dir>/ca.crl`) revoking `serials`, replaced whole: a
+    coordinator may read it at any moment (diloco.security.revocation)."""
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca_cert.subject)
+        .last_update(now - datetime.timedelta(minutes=5))
+        # A list must say when the next comes; ours is replaced at every revocation, and read as
+        # long as the CA is valid.
+        .next_update(ca_cert.not_valid_after_utc)
+    )
+    for serial in sorted(serials):
+        revoked = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build()
+        builder = builder.add_revoked_certificate(revoked)
+    path = ca_dir / CRL_NAME
+    tmp = path.with_suffix(".crl.tmp")
+    tmp.write_bytes(builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM))
+    os.replace(tmp, path)
+    return path
 
 
 def issue(
@@ -212,7 +239,7 @@ def issue(
         raise DilocoError(problem)
     ca_dir = Path(ca_dir)
     out = Path(out) if out is not None else ca_dir
-    ca_cert, ca_key = _load_ca(ca_dir)
+    ca_cert, ca_key = load_ca(ca_dir)
     out.mkdir(parents=True, exist_ok=True)
     crt_path, key_path = out / f"{name}.crt", out / f"{name}.key"
     if not force and (problem := replace_problem(crt_path, key_path, role, name, ca_cert)):

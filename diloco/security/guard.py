@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,6 +14,7 @@ import grpc
 
 from diloco.plugins import a_or_an
 from diloco.security.certs import subject_of
+from diloco.security.revocation import serial_of
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -57,7 +59,7 @@ class Guard(grpc.ServerInterceptor):
         """`on_refused(method, why, peer)`: each refused call, with where it came from."""
         self.security = security
         self.on_refused = on_refused or (lambda method, why, peer: None)
-        self._subjects: dict[bytes, tuple[str, str]] = {}
+        self._subjects: dict[bytes, tuple[str, str, int]] = {}
 
     def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
         method = details.method.rsplit("/", 1)[-1]
@@ -76,11 +78,16 @@ class Guard(grpc.ServerInterceptor):
             return handler
         return self._checked(handler, method)
 
-    def _subject(self, context: grpc.ServicerContext) -> tuple[str, str]:
+    def _subject(self, context: grpc.ServicerContext, method: str) -> tuple[str, str]:
+        """The caller's (role, name), or a refusal of a certificate revoked (--tls-crl)."""
         pem = (context.auth_context().get("x509_pem_cert") or [b""])[0]
         if pem not in self._subjects:
-            self._subjects[pem] = subject_of(pem) if pem else ("", "")
-        return self._subjects[pem]
+            self._subjects[pem] = (*subject_of(pem), serial_of(pem)) if pem else ("", "", -1)
+        role, name, serial = self._subjects[pem]
+        revocations = self.security.revocations
+        if revocations is not None and revocations.revoked(serial, time.monotonic()):
+            self._deny(context, method, f"the certificate of {name} ({role}, serial {serial:x}) is revoked")
+        return role, name
 
     def _deny(self, context: grpc.ServicerContext, method: str, why: str) -> None:
         self.on_refused(method, why, context.peer())
@@ -91,7 +98,7 @@ class Guard(grpc.ServerInterceptor):
             inner = handler.unary_unary or handler.unary_stream
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
-                role, name = self._subject(context)
+                role, name = self._subject(context, method)
                 if why := caller_problem(method, role, name, request):
                     self._deny(context, method, why)
                 return inner(request, context)
@@ -106,7 +113,7 @@ class Guard(grpc.ServerInterceptor):
         inner_stream = handler.stream_unary
 
         def stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            role, name = self._subject(context)
+            role, name = self._subject(context, method)
             if why := caller_problem(method, role, name, None):
                 self._deny(context, method, why)
             return inner_stream(_header_checked(requests, name, role, method, self, context), context)

@@ -10,6 +10,8 @@
 A role's settings come from its flags (`--tls-cert/--tls-key/--tls-ca`, `--token-file`,
 `--insecure`), which the CLI puts in the environment (DILOCO_TLS_CERT, DILOCO_TLS_KEY,
 DILOCO_TLS_CA, DILOCO_TOKEN_FILE, DILOCO_INSECURE), where every client of the process finds them.
+A coordinator's `--tls-crl` (DILOCO_TLS_CRL) names the certificates revoked since they were
+issued (diloco.security.revocation).
 DILOCO_TOKEN gives the token itself: checked and stripped as a file's is, and refused beside a
 token file (which of the two was meant is not ours to guess).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import ipaddress
 import os
 import socket
@@ -38,9 +41,11 @@ from diloco.security.certs import (
     serving_problem,
     subject_of,
 )
+from diloco.security.revocation import RevocationList
 
 ENV = {"cert": "DILOCO_TLS_CERT", "key": "DILOCO_TLS_KEY", "ca": "DILOCO_TLS_CA"}
 TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV = "DILOCO_TOKEN", "DILOCO_TOKEN_FILE", "DILOCO_INSECURE"
+CRL_ENV = "DILOCO_TLS_CRL"
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,15 @@ class Security:
     tls: TlsFiles | None = None
     token: str = ""
     insecure: bool = False
+    crl: str = ""  # a server's certificate revocation list (mutual TLS only)
+
+    @functools.cached_property
+    def revocations(self) -> RevocationList | None:
+        """The revoked certificates a server checks every call against (read once here, and
+        again when the file changes); None without --tls-crl."""
+        if not (self.tls and self.crl):
+            return None
+        return RevocationList(self.crl, self.tls.read()[2])
 
     @property
     def mode(self) -> str:
@@ -59,8 +73,16 @@ class Security:
         if any(paths.values()) and not all(paths.values()):
             raise DilocoError("TLS needs all three of --tls-cert, --tls-key and --tls-ca")
         token = token_from(os.environ.get(TOKEN_ENV, ""), os.environ.get(TOKEN_FILE_ENV, ""))
+        crl = os.environ.get(CRL_ENV, "")
+        if crl and not all(paths.values()):
+            raise DilocoError(
+                "--tls-crl revokes certificates: it needs mutual TLS (--tls-cert/--tls-key/--tls-ca)"
+            )
         return cls(
-            TlsFiles(**paths) if all(paths.values()) else None, token, os.environ.get(INSECURE_ENV) == "1"
+            TlsFiles(**paths) if all(paths.values()) else None,
+            token,
+            os.environ.get(INSECURE_ENV) == "1",
+            crl,
         )
 
     def name(self) -> str | None:
@@ -187,6 +209,7 @@ def check_serving(security: Security, now: datetime.datetime | None = None) -> N
     if problem := tls_problem(security.tls, now) or expiry_problem(security.tls, now, "--tls-cert"):
         raise DilocoError(problem)
     cert, _, _ = security.tls.read()
+    security.revocations  # noqa: B018 (read now: a list that is unreadable or not the CA's is refused at start)
     if problem := serving_problem(cert):
         ca_dir = Path(security.tls.ca).parent
         raise DilocoError(
