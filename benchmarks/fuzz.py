@@ -5,7 +5,8 @@ identities against a real coordinator (diloco.testing.fuzz), counted.
     python benchmarks/fuzz.py --mtls ...                     # every call made with a certificate
 
 With --mtls the coordinator runs mutual TLS, each call is made by one of several certificates'
-holders (learners, a data worker, an observer, an operator, a stranger from another CA), and may
+holders (learners, a data worker, an observer, an operator, a stranger from another CA, a learner
+whose certificate is revoked in the coordinator's --tls-crl), and may
 act as another worker or call what its role may not: every such call must be refused and change
 nothing (`must_refuse` counts them). Without it, where this machine has ::1 beside 127.0.0.1,
 the coordinator listens on both and two of the identities call from ::1: a call from one host as a

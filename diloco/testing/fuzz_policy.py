@@ -15,6 +15,7 @@ import grpc
 from hypothesis import strategies as st
 
 from diloco.security.certs import init_ca, issue
+from diloco.security.revocation import revoke
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -44,6 +45,7 @@ COUNTERS = [1.0, 0.0, -1.0, math.nan, math.inf, 2.0**60]
 CERT_ROLES = {"learner-a": "learner", "learner-b": "learner", "data-a": "data", "data-b": "data",
               "watcher": "observer", "ops": "operator", "namesake": "observer"}  # fmt: skip
 CERT_NAME = {"namesake": "learner-a"}
+REVOKED = "revoked"  # a learner's certificate from the run's CA, in the coordinator's --tls-crl
 ANYONE = {"join", "heartbeat", "leave", "status"}
 MAY_CALL = {
     "learner": ANYONE | {"lease_shard", "report_shard", "push", "pull", "init"},
@@ -92,6 +94,8 @@ def policy_refusal(
         return "as a worker another caller holds"
     if not secure:
         return ""
+    if who == REVOKED:
+        return "a certificate revoked (--tls-crl)"
     role = CERT_ROLES.get(who)
     if role is None:
         return "a certificate of another CA"
@@ -121,8 +125,9 @@ def holders_of(bound: list[tuple[str, str]]) -> dict[str, str]:
 
 
 def fuzz_certificates(tmp: Path) -> tuple[dict[str, Security], dict[str, Security]]:
-    """Every caller's Security for `make_machine`'s channels (CERT_ROLES, and a stranger from
-    another CA), and for `tiny_coordinator`: the coordinator's, its data worker's, its learner's."""
+    """Every caller's Security for `make_machine`'s channels (CERT_ROLES, a stranger from another
+    CA, and a learner whose certificate is revoked), and for `tiny_coordinator`: the coordinator's
+    (checking the CA's revocation list), its data worker's, its learner's."""
     init_ca(tmp / "ca")
     init_ca(tmp / "other-ca")
     mine = {
@@ -130,7 +135,9 @@ def fuzz_certificates(tmp: Path) -> tuple[dict[str, Security], dict[str, Securit
         for who, role in CERT_ROLES.items()
     }
     mine["stranger"] = Security(tls=issue(tmp / "other-ca", "learner", "stranger"))
-    coordinator = Security(tls=issue(tmp / "ca", "coordinator", "coordinator"))
+    mine[REVOKED] = Security(tls=issue(tmp / "ca", "learner", REVOKED, out=tmp / "certs" / REVOKED))
+    crl, *_ = revoke(tmp / "ca", mine[REVOKED].tls.cert)
+    coordinator = Security(tls=issue(tmp / "ca", "coordinator", "coordinator"), crl=str(crl))
     return mine, {"coordinator": coordinator, "data": mine["data-a"], "learner": mine["learner-a"]}
 
 

@@ -56,7 +56,8 @@ def test_with_certificates_every_call_from_a_stranger_the_wrong_role_or_as_someo
 ) -> None:
     """Mutual TLS: each call is made by one certificate's holder, sometimes acting as another or
     calling what its role may not (Finish, InitParameters, another role's leases, Status without
-    a certificate of this CA); every such call is refused and changes nothing."""
+    a certificate of this CA, anything with a revoked certificate); every such call is refused
+    and changes nothing."""
     mine, security = fuzz_certificates(tmp_path)
     tally = Tally()
     with tiny_coordinator(tiny_corpus, tmp_path / "run", fuzz_overrides(), security) as (running, _, init):
@@ -75,4 +76,6 @@ def test_with_certificates_every_call_from_a_stranger_the_wrong_role_or_as_someo
     assert tally.calls >= 200 and tally.must_refuse >= 50 and tally.accepted_pushes > 0, tally
     assert tally.must_refuse_accepted == 0 and tally.must_refuse_refused == tally.must_refuse, tally
     assert {"finish", "init", "status", "join"} <= set(tally.by_call), tally
+    # A learner's certificate revoked in the coordinator's --tls-crl: its calls came up, all refused.
+    assert any("revoked" in reason for reason in tally.must_refuse_by_reason), tally
     assert audit_ok(tmp_path / "run") == []
