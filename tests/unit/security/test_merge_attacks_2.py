@@ -35,6 +35,11 @@ def per_row_of(running, shard_id: int) -> int:
     return row["tokens"] // row["rows"]
 
 
+def of_fragment(running, init: dict[str, torch.Tensor], fragment: int) -> dict[str, torch.Tensor]:
+    """The tensors of `init` in one fragment (what a push of that fragment sends)."""
+    return {n: t for n, t in init.items() if n in running.service.fragments[fragment].names}
+
+
 def full(h: pb.TensorHeader, fragment: int = 0) -> pb.TensorHeader:
     """A header claiming H whole steps of rows (what a learner's push of a fragment reports)."""
     h.fragment, h.inner_steps, h.tokens = fragment, H, H * BATCH * 129
@@ -50,8 +55,7 @@ def test_held_rows_credit_one_push_per_fragment(tiny_corpus: Path, tmp_path: Pat
         learner,
         init,
     ):
-        frag1 = {n: t for n, t in init.items() if n in running.service.fragments[1].names}
-        frag0 = {n: t for n, t in init.items() if n in running.service.fragments[0].names}
+        frag0, frag1 = of_fragment(running, init, 0), of_fragment(running, init, 1)
         shard = learner.lease_shard()
         per_row = per_row_of(running, shard.shard_id)
         # A learner's first push (P − 1 = 1 of them) rides ahead of its rows on the held shard.
@@ -200,8 +204,7 @@ def test_own_fresh_rows_with_no_credit_left_are_recorded_and_their_delta_not_mer
         learner,
         init,
     ):
-        frag0 = {n: t for n, t in init.items() if n in running.service.fragments[0].names}
-        frag1 = {n: t for n, t in init.items() if n in running.service.fragments[1].names}
+        frag0, frag1 = of_fragment(running, init, 0), of_fragment(running, init, 1)
         shard = learner.lease_shard()
         # Fragment 0's credit is spent ahead on the held rows, then by a push of every row but two.
         assert learner.push(full(header(shard.shard_id, None, "ahead")), small(frag0)).accepted
