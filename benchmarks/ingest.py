@@ -23,7 +23,9 @@ ingest over plaintext ingest (target: within 15%), over all turns and turn by tu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -71,6 +73,18 @@ def raw_server(cfg: RunConfig, security: Security | None = None) -> tuple[grpc.S
     return server, port
 
 
+def pin_cpus(pushers) -> None:  # noqa: ANN001
+    """This process's threads (the servers') on CPU 0 from now on, the pushers' processes on the
+    rest: threads made later inherit their maker's CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs")
+    for pid, where in [(os.getpid(), {cpus[0]}), *((p.child.pid, set(cpus[1:])) for p in pushers)]:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(tid), where)
+
+
 def coordinator_overrides(
     n_layer: int = 6, n_embd: int = 384, assignments: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -97,6 +111,11 @@ def main(argv: list[str] | None = None) -> None:
                    help="rows of data per coordinator: each push names one it has not named before")  # fmt: skip
     p.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every arm, e.g. coordinator.stream_chunk_bytes=4194304")  # fmt: skip
+    p.add_argument(
+        "--pin", action="store_true",
+        help="the coordinators on CPU 0, every pusher on the others: the pushers' own TLS, which a "
+        "real learner spends on its own machine, off the coordinator's core",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "ingest.json")
     args = p.parse_args(argv)
     turn_s = args.seconds / args.rounds
@@ -133,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         if secure is not None:
             pushers["tls"] = Pusher(f"127.0.0.1:{secure.port}", PUSH_METHOD, [c.worker_id for c in secure_clients],
                                     shapes, cfg, args.learners, tls_files, rows)  # fmt: skip
+        if args.pin:
+            pin_cpus(pushers.values())
         # The arms take turns, so a change in the machine's load falls on all alike. The same
         # pieces go to each; only the header is new per push (its own push_id).
         turns: list[dict[str, float]] = []
@@ -178,7 +199,9 @@ def main(argv: list[str] | None = None) -> None:
         "raw_cpu_ms_per_mb": total("raw_cpu_s") * 1e3 / (total("raw_bytes") / 1e6),
         "ingest_cpu_ms_per_mb": total("ingest_cpu_s") * 1e3 / (total("ingest_bytes") / 1e6),
     }
-    result.update(ratio=result["ingest_mb_per_s"] / result["raw_mb_per_s"], overrides=args.assignments)
+    result.update(
+        ratio=result["ingest_mb_per_s"] / result["raw_mb_per_s"], overrides=args.assignments, pinned=args.pin
+    )
     print(
         f"push of {result['push_mb']:.1f} MB ({result['params']:,} params), {args.learners} concurrent learners, "
         f"{args.rounds} turns of {turn_s:.1f} s per arm"
