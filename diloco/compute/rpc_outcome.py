@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import grpc
 
 IDENTITY_HINT = "check --tls-cert/--token-file"
+# A certificate in the coordinator's --tls-crl: no flag of ours mends that.
+REVOKED_HINT = "the run's operator revoked this certificate: only a new one (diloco certs issue) is let in"
 
 
 class Action(enum.Enum):
@@ -55,7 +57,8 @@ def rpc_outcome(code: grpc.StatusCode, details: str = "") -> Outcome:
     if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
         # This learner's identity is refused (a rotated token or certificate, another caller
         # holding its worker id): every call it makes will be, however long it tries.
-        return Outcome(Action.FATAL, True, f"{said}; {IDENTITY_HINT}")
+        hint = REVOKED_HINT if "is revoked" in said else IDENTITY_HINT
+        return Outcome(Action.FATAL, True, f"{said}; {hint}")
     if code == grpc.StatusCode.UNIMPLEMENTED:
         # Not a diloco coordinator of this version on that address: no retry changes that.
         return Outcome(Action.FATAL, True, f"{said}: is it a coordinator of the same diloco version?")

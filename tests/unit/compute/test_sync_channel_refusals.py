@@ -56,6 +56,9 @@ def test_each_code_has_one_decision_with_a_reason(code):
 def test_a_refused_identity_points_at_the_flags_that_give_it():
     for code in (S.PERMISSION_DENIED, S.UNAUTHENTICATED):
         assert "--tls-cert/--token-file" in rpc_outcome(code, "").reason
+    # A revoked certificate is not a flag to fix: it says who revoked it, and what lets a learner in.
+    revoked = rpc_outcome(S.PERMISSION_DENIED, "the certificate of l (learner, serial 1a) is revoked").reason
+    assert "operator revoked this certificate" in revoked and "--tls-cert" not in revoked
 
 
 class Refusal(grpc.RpcError):
