@@ -38,6 +38,7 @@ import grpc
 from diloco import store
 from diloco.client import CoordinatorClient
 from diloco.compute.batch import Batch, ShardRows, cut_batch
+from diloco.compute.rpc_outcome import rpc_outcome
 from diloco.coordinator.leases import subtract
 from diloco.data.cache import ShardCache, read_shard_via
 from diloco.data.shard import Shard, ShardCorrupt
@@ -211,6 +212,8 @@ class ShardPrefetcher:
             if self.stop.is_set() or self.client.stopping:
                 # The learner left while a lease call was in flight: its end, not a failure.
                 log.debug("prefetch fetch thread ends with the learner: %s", e)
+            elif isinstance(e, grpc.RpcError):  # a refusal the client does not retry (a revoked certificate)
+                log.error("no more shards: %s", rpc_outcome(e.code(), e.details()).reason)
             else:
                 log.exception("prefetch fetch thread failed")
             self._ready.put(DONE)

@@ -45,9 +45,13 @@ def caller_of(context: Any) -> str:
     learner (a heartbeat of made-up figures, a Leave that took its leases)."""
     pem = (context.auth_context().get("x509_pem_cert") or [b""])[0]
     if pem:
-        role, name = _subject(pem)
-        return f"cert:{role}:{name}"
+        return cert_caller(*_subject(pem))
     return "host:" + peer_host(context.peer())
+
+
+def cert_caller(role: str, name: str) -> str:
+    """The caller a certificate of `role` and `name` is (caller_of)."""
+    return f"cert:{role}:{name}"
 
 
 @functools.lru_cache(maxsize=1024)

@@ -215,7 +215,7 @@ def _serve_ledger(
         options=grpc_options(config),
         maximum_concurrent_rpcs=config.coordinator.max_concurrent_rpcs or None,
         interceptors=[
-            Guard(security, on_refused=service.caller_refused),
+            Guard(security, on_refused=service.caller_refused, on_revoked=service.caller_revoked),
             CountRequestStreams(service.wire, STREAMED_REQUEST_KINDS, parse_stream_message),
         ],
     )

@@ -55,10 +55,17 @@ TOKEN_REFUSALS = {
 class Guard(grpc.ServerInterceptor):
     """Every RPC checked before its handler runs: the token, or the certificate's role and name."""
 
-    def __init__(self, security: Security, on_refused: Callable[[str, str, str], None] | None = None):
-        """`on_refused(method, why, peer)`: each refused call, with where it came from."""
+    def __init__(
+        self,
+        security: Security,
+        on_refused: Callable[[str, str, str], None] | None = None,
+        on_revoked: Callable[[str, str], None] | None = None,
+    ):
+        """`on_refused(method, why, peer)`: each refused call, with where it came from;
+        `on_revoked(role, name)`: each call of a revoked certificate, before it is refused."""
         self.security = security
         self.on_refused = on_refused or (lambda method, why, peer: None)
+        self.on_revoked = on_revoked or (lambda role, name: None)
         self._subjects: dict[bytes, tuple[str, str, int]] = {}
 
     def intercept_service(self, continuation, details):  # noqa: ANN001, ANN201
@@ -86,6 +93,7 @@ class Guard(grpc.ServerInterceptor):
         role, name, serial = self._subjects[pem]
         revocations = self.security.revocations
         if revocations is not None and revocations.revoked(serial, time.monotonic()):
+            self.on_revoked(role, name)
             self._deny(context, method, f"the certificate of {name} ({role}, serial {serial:x}) is revoked")
         return role, name
 

@@ -9,7 +9,7 @@ import uuid
 import grpc
 
 from diloco.coordinator import lifecycle, limits
-from diloco.coordinator.callers import Rates, caller_of, own_worker_id
+from diloco.coordinator.callers import Rates, caller_of, cert_caller, own_worker_id
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
     ROLE_NAMES,
@@ -208,14 +208,29 @@ class MembershipRPCs(ServiceBase):
         self.wire.unary_in("leave", request, role)
         if self.ledger.known_worker(request.worker_id):  # an unknown id is no one's: nothing to free
             self._require_owner(request.worker_id, context, "Leave")
-        self.ledger.leave(request.worker_id)
-        self._heartbeats.forget(request.worker_id)
-        self._allowed.pop(request.worker_id, None)
+        self._gone(request.worker_id, "left")
         request.reason = limits.cut_text(request.reason, 512)
         log.info("leave worker=%s reason=%s", request.worker_id, request.reason or "-")
         self.events.record("leave", worker_id=request.worker_id, role=role, reason=request.reason)
-        with self.cond:
-            self.cond.notify_all()  # one learner fewer: the merger may close a round now
         reply = pb.LeaveReply()
         self.wire.add_out("leave", reply, role)
         return reply
+
+    def caller_revoked(self, role: str, name: str) -> None:
+        """A certificate in the --tls-crl called (the guard refused it): its worker, the
+        certificate's name, is lost at once, not a lease TTL later; its leases go back to the pool
+        and no round waits for it (a synchronous round waits for every live learner)."""
+        binding = self.ledger.binding(name)
+        if binding is None or binding[1] != cert_caller(role, name) or not self.ledger.known_worker(name):
+            return
+        self._gone(name, "lost")
+        log.warning("worker %s (%s) lost: its certificate is revoked", name, binding[0])
+        self.events.record("lost", worker_id=name, role=binding[0], reason="certificate revoked")
+
+    def _gone(self, worker_id: str, state: str) -> None:
+        """The worker left or is lost: its leases back in the pool, its allowances forgotten."""
+        self.ledger.leave(worker_id, state)
+        self._heartbeats.forget(worker_id)
+        self._allowed.pop(worker_id, None)
+        with self.cond:
+            self.cond.notify_all()  # one learner fewer: the merger may close a round now
