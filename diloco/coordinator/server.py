@@ -222,6 +222,7 @@ def _serve_ledger(
     service.security_mode = security.mode + (
         " (insecure)" if security.insecure and security.mode == "none" else ""
     )
+    service.revocations = security.revocations
     pb_grpc.add_CoordinatorServicer_to_server(service, server)
     try:
         bound = add_port(server, f"{host}:{port}", security)

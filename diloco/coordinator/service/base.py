@@ -41,6 +41,7 @@ from diloco.coordinator.wirecount import WIRE_COUNTS, WireCounter
 from diloco.fragments import assign_fragments
 from diloco.observe.events import RunEvents
 from diloco.observe.prometheus import TRANSFER_COUNTS, CoordinatorMetrics
+from diloco.security.revocation import RevocationList
 from diloco.v1 import coordinator_pb2 as pb
 
 # After a restart, how long (in learner heartbeats) a fragment's first round waits for the pushes
@@ -90,6 +91,7 @@ class ServiceBase:
         self._ticked_at: float | None = None  # (monotonic) when the ticker's last tick ended
         self._forgot_at = time.monotonic()  # (monotonic) when gone workers were last looked for
         self.security_mode = "none"  # how callers are told apart (the server sets it)
+        self.revocations: RevocationList | None = None  # the --tls-crl in force (the server sets it)
         self._roles: dict[str, str] = {}  # worker id -> role, for counting bytes per role
         self._initializing: str | None = None  # "being initialized by <worker>" while an init streams
         self.run_model = RunModel(config.model)  # the first init is checked against it (init_check)

@@ -122,6 +122,8 @@ class StatusRPCs(ServiceBase):
             "workers_total": len(workers),
             "uptime_s": round(now - self.started_at, 3),
             "security": self.security_mode,
+            # Under --tls-crl: how many certificates it revokes now (None: no list).
+            "certificates_revoked": None if self.revocations is None else len(self.revocations.serials),
             "calls_refused": int(counters.get("calls_refused", 0)) + self.refusals_unsaved,
             # One push and one learner pull on the wire, on average, and how many (every life's).
             "transfers": self.metrics.transfers(),

@@ -125,6 +125,7 @@ def test_a_coordinator_refuses_every_call_of_a_certificate_revoked_while_it_runs
             assert running.ledger.binding("learner-1")[2] is False
             assert running.ledger.leases_held("learner-1") == 0
             assert "learner-1" not in running.service._live_learners()
+            assert first.status()["certificates_revoked"] == 1
             # The learner whose certificate stands goes on.
             first.heartbeat(pb.HeartbeatRequest(worker_id="learner-0"), timeout_s=5)
             assert first.lease_shard().shard_id >= 0
