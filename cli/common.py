@@ -205,7 +205,12 @@ def with_security(fn: F) -> F:
             ),
             (
                 "token_file",
-                Annotated[str | None, typer.Option(help="a shared token instead of certificates")],
+                Annotated[
+                    str | None,
+                    typer.Option(
+                        help="a shared token instead of certificates (read again when the file changes: a rotation)"
+                    ),
+                ],
                 None,
             ),
             (

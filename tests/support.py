@@ -31,7 +31,15 @@ from diloco.local.procs import Child, ProcessGroup
 from diloco.local.tls import run_certificates
 from diloco.model import build_model
 from diloco.security.certs import TlsFiles
-from diloco.security.transport import CRL_ENV, ENV, INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Security
+from diloco.security.transport import (
+    CRL_ENV,
+    ENV,
+    INSECURE_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    TOKEN_GRACE_ENV,
+    Security,
+)
 from diloco.v1 import coordinator_pb2 as pb
 
 try:  # typer >= 0.2x ships its own copy of click
@@ -322,7 +330,7 @@ def tls_flags(files: TlsFiles) -> list[str]:
 
 # Where the identity flags land (cli.common.with_security): a command run in this process leaves
 # them in its environment for the next.
-SECURITY_ENV = (*ENV.values(), TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV, CRL_ENV)
+SECURITY_ENV = (*ENV.values(), TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV, CRL_ENV, TOKEN_GRACE_ENV)
 
 
 def cli(*args: str) -> tuple[int, str]:

@@ -20,6 +20,7 @@ import hmac
 import secrets
 import ssl
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import parse_qs, urlsplit
@@ -73,11 +74,11 @@ def http_access(
     cert_role: str = "",
     token: str = "",
     cookie_key: str = "diloco",
-    bearer_also: str = "",
+    bearer_also: Sequence[str] = (),
 ) -> Access:
     """May this request be answered? `target` is the request's path and query, `authorization`
     and `cookie` its headers, `cert_role` the role of its verified client certificate ("" when
-    none), `token` the access token, `cookie_key` the cookie's name and `bearer_also` a token
+    none), `token` the access token, `cookie_key` the cookie's name and `bearer_also` tokens
     taken as a bearer alone (the run's, in token mode: never in a link or a cookie)."""
     if mode == "none":
         return Access(True, "open: no TLS, no token")
@@ -91,7 +92,7 @@ def http_access(
         return Access(True, f"an {cert_role} certificate")
     scheme, _, sent = authorization.partition(" ")
     if scheme.lower() == "bearer":
-        if _same(sent.strip(), token) or _same(sent.strip(), bearer_also):
+        if any([_same(sent.strip(), t) for t in (token, *bearer_also)]):
             return Access(True, "the bearer token")
         return Access(False, "a wrong bearer token")
     if token and _same(_cookie(cookie, cookie_key), cookie_value(token)):

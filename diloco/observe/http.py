@@ -16,7 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
@@ -121,7 +122,7 @@ class GuardedServer:
         access_token: str,
         on_refused: Callable[[str, str, str], None] | None = None,
         name: str = "observe-http",
-        bearer_also: str = "",
+        bearer_also: Callable[[], Sequence[str]] | None = None,
         what: str = "HTTP",
     ):
         """`what`: the endpoint, as a refused bind names it ("the status page", "the learner's
@@ -154,7 +155,7 @@ class GuardedServer:
                     cert_role=role_of(self.request.getpeercert(), revocations) if context is not None else "",
                     token=access_token,
                     cookie_key=server.cookie,
-                    bearer_also=bearer_also,
+                    bearer_also=bearer_also() if bearer_also is not None else (),
                 )
                 if not verdict.allowed:
                     refused(
@@ -253,6 +254,7 @@ class ObserveServer(GuardedServer):
         self.page = page
         super().__init__(
             host, port, routes, security=security, access_token=access_token, on_refused=on_refused,
-            bearer_also=security.token if security.mode == "token" else "",
+            # The run's token as a bearer: the token file's latest (a rotation), in token mode.
+            bearer_also=(lambda: security.tokens.accepted(time.monotonic())) if security.mode == "token" else None,
             what="the status page (--http-port)" if page else "the coordinator's /metrics (--metrics-port)",
         )  # fmt: skip

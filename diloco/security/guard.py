@@ -73,8 +73,12 @@ class Guard(grpc.ServerInterceptor):
         if self.security.mode == "token":
             sent = dict(details.invocation_metadata or ()).get("authorization", "")
             handler = continuation(details)
-            expected = f"Bearer {self.security.token}".encode()
-            if handler is None or hmac.compare_digest(sent.encode(), expected):
+            # The token file's latest, and for a while after a rotation the one before it: each
+            # compared in constant time, and every one of them, whichever matches.
+            taken = self.security.tokens.accepted(time.monotonic())
+            if handler is None or any(
+                [hmac.compare_digest(sent.encode(), f"Bearer {t}".encode()) for t in taken]
+            ):
                 return handler
             # Whether a token came says nothing of the right one; the comparison stays constant-time.
             missing = not sent.removeprefix("Bearer").strip()

@@ -14,18 +14,15 @@ certificate issued again under the same name (rotation) has a new serial, and is
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 from cryptography import x509
 
 from diloco.errors import DilocoError
 from diloco.security.certs import CRL_NAME, load_ca, signed_by, subject_of, write_crl
+from diloco.security.watched import WatchedFile
 
 log = logging.getLogger("diloco.security")
-
-# How often the guard looks at the file's modification time: a revocation takes effect within this.
-RECHECK_S = 1.0
 
 
 def serial_of(pem: bytes) -> int:
@@ -68,55 +65,22 @@ def revoked_serials(crl_pem: bytes, ca: x509.Certificate) -> frozenset[int]:
     return frozenset(r.serial_number for r in crl)
 
 
-def reload_due(now: float, checked_at: float | None) -> bool:
-    """Whether to look at the list's file again: at most once every RECHECK_S."""
-    return checked_at is None or now - checked_at >= RECHECK_S
-
-
 class RevocationList:
-    """The serials the file at `path` revokes, read again when it changes. A file that becomes
-    unreadable or unsigned keeps the last good list (and says so in the log): a half-copied file
-    must not let revoked certificates back in, nor lock everyone out."""
+    """The serials the file at `path` revokes (a CRL signed by the CA of `ca_pem`), read again
+    when it changes. A version that is unreadable or not the CA's keeps the last good list: a
+    half-copied file must not let revoked certificates back in, nor lock everyone out."""
 
     def __init__(self, path: str | Path, ca_pem: bytes):
+        ca = x509.load_pem_x509_certificates(ca_pem)[0]
         self.path = Path(path)
-        self.ca = x509.load_pem_x509_certificates(ca_pem)[0]
-        self._lock = threading.Lock()
-        self._checked_at: float | None = None
-        self._mtime = self._stat()
-        try:
-            self.serials = revoked_serials(self.path.read_bytes(), self.ca)
-        except (OSError, DilocoError) as e:
-            raise DilocoError(f"--tls-crl {self.path} {e}") from e
-        self._failed: tuple[int | None, str] = (None, "")  # the file's version that failed, and why
+        self._file = WatchedFile(path, lambda pem: revoked_serials(pem, ca), "--tls-crl")
 
-    def _stat(self) -> int:
-        try:
-            return self.path.stat().st_mtime_ns
-        except OSError as e:
-            raise DilocoError(f"--tls-crl {self.path}: {e.strerror}") from e
+    @property
+    def serials(self) -> frozenset[int]:
+        return self._file.value
 
     def revoked(self, serial: int, now: float) -> bool:
-        with self._lock:
-            if reload_due(now, self._checked_at):
-                self._checked_at = now
-                self._reload()
-            return serial in self.serials
-
-    def _reload(self) -> None:
-        mtime: int | None = None
-        try:
-            mtime = self.path.stat().st_mtime_ns
-            if mtime in (self._mtime, self._failed[0]):
-                return
-            serials = revoked_serials(self.path.read_bytes(), self.ca)
-        except (OSError, DilocoError) as e:
-            failed = (mtime, str(e))
-            if failed != self._failed:  # said once, not every second
-                log.error(
-                    "--tls-crl %s could not be read again (%s): the last list stays in force", self.path, e
-                )
-            self._failed = failed
-            return
-        self.serials, self._mtime, self._failed = serials, mtime, (None, "")
-        log.warning("--tls-crl %s read again: %d certificate(s) revoked", self.path, len(serials))
+        serials, changed = self._file.get(now)
+        if changed:
+            log.warning("--tls-crl %s read again: %d certificate(s) revoked", self.path, len(serials))
+        return serial in serials

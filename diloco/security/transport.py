@@ -24,6 +24,7 @@ import functools
 import ipaddress
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,11 @@ from diloco.security.certs import (
     subject_of,
 )
 from diloco.security.revocation import RevocationList
+from diloco.security.tokens import ROTATION_GRACE_S, TokenSource
 
 ENV = {"cert": "DILOCO_TLS_CERT", "key": "DILOCO_TLS_KEY", "ca": "DILOCO_TLS_CA"}
 TOKEN_ENV, TOKEN_FILE_ENV, INSECURE_ENV = "DILOCO_TOKEN", "DILOCO_TOKEN_FILE", "DILOCO_INSECURE"
-CRL_ENV = "DILOCO_TLS_CRL"
+CRL_ENV, TOKEN_GRACE_ENV = "DILOCO_TLS_CRL", "DILOCO_TOKEN_GRACE_S"
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,13 @@ class Security:
     token: str = ""
     insecure: bool = False
     crl: str = ""  # a server's certificate revocation list (mutual TLS only)
+    token_file: str = ""  # where `token` was read: read again when it changes (a rotation)
+    token_grace_s: float = ROTATION_GRACE_S  # a server takes the token before a rotation this long
+
+    @functools.cached_property
+    def tokens(self) -> TokenSource:
+        """The token to send and the tokens to take, now: `token`, or the token file's latest."""
+        return TokenSource(self.token, self.token_file, check_token, self.token_grace_s)
 
     @functools.cached_property
     def revocations(self) -> RevocationList | None:
@@ -72,7 +81,8 @@ class Security:
         paths = {k: os.environ.get(v, "") for k, v in ENV.items()}
         if any(paths.values()) and not all(paths.values()):
             raise DilocoError("TLS needs all three of --tls-cert, --tls-key and --tls-ca")
-        token = token_from(os.environ.get(TOKEN_ENV, ""), os.environ.get(TOKEN_FILE_ENV, ""))
+        token_file = os.environ.get(TOKEN_FILE_ENV, "")
+        token = token_from(os.environ.get(TOKEN_ENV, ""), token_file)
         crl = os.environ.get(CRL_ENV, "")
         if crl and not all(paths.values()):
             raise DilocoError(
@@ -83,6 +93,8 @@ class Security:
             token,
             os.environ.get(INSECURE_ENV) == "1",
             crl,
+            token_file,
+            token_grace_s(os.environ.get(TOKEN_GRACE_ENV, "")),
         )
 
     def name(self) -> str | None:
@@ -95,6 +107,19 @@ class Security:
                 f"--tls-cert {self.tls.cert} {problem}: give the .crt `diloco certs issue` wrote"
             )
         return subject_of(cert)[1]
+
+
+def token_grace_s(value: str) -> float:
+    """DILOCO_TOKEN_GRACE_S: how long a coordinator still takes the token before a rotation."""
+    if not value:
+        return ROTATION_GRACE_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 86400:
+        raise DilocoError(f"{TOKEN_GRACE_ENV}={value!r}: give seconds from 0 to 86400")
+    return seconds
 
 
 def token_from(value: str, path: str) -> str:
@@ -305,13 +330,14 @@ class _CallDetails(
 
 class _TokenMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                      grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # fmt: skip
-    """Adds the token to every call's metadata."""
+    """Adds the token to every call's metadata: the token file's latest (a rotation)."""
 
-    def __init__(self, token: str):
-        self.header = ("authorization", f"Bearer {token}")
+    def __init__(self, tokens: TokenSource):
+        self.tokens = tokens
 
     def _details(self, d: Any) -> _CallDetails:
-        metadata = [*(d.metadata or []), self.header]
+        header = ("authorization", f"Bearer {self.tokens.current(time.monotonic())}")
+        metadata = [*(d.metadata or []), header]
         return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
 
     def intercept_unary_unary(self, continuation, details, request):  # noqa: ANN001, ANN201
@@ -342,7 +368,7 @@ def client_channel(address: str, security: Security, options: list[tuple[str, An
         creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         return grpc.secure_channel(address, creds, options=options)
     channel = grpc.insecure_channel(address, options=options)
-    return grpc.intercept_channel(channel, _TokenMetadata(security.token)) if security.token else channel
+    return grpc.intercept_channel(channel, _TokenMetadata(security.tokens)) if security.token else channel
 
 
 # -- the server's side -------------------------------------------------------------------------

@@ -90,13 +90,13 @@ def test_the_access_token_is_random_and_kept_0600_in_the_workdir(tmp_path: Path)
 def test_the_run_token_opens_as_a_bearer_only() -> None:
     page = "page-token-0123456789"
     assert http_access(
-        "token", "/api/status", authorization=f"Bearer {TOKEN}", token=page, bearer_also=TOKEN
+        "token", "/api/status", authorization=f"Bearer {TOKEN}", token=page, bearer_also=(TOKEN,)
     ).allowed
-    assert not http_access("token", f"/?token={TOKEN}", token=page, bearer_also=TOKEN).allowed
+    assert not http_access("token", f"/?token={TOKEN}", token=page, bearer_also=(TOKEN,)).allowed
     assert not http_access(
-        "token", "/", cookie=f"diloco={cookie_value(TOKEN)}", token=page, bearer_also=TOKEN
+        "token", "/", cookie=f"diloco={cookie_value(TOKEN)}", token=page, bearer_also=(TOKEN,)
     ).allowed
-    assert http_access("token", f"/?token={page}", token=page, bearer_also=TOKEN).login
+    assert http_access("token", f"/?token={page}", token=page, bearer_also=(TOKEN,)).login
 
 
 # -- real servers ------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ from diloco.client import CoordinatorClient
 from diloco.errors import DilocoError
 from diloco.observe.access import role_of
 from diloco.security.certs import CRL_NAME, init_ca, issue
-from diloco.security.revocation import RECHECK_S, RevocationList, revoke, revoked_serials, serial_of
+from diloco.security.revocation import RevocationList, revoke, revoked_serials, serial_of
 from diloco.security.transport import Security
+from diloco.security.watched import RECHECK_S
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import cli, one_error_line, run_cli, tiny_coordinator
 
@@ -68,7 +69,7 @@ def test_a_changed_list_is_read_within_a_second_and_a_broken_one_keeps_the_last(
     for i in range(2, 5):
         assert listed.revoked(serial(a.cert), now + i * RECHECK_S)
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len(said) == 1 and "the last list stays in force" in said[0], said
+    assert len(said) == 1 and "the last one stays in force" in said[0], said
     # Mended, it is read again.
     (ca / CRL_NAME).unlink()
     revoke(ca, b.cert)  # a new list: b only
