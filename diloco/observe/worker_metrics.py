@@ -7,6 +7,7 @@ carries it (`Authorization: Bearer`); beyond loopback it needs the token or --in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,8 +74,11 @@ def serve_worker_metrics(
     # The certificate does not protect a plaintext port: only the token (or --insecure) counts.
     plain = Security(token=security.token, insecure=security.insecure)
     routes = {"/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry))}
+    # The run's token as a bearer only (what Prometheus sends; no login link, no cookie), the token
+    # file's latest: a rotation reaches this port too.
     server = GuardedServer(
-        host, port, routes, security=plain, access_token=security.token, name=f"{role}-metrics",
+        host, port, routes, security=plain, access_token="", name=f"{role}-metrics",
+        bearer_also=lambda: security.tokens.accepted(time.monotonic()),
         what=f"the {'learner' if role == 'learner' else 'data worker'}'s /metrics (--metrics-port)",
     )  # fmt: skip
     return server.httpd

@@ -227,6 +227,10 @@ def test_a_workers_metrics_want_the_runs_token_in_token_mode() -> None:
         assert fetch(url)[0] == 401
         code, _, body = fetch(url, Authorization=f"Bearer {TOKEN}")
         assert code == 200 and b"diloco_data_worker_chunks_done_total" in body
+        # A bearer only (what Prometheus sends): the run's token opens it neither in the address
+        # nor as a cookie.
+        assert fetch(f"{url}?token={TOKEN}")[0] == 401
+        assert fetch(url, Cookie=f"diloco_{server.server_port}={cookie_value(TOKEN)}")[0] == 401
     finally:
         server.shutdown()
     with pytest.raises(DilocoError, match="without TLS or a token"):

@@ -16,10 +16,12 @@ from diloco.config import RunConfig
 from diloco.coordinator.server import start_coordinator
 from diloco.errors import DilocoError
 from diloco.observe.access import http_access
+from diloco.observe.worker_metrics import serve_worker_metrics
 from diloco.security.tokens import TokenSource
 from diloco.security.transport import Security, check_token, token_grace_s
 from diloco.security.watched import RECHECK_S
 from diloco.v1 import coordinator_pb2 as pb
+from tests.unit.observe.test_http_access import fetch
 
 OLD, NEW = "old-token-of-the-run-0001", "new-token-of-the-run-0002"
 
@@ -107,3 +109,19 @@ def test_a_coordinator_takes_a_rotated_token_and_shuts_the_old_one_out_after_its
         for client in (learner, stale, fresh):
             client.close()
         running.stop()
+
+
+def test_a_workers_metrics_port_follows_a_rotation(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    write(path, OLD)
+    security = Security(token=OLD, token_file=str(path), token_grace_s=0.0)
+    server = serve_worker_metrics("data", 0, "127.0.0.1", lambda: {"chunks_done": 1}, lambda: "d", security)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        assert fetch(url, Authorization=f"Bearer {OLD}")[0] == 200
+        write(path, NEW)
+        time.sleep(RECHECK_S * 1.2)
+        assert fetch(url, Authorization=f"Bearer {NEW}")[0] == 200
+        assert fetch(url, Authorization=f"Bearer {OLD}")[0] == 401  # no grace asked for: shut out
+    finally:
+        server.shutdown()
