@@ -48,6 +48,10 @@ def test_a_learner_killed_with_sigkill_resumes_from_its_local_state(
             "--dataset", str(tiny_corpus), "--set", "train.threads=1", "--set", "train.inner_steps=20",
             "--set", "train.local_state_every_s=1", "--set", "data.chunk_bytes=65536",
             "--set", "train.max_tokens=1000000000",
+            # Two epochs: on a loaded machine the writer's journal and fsyncs hold copies back, and
+            # in one epoch the first life once ran the data out (25 s, 2 copies) before a copy
+            # past step 30 with a push journaled after it was there to kill it on.
+            "--set", "data.epochs=2",
             "--set", "model.kwargs.n_layer=1",  # what is tested is the resume, not the model
         ])  # fmt: skip
         group.spawn("data-0", "data", ["data", "--coordinator", address])
