@@ -263,6 +263,7 @@ class PushesTable(ClaimsTable):
         by_worker: dict[str, int] = {}
         with self._tx() as db:
             self._mark_merged(db, [push_id], version, by_worker)
+            _bump(db, "pushes_rows_only", 1)
         self._count_merged_by_worker(by_worker)
         return None
 

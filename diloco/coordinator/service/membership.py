@@ -220,9 +220,9 @@ class MembershipRPCs(ServiceBase):
         """A certificate in the --tls-crl called (the guard refused it): its worker, the
         certificate's name, is lost at once, not a lease TTL later; its leases go back to the pool
         and no round waits for it (a synchronous round waits for every live learner)."""
-        binding = self.ledger.binding(name)
-        if binding is None or binding[1] != cert_caller(role, name) or not self.ledger.known_worker(name):
-            return
+        binding = self.ledger.binding(name, self.config.coordinator.lease_ttl_s)
+        if binding is None or binding[1] != cert_caller(role, name) or not binding[2]:
+            return  # not its worker, or gone already (the reaper takes one whose lease lapsed)
         self._gone(name, "lost")
         log.warning("worker %s (%s) lost: its certificate is revoked", name, binding[0])
         self.events.record("lost", worker_id=name, role=binding[0], reason="certificate revoked")

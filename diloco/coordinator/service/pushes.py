@@ -295,7 +295,6 @@ class PushRPCs(PushIntake):
             "push %s of %s taken for its rows only: no credit left for its delta",
             header.push_id[:8], header.worker_id,
         )  # fmt: skip
-        self.ledger.bump("pushes_rows_only")
         self._nothing_this_round(header)
         return pb.PushReply(
             accepted=True, reason="rows recorded: no credit left for this delta", version=frag.version - 1
