@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from diloco.security.revocation import REVOKED
+
 IDENTITY_HINT = "check --tls-cert/--token-file"
 # A certificate in the coordinator's --tls-crl: no flag of ours mends that.
 REVOKED_HINT = "the run's operator revoked this certificate: only a new one (diloco certs issue) is let in"
@@ -57,7 +59,7 @@ def rpc_outcome(code: grpc.StatusCode, details: str = "") -> Outcome:
     if code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED):
         # This learner's identity is refused (a rotated token or certificate, another caller
         # holding its worker id): every call it makes will be, however long it tries.
-        hint = REVOKED_HINT if "is revoked" in said else IDENTITY_HINT
+        hint = REVOKED_HINT if REVOKED in said else IDENTITY_HINT
         return Outcome(Action.FATAL, True, f"{said}; {hint}")
     if code == grpc.StatusCode.UNIMPLEMENTED:
         # Not a diloco coordinator of this version on that address: no retry changes that.

@@ -14,7 +14,7 @@ import grpc
 
 from diloco.plugins import a_or_an
 from diloco.security.certs import subject_of
-from diloco.security.revocation import serial_of
+from diloco.security.revocation import revoked_refusal, serial_of
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 
@@ -98,7 +98,7 @@ class Guard(grpc.ServerInterceptor):
         revocations = self.security.revocations
         if revocations is not None and revocations.revoked(serial, time.monotonic()):
             self.on_revoked(role, name)
-            self._deny(context, method, f"the certificate of {name} ({role}, serial {serial:x}) is revoked")
+            self._deny(context, method, revoked_refusal(role, name, serial))
         return role, name
 
     def _deny(self, context: grpc.ServicerContext, method: str, why: str) -> None:

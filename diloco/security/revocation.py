@@ -7,7 +7,8 @@ run's CA, that the coordinator reads at start and again whenever the file change
 gRPC's Python server has no CRL setting, so the check is the guard's (diloco.security.guard), per
 call, by the serial number of the certificate the caller presented. A learner whose key has
 leaked, or whose host is found pushing deltas that steer the model, is cut off at its next call,
-without restarting the run or making a new CA; its leases lapse as any silent worker's do. A
+without restarting the run or making a new CA; its worker is lost at that call (its leases back
+in the pool, no round waiting for it: service/membership.caller_revoked). A
 certificate issued again under the same name (rotation) has a new serial, and is not revoked.
 """
 
@@ -23,6 +24,14 @@ from diloco.security.certs import CRL_NAME, load_ca, signed_by, subject_of, writ
 from diloco.security.watched import WatchedFile
 
 log = logging.getLogger("diloco.security")
+
+# How the guard's refusal of a revoked certificate ends: a client tells it from other identity
+# refusals by this (compute/rpc_outcome), as only the refusal's text crosses the wire.
+REVOKED = "is revoked"
+
+
+def revoked_refusal(role: str, name: str, serial: int) -> str:
+    return f"the certificate of {name} ({role}, serial {serial:x}) {REVOKED}"
 
 
 def serial_of(pem: bytes) -> int:
