@@ -10,13 +10,21 @@ applied τ steps after its push. Nothing here depends on how busy the machine is
 only by the rule under test, and one run takes a minute instead of a benchmark's quarter hour.
 What it is for: separating the effects of partial rounds, staleness, overlap and fragments on the
 eval loss at equal tokens (issue: Decoupled vs synchronous DiLoCo).
+
+    python benchmarks/outer_sim.py --learners 3 --quorum 0 --inner-steps 20 --hostile 2
+
+adds a hostile learner (RT2's defect 1: a learner steers within the norm bound) against the
+coordinator's outlier rule (`limits.norm_outlier`), or with `--norm-rule clip` against clipping
+each push to the bound instead of refusing it.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +36,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import build_rows  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
-from diloco.coordinator import merging  # noqa: E402
+from diloco.coordinator import limits, merging  # noqa: E402
+from diloco.coordinator.service.state import NORM_HISTORY  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
 from diloco.local.launch import default_run_config  # noqa: E402
@@ -50,6 +59,45 @@ class Fragment:
     # --late amend: the last period's starting version and who is in it.
     period_start: int | None = None
     period_members: set[int] = field(default_factory=set)
+    # The outlier check's history: accepted pushes' norms per H steps, and who pushed each.
+    norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
+    norm_by: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
+
+
+def delta_norm_per_h(delta: dict[str, torch.Tensor], steps: int, H: int) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values())) / max(1.0, steps / H)
+
+
+def attacked(delta, f: Fragment, steps: int, args, H: int):
+    """The hostile learner's push: its own delta reversed (the model trained backwards), its norm
+    just under what the outlier check takes (--attack-scale × the median of the others' recent
+    norms). Until the check has history enough it pushes honestly, as a careful attacker would."""
+    recent = [n for n, w in zip(f.norms, f.norm_by, strict=True) if w != args.hostile]
+    if len(recent) < limits.MIN_NORM_HISTORY:
+        return delta
+    target = args.attack_scale * sorted(recent)[len(recent) // 2] * max(1.0, steps / H)
+    size = delta_norm_per_h(delta, 1, 1)
+    return {n: -d * (target / max(size, 1e-12)) for n, d in delta.items()}
+
+
+def screened(delta, f: Fragment, m: int, steps: int, args, H: int):
+    """The coordinator's outlier check on one push (None: refused), or with --norm-rule clip the
+    push scaled down to the bound instead; its norm joins the history once taken."""
+    norm = delta_norm_per_h(delta, steps, H)
+    bar = args.norm_ratio
+    if args.norm_rule == "refuse":
+        if limits.norm_outlier(norm, tuple(f.norms), bar, tuple(str(w) for w in f.norm_by), str(m)):
+            return None
+    elif args.norm_rule == "clip" and len(f.norms) >= limits.MIN_NORM_HISTORY:
+        others = [n for n, w in zip(f.norms, f.norm_by, strict=True) if w != m]
+        recent = others if len(others) >= limits.MIN_NORM_HISTORY else list(f.norms)
+        limit = bar * sorted(recent)[len(recent) // 2]
+        if norm > limit:
+            delta = {n: d * (limit / norm) for n, d in delta.items()}
+            norm = limit
+    f.norms.append(norm)
+    f.norm_by.append(m)
+    return delta
 
 
 def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
@@ -97,6 +145,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="apply the merge that used the push, or the newest version at apply time")  # fmt: skip
     p.add_argument("--late", choices=["round", "amend"], default="round",
                    help="a push late for the last period: its own round, or amended into that period's step")  # fmt: skip
+    p.add_argument("--hostile", type=int, default=-1,
+                   help="this learner pushes its delta reversed, at --attack-scale x the others' median norm")  # fmt: skip
+    p.add_argument(
+        "--attack-scale", type=float, default=9.9, help="under the refusal bar (sync.max_delta_norm_ratio 10)"
+    )
+    p.add_argument("--norm-rule", choices=["refuse", "clip", "none"], default="refuse",
+                   help="a push over --norm-ratio x the median: refused (the coordinator's rule), or clipped to it")  # fmt: skip
+    p.add_argument(
+        "--norm-ratio", type=float, default=10.0, help="the coordinator's sync.max_delta_norm_ratio"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -135,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_at: list[list[tuple[int, int] | None]] = [[None] * P for _ in range(M)]
     interval = H // P
     done = [0] * M
-    merges = single = 0
+    merges = single = refused = 0
     tick = 0
     while min(done) < steps_each:
         for m in range(M):
@@ -186,6 +244,13 @@ def main(argv: list[str] | None = None) -> None:
                         f.period_members.add(m)
                         apply_at[m][q] = (done[m] + tau, f.version)
                         continue
+                    if m == args.hostile:
+                        delta = attacked(delta, f, since[m][q], args, H)
+                    delta = screened(delta, f, m, since[m][q], args, H)
+                    if delta is None:  # refused: as the learner does, it takes the fragment as it is now
+                        refused += 1
+                        apply_at[m][q] = (done[m] + tau, f.version)
+                        continue
                     f.pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
                     if f.open_since is None:
                         f.open_since = tick
@@ -198,6 +263,12 @@ def main(argv: list[str] | None = None) -> None:
         for q in range(P):
             if apply_at[m][q] is None and since[m][q]:
                 delta = {n: frags[q].history[base[m][q]][n] - params[n].detach() for n in plan[q]}
+                if m == args.hostile:
+                    delta = attacked(delta, frags[q], since[m][q], args, H)
+                delta = screened(delta, frags[q], m, since[m][q], args, H)
+                if delta is None:
+                    refused += 1
+                    continue
                 frags[q].pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
     merges, single = close_rounds(frags, args, M, policy, tick, merges, single, force=True)
     final = build_model(cfg.model, vocab, cfg.train.seed)
@@ -207,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
             for n, t in f.params.items():
                 own[n].copy_(t)
     loss = eval_loss(final, eval_rows, bs, "cpu")
-    result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "steps_each": steps_each,
+    result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "refused": refused, "steps_each": steps_each,
               "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     print(json.dumps(result))
     if args.out:
