@@ -72,10 +72,10 @@ def attacked(delta, f: Fragment, steps: int, args, H: int):
     """The hostile learner's push: its own delta reversed (the model trained backwards), its norm
     just under what the outlier check takes (--attack-scale × the median of the others' recent
     norms). Until the check has history enough it pushes honestly, as a careful attacker would."""
-    recent = [n for n, w in zip(f.norms, f.norm_by, strict=True) if w != args.hostile]
-    if len(recent) < limits.MIN_NORM_HISTORY:
+    reference = limits.norm_reference(tuple(f.norms), tuple(map(str, f.norm_by)), str(args.hostile))
+    if reference is None:
         return delta
-    target = args.attack_scale * sorted(recent)[len(recent) // 2] * max(1.0, steps / H)
+    target = args.attack_scale * reference[0] * max(1.0, steps / H)
     size = delta_norm_per_h(delta, 1, 1)
     return {n: -d * (target / max(size, 1e-12)) for n, d in delta.items()}
 
@@ -84,14 +84,12 @@ def screened(delta, f: Fragment, m: int, steps: int, args, H: int):
     """The coordinator's outlier check on one push (None: refused), or with --norm-rule clip the
     push scaled down to the bound instead; its norm joins the history once taken."""
     norm = delta_norm_per_h(delta, steps, H)
-    bar = args.norm_ratio
+    history = (tuple(f.norms), tuple(map(str, f.norm_by)), str(m))
     if args.norm_rule == "refuse":
-        if limits.norm_outlier(norm, tuple(f.norms), bar, tuple(str(w) for w in f.norm_by), str(m)):
+        if limits.norm_outlier(norm, history[0], args.norm_ratio, *history[1:]):
             return None
-    elif args.norm_rule == "clip" and len(f.norms) >= limits.MIN_NORM_HISTORY:
-        others = [n for n, w in zip(f.norms, f.norm_by, strict=True) if w != m]
-        recent = others if len(others) >= limits.MIN_NORM_HISTORY else list(f.norms)
-        limit = bar * sorted(recent)[len(recent) // 2]
+    elif args.norm_rule == "clip" and (reference := limits.norm_reference(*history)) is not None:
+        limit = args.norm_ratio * reference[0]
         if norm > limit:
             delta = {n: d * (limit / norm) for n, d in delta.items()}
             norm = limit
@@ -193,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     apply_at: list[list[tuple[int, int] | None]] = [[None] * P for _ in range(M)]
     interval = H // P
     done = [0] * M
-    merges = single = refused = 0
+    merges = single = 0
+    refused = [0] * M  # pushes refused, by learner
     tick = 0
     while min(done) < steps_each:
         for m in range(M):
@@ -248,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
                         delta = attacked(delta, f, since[m][q], args, H)
                     delta = screened(delta, f, m, since[m][q], args, H)
                     if delta is None:  # refused: as the learner does, it takes the fragment as it is now
-                        refused += 1
+                        refused[m] += 1
                         apply_at[m][q] = (done[m] + tau, f.version)
                         continue
                     f.pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
@@ -267,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                     delta = attacked(delta, frags[q], since[m][q], args, H)
                 delta = screened(delta, frags[q], m, since[m][q], args, H)
                 if delta is None:
-                    refused += 1
+                    refused[m] += 1
                     continue
                 frags[q].pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
     merges, single = close_rounds(frags, args, M, policy, tick, merges, single, force=True)
@@ -278,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
             for n, t in f.params.items():
                 own[n].copy_(t)
     loss = eval_loss(final, eval_rows, bs, "cpu")
-    result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "refused": refused, "steps_each": steps_each,
+    result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "refused": sum(refused), "refused_by_learner": refused, "steps_each": steps_each,
               "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     print(json.dumps(result))
     if args.out:

@@ -120,18 +120,29 @@ def norm_outlier(
     `by` names who pushed each of `recent`: where other workers' norms are enough, the median is
     theirs, so a pusher cannot raise its own bar push by push (each at 9.5× the median of its own
     last ones took the norm from 2.8 to 1.5e19 in 2 minutes)."""
-    if by and worker_id:
-        others = [n for n, w in zip(recent, by, strict=True) if w != worker_id]
-        recent = others if len(others) >= MIN_NORM_HISTORY else recent
-    if ratio <= 0 or len(recent) < MIN_NORM_HISTORY:
+    reference = norm_reference(recent, by, worker_id)
+    if ratio <= 0 or reference is None:
         return ""
-    median = statistics.median(recent)
+    median, count = reference
     if median > 0 and norm_per_h > ratio * median:
         return (
             f"delta norm {norm_per_h:.3g} per H steps is {norm_per_h / median:.0f}× the median of the fragment's "
-            f"last {len(recent)} ({median:.3g}; sync.max_delta_norm_ratio = {ratio:g})"
+            f"last {count} ({median:.3g}; sync.max_delta_norm_ratio = {ratio:g})"
         )
     return ""
+
+
+def norm_reference(
+    recent: Sequence[float], by: Sequence[str] = (), worker_id: str = ""
+) -> tuple[float, int] | None:
+    """The median a push's norm is compared with, and how many norms it is of: other workers'
+    recent ones where they are enough, else all of them; None while the history is too short."""
+    if by and worker_id:
+        others = [n for n, w in zip(recent, by, strict=True) if w != worker_id]
+        recent = others if len(others) >= MIN_NORM_HISTORY else recent
+    if len(recent) < MIN_NORM_HISTORY:
+        return None
+    return statistics.median(recent), len(recent)
 
 
 # Running statistics (BatchNorm's running mean and variance) come as values, not deltas: a
