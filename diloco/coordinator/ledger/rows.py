@@ -118,13 +118,14 @@ class PushesTable(ClaimsTable):
             _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
         return resent
 
-    def recent_norms(self, fragment: int, limit: int) -> list[tuple[str, float]]:
-        """The last `limit` merged pushes of `fragment` with a norm, oldest first: (worker, norm
-        per H steps), the outlier check's history after a restart."""
+    def recent_norms(self, fragment: int, limit: int, min_steps: int = 0) -> list[tuple[str, float]]:
+        """The last `limit` merged pushes of `fragment` with a norm and at least `min_steps`
+        steps, oldest first: (worker, norm per H steps), the outlier check's history after a
+        restart."""
         rows = self._q(
             "SELECT worker_id, norm FROM pushes WHERE fragment = ? AND state = 'merged' AND norm IS NOT NULL "
-            "ORDER BY merged_version DESC, received DESC LIMIT ?",
-            (fragment, limit),
+            "AND steps >= ? ORDER BY merged_version DESC, received DESC LIMIT ?",
+            (fragment, min_steps, limit),
         )
         return [(str(r[0]), float(r[1])) for r in reversed(rows)]
 

@@ -253,8 +253,9 @@ class ServiceBase:
             files=files or [version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
             awaited=awaited, awaited_until=self.clock() + RESEND_WAIT_HEARTBEATS * self.config.coordinator.heartbeat_s,
         )  # fmt: skip
-        # The outlier check's history, as the merged pushes left it: a restart does not empty it.
-        for worker_id, norm in self.ledger.recent_norms(p, NORM_HISTORY):
+        # The outlier check's history, as the merged pushes of H steps or more left it: a restart
+        # does not empty it.
+        for worker_id, norm in self.ledger.recent_norms(p, NORM_HISTORY, self.config.train.inner_steps):
             state.recent_norms.append(norm)
             state.recent_workers.append(worker_id)
         return state

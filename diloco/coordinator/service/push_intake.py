@@ -93,6 +93,10 @@ class PushIntake(ServiceBase):
         norm_per_h = math.sqrt(squared) / max(1.0, header.inner_steps / self.config.train.inner_steps)
         with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
             recent, by = tuple(frag.recent_norms), tuple(frag.recent_workers)
+        if (reference := limits.norm_reference(recent, by, header.worker_id)) is not None and reference[
+            0
+        ] > 0:
+            self.metrics.push_norm_ratio.observe(norm_per_h / reference[0])
         outlier = limits.norm_outlier(
             norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
         ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))

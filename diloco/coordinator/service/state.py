@@ -91,7 +91,8 @@ class FragmentState:
     # published version -> (the published version before it, the encoded blobs of the step
     # between their broadcasts), the last few.
     chain: dict[int, tuple[int, dict[str, bytes]]] = field(default_factory=dict)
-    # The norms per H steps of the last accepted deltas (the outlier check, limits.norm_outlier).
+    # The norms per H steps of the last accepted deltas of H steps or more (the outlier check,
+    # limits.norm_outlier).
     # Restored from the ledger at a start (each push keeps its norm), so a restart does not empty it.
     recent_norms: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=NORM_HISTORY)

@@ -110,7 +110,10 @@ def test_a_push_names_rows_of_its_own_leases_once(tiny_corpus: Path, tmp_path: P
 
 @pytest.mark.timeout(120)
 def test_claimed_steps_are_credited_what_the_rows_hold(tiny_corpus: Path, tmp_path: Path) -> None:
-    with tiny_coordinator(tiny_corpus, tmp_path, OVERRIDES) as (running, learner, init):
+    # H = 1: each honest push's 10 rows (one step at batch 16) are a full H, so they make the
+    # outlier check's history (a push of fewer than H steps does not).
+    overrides = {**OVERRIDES, "train.inner_steps": 1, "sync.overlap_steps": 0}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, learner, init):
         shard = learner.lease_shard()
         for i in range(5):  # honest history: norms of about 1e-4 × √n
             assert learner.push(
@@ -119,11 +122,11 @@ def test_claimed_steps_are_credited_what_the_rows_hold(tiny_corpus: Path, tmp_pa
         rows_behind = 10  # the fresh rows it names (one fragment: each backs this one push)
         bound = math.ceil(rows_behind / RunConfig().train.batch_size)
         # 1000 × H steps claimed: its norm would be divided by 1000 against the median.
-        h = header(shard.shard_id, (50, 60), "inflated", steps=1000 * H)
-        h.tokens = 1000 * H * 16 * 129
+        h = header(shard.shard_id, (50, 60), "inflated", steps=1000)
+        h.tokens = 1000 * 16 * 129
         reply = learner.push(h, small(init, scale=1e-4 * 1000 / 2, seed=9))
         assert not reply.accepted and "median" in reply.reason, reply
-        assert running.ledger.push_state("inflated")["steps"] == bound < 1000 * H
+        assert running.ledger.push_state("inflated")["steps"] == bound < 1000
         assert running.ledger.push_state("inflated")["tokens"] <= rows_behind * 129
 
 
@@ -141,6 +144,9 @@ def test_the_outlier_check_holds_from_the_first_push_and_across_a_restart(
     cfg = RunConfig().with_overrides({
         "data.dataset": str(tiny_corpus), "data.chunk_bytes": 65536, "sync.fragments": 1, "sync.quorum": 1,
         "sync.grace_factor": 0.0, "sync.max_staleness": 1000, "data.epochs": 4,
+        # H = 2 steps of 8 rows: a push of 10 rows is credited a full H and makes the history;
+        # one of 5 rows is credited 1 step and does not.
+        "train.inner_steps": 2, "sync.overlap_steps": 0, "train.batch_size": 8,
     })  # fmt: skip
     init = {"w": torch.randn(1000) * 0.02, "b": torch.ones(100)}
     running, learner = start(tiny_corpus, tmp_path, cfg)
@@ -161,7 +167,14 @@ def test_the_outlier_check_holds_from_the_first_push_and_across_a_restart(
             while running.ledger.push_state(f"h{i}")["state"] != "merged":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
+        # A short delta (a fragment's first push under the streaming stagger, early in a warm-up:
+        # small) is merged but left out of the history, where it would make the next honest
+        # pushes look large against it.
+        h = header(shard, (60, 65), "short")
+        h.version = running.service.fragments[0].version
+        assert learner.push(h, small(init, scale=1e-7)).accepted
         assert running.service.wait_published(30)
+        assert running.ledger.push_state("short")["steps"] == 1
         history = list(running.service.fragments[0].recent_norms)
     finally:
         learner.close()
@@ -175,6 +188,10 @@ def test_the_outlier_check_holds_from_the_first_push_and_across_a_restart(
         h.version = frag.version
         reply = learner.push(h, small(init, scale=1e-2))  # 100 × the median, well within the parameters
         assert not reply.accepted and "median" in reply.reason, reply
+        # Operators see how close pushes come to the bar: this life's one push with a reference.
+        ratio = running.service.metrics.push_norm_ratio.collect()[0].samples
+        got = {s.name: s.value for s in ratio if s.name != "diloco_push_norm_ratio_bucket"}
+        assert got["diloco_push_norm_ratio_count"] == 1 and got["diloco_push_norm_ratio_sum"] > 10
     finally:
         learner.close()
         running.stop()
