@@ -15,7 +15,9 @@ eval loss at equal tokens (issue: Decoupled vs synchronous DiLoCo).
 
 adds a hostile learner (RT2's defect 1: a learner steers within the norm bound) against the
 coordinator's outlier rule (`limits.norm_outlier`), or with `--norm-rule clip` against clipping
-each push to the bound instead of refusing it.
+each push to the bound instead of refusing it. Each learner's pushes are watched as the
+coordinator watches them (`coordinator/pusher_watch.py`): printed per learner, its figures, whether
+it ends suspect, and after how many of its pushes it was first found so.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import build_rows  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
-from diloco.coordinator import limits, merging  # noqa: E402
+from diloco.coordinator import limits, merging, pusher_watch  # noqa: E402
 from diloco.coordinator.service.state import NORM_HISTORY  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
@@ -80,15 +82,45 @@ def attacked(delta, f: Fragment, steps: int, args, H: int):
     return {n: -d * (target / max(size, 1e-12)) for n, d in delta.items()}
 
 
-def screened(delta, f: Fragment, m: int, steps: int, args, H: int):
+@dataclass
+class Watched:
+    """The coordinator's watch of every learner's pushes (the clock: the tick), and after how many
+    of its pushes each was first found suspect."""
+
+    watches: dict[str, pusher_watch.PusherWatch] = field(default_factory=dict)
+    pushes: collections.Counter = field(default_factory=collections.Counter)
+    flagged_after: dict[str, int] = field(default_factory=dict)
+    wrongly_flagged: int = 0  # judgements that found an honest learner suspect
+
+    def add(self, tick: int, m: int, ratio: float | None, alignment: float | None, hostile: int) -> None:
+        self.pushes[str(m)] += 1
+        self.watches.setdefault(str(m), pusher_watch.PusherWatch()).add(tick, ratio, alignment)
+        for worker, judgement in pusher_watch.judge(self.watches, tick, math.inf).items():
+            watch = self.watches[worker]
+            if judgement.gap is not None:
+                watch.largest_gap = max(watch.largest_gap or 0.0, abs(judgement.gap))
+            watch.suspect = judgement.reason
+            if judgement.reason:
+                self.flagged_after.setdefault(worker, self.pushes[worker])
+                self.wrongly_flagged += worker != str(hostile)
+
+    def result(self) -> list[dict]:
+        return [{**w.figures(), "suspect": w.suspect, "flagged_after_pushes": self.flagged_after.get(m),
+                 "pushes": self.pushes[m]} for m, w in sorted(self.watches.items())]  # fmt: skip
+
+
+def screened(delta, f: Fragment, m: int, steps: int, args, H: int, watched: Watched, tick: int):
     """The coordinator's outlier check on one push (None: refused), or with --norm-rule clip the
     push scaled down to the bound instead; its norm joins the history once taken."""
     norm = delta_norm_per_h(delta, steps, H)
     history = (tuple(f.norms), tuple(map(str, f.norm_by)), str(m))
+    reference = limits.norm_reference(*history)
+    ratio = norm / reference[0] if reference is not None and reference[0] > 0 else None
+    watched.add(tick, m, ratio, pusher_watch.alignment(delta, f.momentum), args.hostile)
     if args.norm_rule == "refuse":
         if limits.norm_outlier(norm, history[0], args.norm_ratio, *history[1:]):
             return None
-    elif args.norm_rule == "clip" and (reference := limits.norm_reference(*history)) is not None:
+    elif args.norm_rule == "clip" and reference is not None:
         limit = args.norm_ratio * reference[0]
         if norm > limit:
             delta = {n: d * (limit / norm) for n, d in delta.items()}
@@ -193,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     done = [0] * M
     merges = single = 0
     refused = [0] * M  # pushes refused, by learner
+    watched = Watched()
     tick = 0
     while min(done) < steps_each:
         for m in range(M):
@@ -245,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     if m == args.hostile:
                         delta = attacked(delta, f, since[m][q], args, H)
-                    delta = screened(delta, f, m, since[m][q], args, H)
+                    delta = screened(delta, f, m, since[m][q], args, H, watched, tick)
                     if delta is None:  # refused: as the learner does, it takes the fragment as it is now
                         refused[m] += 1
                         apply_at[m][q] = (done[m] + tau, f.version)
@@ -264,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
                 delta = {n: frags[q].history[base[m][q]][n] - params[n].detach() for n in plan[q]}
                 if m == args.hostile:
                     delta = attacked(delta, frags[q], since[m][q], args, H)
-                delta = screened(delta, frags[q], m, since[m][q], args, H)
+                delta = screened(delta, frags[q], m, since[m][q], args, H, watched, tick)
                 if delta is None:
                     refused[m] += 1
                     continue
@@ -278,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                 own[n].copy_(t)
     loss = eval_loss(final, eval_rows, bs, "cpu")
     result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "refused": sum(refused), "refused_by_learner": refused, "steps_each": steps_each,
+              "watch": watched.result(), "wrongly_flagged": watched.wrongly_flagged,
               "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     print(json.dumps(result))
     if args.out:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console, Group
+from rich.markup import escape
 from rich.table import Table
 
 
@@ -61,6 +62,7 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     )
     if failing := d.get("publish_failing"):
         table.add_row("[red]saving merges[/]", saving_text(failing))
+    add_suspects(table, d.get("suspect_learners"))
     loss = d.get("last_loss")
     table.add_row("loss", f"{loss:.4f}" if loss else "-")
     if d.get("train_metrics"):
@@ -69,6 +71,13 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     learners = [w for w in d.get("workers", []) if w["role"] == "compute"]
     table.add_row("learners alive", f"{sum(w['alive'] for w in learners)} / {len(learners)}")
     return table
+
+
+def add_suspects(table: Table, suspects: dict[str, str] | None) -> None:
+    """Learners whose pushes look hostile or broken (coordinator/pusher_watch.py): a red row each,
+    their ids and reasons shown as text, never as markup."""
+    for worker, reason in (suspects or {}).items():
+        table.add_row(f"[red]suspect {escape(worker)}[/]", escape(reason))
 
 
 def last_merge_text(d: dict[str, Any]) -> str:
@@ -192,6 +201,7 @@ def print_summary(console: Console, summary: dict[str, Any], path: Path) -> None
     table.add_row(
         "audit", "ok" if summary.get("audit_ok") else f"VIOLATIONS: {summary.get('audit_violations')}"
     )
+    add_suspects(table, summary.get("suspect_learners"))
     console.print(table)
     if summary.get("sample"):
         console.print("[bold]sample[/] (the trained model continues the prompt):")
@@ -223,6 +233,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
     run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}" + last_merge_text(d))
     if failing := d.get("publish_failing"):
         run.add_row("saving merges", saving_text(failing))
+    add_suspects(run, d.get("suspect_learners"))
     loss = d.get("last_loss")
     run.add_row("last loss", (f"{loss:.4f}" if loss else "-") + metrics_text(d.get("train_metrics")))
     run.add_row("held-out eval", eval_text(d))

@@ -10,6 +10,7 @@ from typing import Any
 
 from diloco.compute.startup import read_startups
 from diloco.config import RunConfig
+from diloco.coordinator.pusher_watch import WATCH_FIGURES
 from diloco.coordinator.report import longest_merge_gap, rounds_by_pushes, trained_param_count
 from diloco.local.options import learner_id
 from diloco.local.outcome import RecordedRun
@@ -343,9 +344,12 @@ def summarize(
             "ranks": int(w.get("ranks") or 1),
             "device": w.get("device", ""),
             "mfu": w.get("mfu"),
+            # How its deltas stood against the others' (coordinator/pusher_watch.py).
+            **{k: w.get(k) for k in WATCH_FIGURES},
         }
         for w in timed
     }
+    summary["suspect_learners"] = d.get("suspect_learners") or {}
     summary.update(evaluate_final_or_say_why(d, cfg, workdir, tokenizer))
     summary.update(quarantine_facts(quarantined_chunks(workdir, d.get("quarantined") or [])))
     # This job's learners only: a resumed run's ledger also holds those of the jobs before it.

@@ -268,6 +268,19 @@ class StatusCollector(Collector):
             "Tokens a learner trained in its current life, as its heartbeats told the coordinator",
             labels=["worker"],
         )
+        ratio = GaugeMetricFamily(
+            "diloco_learner_delta_norm_ratio",
+            "Median of a learner's last delta norms over the other workers' median", labels=["worker"],
+        )  # fmt: skip
+        alignment = GaugeMetricFamily(
+            "diloco_learner_delta_alignment",
+            "Mean cosine of a learner's last deltas to their fragments' outer momentum", labels=["worker"],
+        )  # fmt: skip
+        suspect = GaugeMetricFamily(
+            "diloco_learner_suspect",
+            "1 while a learner's last pushes look hostile or broken",
+            labels=["worker"],
+        )
         data_rate = GaugeMetricFamily(
             "diloco_data_worker_tokens_per_second", "A data worker's speed while it works", labels=["worker"]
         )
@@ -284,9 +297,14 @@ class StatusCollector(Collector):
                     age.add_metric([wid], w["last_push_age_s"])
                 if w.get("version_lag") is not None:
                     lag.add_metric([wid], w["version_lag"])
+                if w.get("delta_norm_ratio") is not None:
+                    ratio.add_metric([wid], w["delta_norm_ratio"])
+                if w.get("delta_alignment") is not None:
+                    alignment.add_metric([wid], w["delta_alignment"])
+                suspect.add_metric([wid], 1.0 if w.get("suspect") else 0.0)
             elif w["role"] == "data":
                 data_rate.add_metric([wid], w.get("tokens_per_s", 0.0))
-        yield from (up, util, stall, loss, age, lag, trained, data_rate)
+        yield from (up, util, stall, loss, age, lag, ratio, alignment, suspect, trained, data_rate)
 
     @staticmethod
     def _eval(d: dict[str, Any]) -> Iterator[Metric]:

@@ -28,6 +28,7 @@ from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.init_check import RunModel
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.workers import Reclaimed
+from diloco.coordinator.pusher_watch import PusherWatch
 from diloco.coordinator.report import tokens_reported
 from diloco.coordinator.service.state import (
     NORM_HISTORY,
@@ -122,6 +123,8 @@ class ServiceBase:
         self.specs: dict[str, pb.TensorSpec] = {}
         self.averaged: frozenset[str] = frozenset()  # the specs' running statistics (_install_specs)
         self.step_time_s = 0.0  # EMA of learners' reported inner step time
+        # Each learner's last deltas against the run's (pusher_watch): this life's, under the lock.
+        self.pusher_watch: dict[str, PusherWatch] = {}
         self.sync_time_s = 0.0  # EMA of merge duration
         self.publish_time_s = 0.0  # EMA of writing a checkpoint and committing its merges
         self.last_loss = math.nan

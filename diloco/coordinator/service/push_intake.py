@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import torch
 
-from diloco.coordinator import limits
+from diloco.coordinator import limits, pusher_watch
+from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.base import ServiceBase
-from diloco.coordinator.service.state import FragmentState
+from diloco.coordinator.service.state import FragmentState, log
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 from diloco.wire.tensors import TensorAssembler, WireError, sq_norm
@@ -93,11 +94,36 @@ class PushIntake(ServiceBase):
         norm_per_h = math.sqrt(squared) / max(1.0, header.inner_steps / self.config.train.inner_steps)
         with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
             recent, by = tuple(frag.recent_norms), tuple(frag.recent_workers)
-        if (reference := limits.norm_reference(recent, by, header.worker_id)) is not None and reference[
-            0
-        ] > 0:
-            self.metrics.push_norm_ratio.observe(norm_per_h / reference[0])
+            momentum = frag.momentum
+        reference = limits.norm_reference(recent, by, header.worker_id)
+        ratio = norm_per_h / reference[0] if reference is not None and reference[0] > 0 else None
+        if ratio is not None:
+            self.metrics.push_norm_ratio.observe(ratio)
+        self._watch_pusher(header.worker_id, ratio, pusher_watch.alignment(tensors, momentum, self.averaged))
         outlier = limits.norm_outlier(
             norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
         ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))
         return norm_per_h, outlier
+
+    def _watch_pusher(self, worker_id: str, ratio: float | None, alignment: float | None) -> None:
+        """One more push in its learner's watch, and every live learner judged again (a learner's
+        direction is judged against the others'); when one comes to look hostile or broken, or no
+        longer does, it is logged once; status shows the reason meanwhile."""
+        changed = []
+        with self.cond:
+            now = self.clock()
+            self.pusher_watch.setdefault(worker_id, pusher_watch.PusherWatch()).add(now, ratio, alignment)
+            judged = pusher_watch.judge(self.pusher_watch, now, self.config.coordinator.lease_ttl_s)
+            for worker, judgement in judged.items():
+                watch = self.pusher_watch[worker]
+                if judgement.gap is not None:
+                    watch.largest_gap = max(watch.largest_gap or 0.0, abs(judgement.gap))
+                if bool(judgement.reason) != bool(watch.suspect):  # its figures move push by push
+                    changed.append((worker, judgement.reason))
+                watch.suspect = judgement.reason
+        for worker, reason in changed:
+            if reason:
+                log.warning("learner %s looks hostile or broken: %s (diloco certs revoke, if it is not yours)",
+                            loggable(worker), reason)  # fmt: skip
+            else:
+                log.info("learner %s no longer looks hostile or broken", loggable(worker))

@@ -50,6 +50,8 @@ class StatusRPCs(ServiceBase):
         workers = []
         pushed = self.ledger.last_pushes()
         versions = [f.published_version for f in self.fragments]
+        with self.cond:  # appended to by pushes under the lock
+            watched = {wid: {**w.figures(), "suspect": w.suspect} for wid, w in self.pusher_watch.items()}
         for w in self.ledger.workers():
             stats = json.loads(w["stats"])
             workers.append(
@@ -63,6 +65,7 @@ class StatusRPCs(ServiceBase):
                     **stats,
                     **(self._data_worker_rates(w["id"], summary["counters"]) if w["role"] == "data" else {}),
                     **(self._last_push(pushed[w["id"]], now, versions) if w["id"] in pushed else {}),
+                    **watched.get(w["id"], {}),
                 }
             )
         wire_in, wire_out = self.wire.totals()
@@ -118,7 +121,9 @@ class StatusRPCs(ServiceBase):
             "wire_by_role": self.wire.by_role(),
             # Bounded, so Status fits its message limit whatever joined (a week of restarts,
             # or fake workers): the live ones first, then the most recently seen.
-            "workers": shown_workers(workers, STATUS_MAX_WORKERS),
+            "workers": (shown := shown_workers(workers, STATUS_MAX_WORKERS)),
+            # Learners whose last pushes look hostile or broken (pusher_watch), and why.
+            "suspect_learners": {w["worker_id"]: w["suspect"] for w in shown if w.get("suspect")},
             "workers_total": len(workers),
             "uptime_s": round(now - self.started_at, 3),
             "security": self.security_mode,

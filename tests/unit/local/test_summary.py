@@ -279,6 +279,11 @@ def test_status_counts_in_the_runs_unit() -> None:
     assert "tokens" not in text
     assert last_merge_text({"last_merge_s": 12.4}) == ", last merge 12 s ago" and not last_merge_text({})
     assert status_columns("tokens") == STATUS_COLUMNS
+    # A learner named by the pusher watch: its id and reason as text (an id may hold brackets).
+    console = Console(width=200, record=True)
+    console.print(status_tables({**detail, "suspect_learners": {"[bold]x": "its deltas [red]differ"}}))
+    text = console.export_text()
+    assert "suspect [bold]x" in text and "its deltas [red]differ" in text
 
 
 def test_the_ddp_comparison_reads_the_right_way_round() -> None:

@@ -1,0 +1,149 @@
+"""The pusher watch's bars against honest runs and a hostile learner (coordinator/pusher_watch.py).
+
+    python benchmarks/pusher_watch.py --out benchmarks/results/pusher_watch.json
+    python benchmarks/pusher_watch.py --honest gpt4_h10,digits3 --scales 1.0,2.9 --seeds 1
+
+Honest: real `diloco run`s (GPT at H = 10 and 20, a 3× slower learner, int8 pushes, synchronous
+DiLoCo, learners killed under chaos, the digits CNN with and without BatchNorm), each learner's
+nearest approach to each bar as the coordinator kept it (the run's summary), and whether anyone was
+named. Hostile: benchmarks/outer_sim.py, 3 learners, one pushing its own delta reversed at each
+--scales × the others' median norm, per seed: the eval loss, whether it was named and after how many
+of its pushes, and whether an honest learner was named. Printed: the honest maxima beside the bars,
+and each attack's outcome.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from diloco.coordinator.pusher_watch import SUSPECT_GAP, SUSPECT_RATIO  # noqa: E402
+
+GPT = ["--set", "train.inner_steps=10"]
+HONEST: dict[str, list[str]] = {
+    "gpt4_h10": ["--learners", "4", "--tokens", "600000", *GPT],
+    "gpt4_int8": [
+        "--learners",
+        "4",
+        "--codec",
+        "int8",
+        "--pull-codec",
+        "int8",
+        "--tokens",
+        "600000",
+        "--set",
+        "train.inner_steps=20",
+    ],  # fmt: skip
+    "gpt3_slow": ["--learners", "3", "--slow-learner", "3", "--tokens", "1500000", *GPT],
+    "gpt4_sync": ["--learners", "4", "--sync", "--tokens", "1500000", *GPT],
+    "gpt4_chaos": [
+        "--learners",
+        "4",
+        "--tokens",
+        "800000",
+        "--chaos-interval",
+        "8",
+        "--chaos-roles",
+        "learner",
+        "--minutes",
+        "3",
+        *GPT,
+    ],  # fmt: skip
+    "digits3": ["--config", "examples/digits/run.toml", "--learners", "3"],
+    "digits3_bn": [
+        "--config",
+        "examples/digits/run.toml",
+        "--learners",
+        "3",
+        "--set",
+        "model.kwargs.batchnorm=true",
+    ],
+}
+
+
+def honest_run(name: str, flags: list[str], workdir: Path, images: Path) -> dict[str, Any]:
+    """One honest run: each learner's nearest approach to the bars, and who was named."""
+    data = ["--dataset", str(images)] if "examples/digits/run.toml" in flags else []
+    cmd = [sys.executable, "-m", "cli", "run", "--workdir", str(workdir / name), "--no-progress",
+           "--set", "eval.every_s=0", *flags, *data]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
+    summary = json.loads((workdir / name / "summary.json").read_text())
+    detail = summary["learners_detail"].values()
+    return {
+        "eval_loss": summary["eval_loss"],
+        "named": summary.get("suspect_learners") or {},
+        "kills": summary.get("kills") or {},
+        "highest_ratio": max((d.get("delta_norm_ratio_highest") or 0.0 for d in detail), default=0.0),
+        "largest_gap": max((d.get("delta_alignment_gap_largest") or 0.0 for d in detail), default=0.0),
+        "alignments": [d.get("delta_alignment") for d in detail],
+    }
+
+
+def hostile_run(scale: float, seed: int, out: Path) -> dict[str, Any]:
+    """outer_sim with learner 2 pushing its delta reversed at `scale` × the others' median."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "outer_sim.py"), "--learners", "3", "--quorum", "0",
+           "--inner-steps", "20", "--seed", str(seed), "--out", str(out)]  # fmt: skip
+    if scale > 0:
+        cmd += ["--hostile", "2", "--attack-scale", str(scale)]
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
+    result = json.loads(out.read_text())
+    hostile = result["watch"][2]
+    return {
+        "eval_loss": result["eval_loss"],
+        "hostile_named_after_pushes": hostile["flagged_after_pushes"] if scale > 0 else None,
+        "hostile_reason": hostile["suspect"] if scale > 0 else "",
+        "honest_named": result["wrongly_flagged"],
+        "highest_ratio": [w["delta_norm_ratio_highest"] for w in result["watch"]],
+        "largest_gap": [w["delta_alignment_gap_largest"] for w in result["watch"]],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--honest", default=",".join(HONEST), help=f"of: {', '.join(HONEST)} ('' for none)")
+    p.add_argument("--scales", default="0,1.0,1.9,2.5,2.9,9.9", help="attack scales; 0: no attacker")
+    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    results: dict[str, Any] = {
+        "bars": {"ratio": SUSPECT_RATIO, "gap": SUSPECT_GAP},
+        "honest": {},
+        "hostile": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="diloco_watch_") as tmp:
+        images = Path(tmp) / "images"
+        if any(n.startswith("digits") for n in args.honest.split(",") if n):
+            subprocess.run([sys.executable, str(ROOT / "examples/digits/prepare.py"), str(images)], check=True,
+                           capture_output=True)  # fmt: skip
+        for name in filter(None, args.honest.split(",")):
+            results["honest"][name] = got = honest_run(name, HONEST[name], Path(tmp), images)
+            print(f"honest {name}: highest ratio {got['highest_ratio']:.2f}, largest gap {got['largest_gap']:.3f}, "
+                  f"named {list(got['named']) or 'nobody'}", flush=True)  # fmt: skip
+        for scale in (float(s) for s in args.scales.split(",") if s):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                got = hostile_run(scale, seed, Path(tmp) / f"sim_{scale}_{seed}.json")
+                results["hostile"][f"{scale:g}x/seed{seed}"] = got
+                print(f"reversed at {scale:g}x, seed {seed}: eval {got['eval_loss']:.3f}, hostile named after "
+                      f"{got['hostile_named_after_pushes']} pushes, honest named {got['honest_named']}", flush=True)  # fmt: skip
+    honest = results["honest"].values()
+    if honest:
+        print(f"honest maxima: ratio {max(h['highest_ratio'] for h in honest):.2f} (bar {SUSPECT_RATIO:g}), "
+              f"gap {max(h['largest_gap'] for h in honest):.3f} (bar {SUSPECT_GAP:g})")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The watch of each learner's pushes (coordinator/pusher_watch.py): pure judgements on figures and
+moved timestamps, and the cosine on real tensors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from diloco.coordinator.pusher_watch import MIN_WATCHED, WATCH_PUSHES, PusherWatch, alignment, judge
+
+
+def watched(
+    ratio: float | None, cosine: float | None, pushes: int = WATCH_PUSHES, at: float = 100.0
+) -> PusherWatch:
+    watch = PusherWatch()
+    for _ in range(pushes):
+        watch.add(at, ratio, cosine)
+    return watch
+
+
+def test_a_learner_pushing_far_larger_deltas_than_the_others_is_named_with_its_figures() -> None:
+    watches = {"a": watched(1.0, 0.6), "b": watched(0.9, 0.6), "evil": watched(9.9, 0.6)}
+    got = judge(watches, now=100.0, live_within_s=60.0)
+    assert got["a"].reason == got["b"].reason == ""
+    assert "9.9× the other workers'" in got["evil"].reason
+
+
+def test_direction_is_judged_against_the_other_learners_not_the_momentum_alone() -> None:
+    # Measured (outer_sim --hostile 2 --attack-scale 2.9): the attacker takes the momentum with
+    # it, so the honest learners' deltas point against it and the attacker's along it.
+    watches = {"a": watched(0.9, -0.3), "b": watched(0.95, -0.23), "evil": watched(2.9, 0.3)}
+    got = judge(watches, now=100.0, live_within_s=60.0)
+    assert got["a"].reason == got["b"].reason == "", got
+    assert "does not go their way" in got["evil"].reason and got["evil"].gap == pytest.approx(0.3 - (-0.23))
+    # ... and the plain case: the momentum follows the honest two, the attacker points against it.
+    watches = {"a": watched(0.9, 0.63), "b": watched(0.9, 0.63), "evil": watched(1.0, -0.63)}
+    got = judge(watches, now=100.0, live_within_s=60.0)
+    assert [w for w, j in got.items() if j.reason] == ["evil"]
+
+
+def test_honest_learners_whose_cosines_differ_a_little_are_not_named() -> None:
+    watches = {"a": watched(1.2, 0.55), "b": watched(0.8, 0.7), "c": watched(1.0, 0.35)}
+    assert all(j.reason == "" for j in judge(watches, now=100.0, live_within_s=60.0).values())
+
+
+def test_with_two_learners_no_direction_is_judged() -> None:
+    # Which of two is the odd one? Nothing says: only norms are judged.
+    got = judge({"a": watched(1.0, 0.6), "b": watched(1.0, -0.6)}, now=100.0, live_within_s=60.0)
+    assert all(j.reason == "" and j.gap is None for j in got.values())
+
+
+def test_too_few_pushes_say_nothing_yet() -> None:
+    watches = {
+        "a": watched(1.0, 0.6),
+        "b": watched(1.0, 0.6),
+        "new": watched(9.9, -0.9, pushes=MIN_WATCHED - 1),
+    }
+    got = judge(watches, now=100.0, live_within_s=60.0)
+    assert got["new"] == got["new"].__class__("", None)
+    watches["new"].add(100.0, 9.9, -0.9)  # the MIN_WATCHED-th
+    assert "9.9×" in judge(watches, now=100.0, live_within_s=60.0)["new"].reason
+
+
+def test_learners_gone_quiet_are_neither_judged_nor_the_reference() -> None:
+    # Two learners that pushed long ago (another phase of training, other cosines) do not make a
+    # live one the odd one out, and are not judged themselves.
+    watches = {"old1": watched(1.0, -0.5, at=0.0), "old2": watched(1.0, -0.5, at=0.0),
+               "a": watched(1.0, 0.6, at=500.0), "b": watched(1.0, 0.6, at=500.0)}  # fmt: skip
+    got = judge(watches, now=500.0, live_within_s=60.0)
+    assert set(got) == {"a", "b"} and all(j.reason == "" for j in got.values())
+
+
+def test_figures_keep_the_nearest_each_learner_came_to_the_bar() -> None:
+    watch = watched(1.0, 0.5, pushes=MIN_WATCHED)
+    for _ in range(WATCH_PUSHES):
+        watch.add(101.0, 2.5, 0.5)
+    for _ in range(WATCH_PUSHES):
+        watch.add(102.0, 0.5, None)  # a push whose cosine is unknown (no merge yet) keeps the last
+    figures = watch.figures()
+    assert figures["delta_norm_ratio"] == 0.5 and figures["delta_norm_ratio_highest"] == 2.5
+    assert figures["delta_alignment"] == 0.5
+
+
+def test_the_cosine_is_over_the_deltas_tensors_less_running_statistics() -> None:
+    momentum = {
+        "w": torch.tensor([1.0, 0.0]),
+        "b": torch.tensor([0.0, 2.0]),
+        "bn.running_mean": torch.zeros(2),
+    }
+    delta = {
+        "w": torch.tensor([2.0, 0.0]),
+        "b": torch.tensor([0.0, -2.0]),
+        "bn.running_mean": torch.ones(2) * 9,
+    }
+    # (2·1 + (-2)·2) / (√8 · √5)
+    assert alignment(delta, momentum, skip={"bn.running_mean"}) == pytest.approx(-2 / (8**0.5 * 5**0.5))
+    assert alignment(delta, {n: torch.zeros(2) for n in momentum}) is None  # no merge yet
+    assert alignment({"w": torch.tensor([float("inf"), 0.0])}, momentum) is None
+
+
+def test_the_cosine_of_large_tensors_is_read_from_a_sample_that_moves_push_by_push() -> None:
+    g = torch.Generator().manual_seed(0)
+    way = {"w": torch.randn(1_000_000, generator=g), "b": torch.randn(300, generator=g)}
+    momentum = {n: t + torch.randn(t.shape, generator=g) for n, t in way.items()}
+    delta = {n: -t + 2 * torch.randn(t.shape, generator=g) for n, t in way.items()}
+    full = (
+        sum(float(delta[n] @ momentum[n]) for n in way)
+        / (sum(float(t @ t) for t in delta.values()) * sum(float(t @ t) for t in momentum.values())) ** 0.5
+    )
+    sampled = [alignment(delta, momentum, rng=random.Random(seed)) for seed in range(5)]
+    assert all(c == pytest.approx(full, abs=0.01) for c in sampled), (full, sampled)
+    assert len(set(sampled)) > 1  # other blocks each push: a pusher cannot aim at the sample
