@@ -96,10 +96,7 @@ class Watched:
         self.pushes[str(m)] += 1
         self.watches.setdefault(str(m), pusher_watch.PusherWatch()).add(tick, ratio, alignment)
         for worker, judgement in pusher_watch.judge(self.watches, tick, math.inf).items():
-            watch = self.watches[worker]
-            if judgement.gap is not None:
-                watch.largest_gap = max(watch.largest_gap or 0.0, abs(judgement.gap))
-            watch.suspect = judgement.reason
+            self.watches[worker].take(judgement)
             if judgement.reason:
                 self.flagged_after.setdefault(worker, self.pushes[worker])
                 self.wrongly_flagged += worker != str(hostile)

@@ -83,6 +83,15 @@ class PusherWatch:
             if len(self.alignments) >= MIN_WATCHED:
                 self._mean = statistics.fmean(self.alignments)
 
+    def take(self, judgement: Judgement) -> bool:
+        """A judgement of this learner: its reason kept, its gap in the largest so far. True when
+        it came to look hostile or broken, or no longer does (its figures move push by push)."""
+        if judgement.gap is not None:
+            self.largest_gap = max(self.largest_gap or 0.0, abs(judgement.gap))
+        changed = bool(judgement.reason) != bool(self.suspect)
+        self.suspect = judgement.reason
+        return changed
+
     def ratio_median(self) -> float | None:
         return self._median
 

@@ -109,18 +109,11 @@ class PushIntake(ServiceBase):
         """One more push in its learner's watch, and every live learner judged again (a learner's
         direction is judged against the others'); when one comes to look hostile or broken, or no
         longer does, it is logged once; status shows the reason meanwhile."""
-        changed = []
         with self.cond:
             now = self.clock()
             self.pusher_watch.setdefault(worker_id, pusher_watch.PusherWatch()).add(now, ratio, alignment)
             judged = pusher_watch.judge(self.pusher_watch, now, self.config.coordinator.lease_ttl_s)
-            for worker, judgement in judged.items():
-                watch = self.pusher_watch[worker]
-                if judgement.gap is not None:
-                    watch.largest_gap = max(watch.largest_gap or 0.0, abs(judgement.gap))
-                if bool(judgement.reason) != bool(watch.suspect):  # its figures move push by push
-                    changed.append((worker, judgement.reason))
-                watch.suspect = judgement.reason
+            changed = [(w, j.reason) for w, j in judged.items() if self.pusher_watch[w].take(j)]
         for worker, reason in changed:
             if reason:
                 log.warning("learner %s looks hostile or broken: %s (diloco certs revoke, if it is not yours)",

@@ -8,7 +8,14 @@ import random
 import pytest
 import torch
 
-from diloco.coordinator.pusher_watch import MIN_WATCHED, WATCH_PUSHES, PusherWatch, alignment, judge
+from diloco.coordinator.pusher_watch import (
+    MIN_WATCHED,
+    WATCH_PUSHES,
+    Judgement,
+    PusherWatch,
+    alignment,
+    judge,
+)
 
 
 def watched(
@@ -58,7 +65,7 @@ def test_too_few_pushes_say_nothing_yet() -> None:
         "new": watched(9.9, -0.9, pushes=MIN_WATCHED - 1),
     }
     got = judge(watches, now=100.0, live_within_s=60.0)
-    assert got["new"] == got["new"].__class__("", None)
+    assert got["new"] == Judgement("", None)
     watches["new"].add(100.0, 9.9, -0.9)  # the MIN_WATCHED-th
     assert "9.9×" in judge(watches, now=100.0, live_within_s=60.0)["new"].reason
 
@@ -112,3 +119,11 @@ def test_the_cosine_of_large_tensors_is_read_from_a_sample_that_moves_push_by_pu
     sampled = [alignment(delta, momentum, rng=random.Random(seed)) for seed in range(5)]
     assert all(c == pytest.approx(full, abs=0.01) for c in sampled), (full, sampled)
     assert len(set(sampled)) > 1  # other blocks each push: a pusher cannot aim at the sample
+
+
+def test_a_judgement_taken_says_when_a_learner_comes_to_look_suspect_and_when_it_stops() -> None:
+    watch = watched(1.0, 0.6)
+    assert not watch.take(Judgement("", 0.1)) and watch.largest_gap == 0.1
+    assert watch.take(Judgement("odd", -0.5)) and watch.suspect == "odd" and watch.largest_gap == 0.5
+    assert not watch.take(Judgement("odd, other figures", 0.2)) and watch.largest_gap == 0.5
+    assert watch.take(Judgement("", None)) and watch.suspect == ""
