@@ -126,18 +126,33 @@ class ClaimsTable(LedgerBase):
         """Tokens the worker's pushes of `fragment` may still be credited: the rows it has named
         (each backs one push of every fragment) less what its pushes of `fragment` were credited
         (the held rows and this push's fresh ones are added by the caller)."""
-        named = db.execute(
-            "SELECT COALESCE(SUM((s.row_end - s.row_start) * (sh.tokens / MAX(1, sh.rows))), 0) "
-            "FROM spans s JOIN pushes p ON p.push_id = s.push_id JOIN shards sh ON sh.id = s.shard_id "
-            "WHERE p.worker_id = ? AND p.state IN ('pending', 'merged')",
-            (worker_id,),
-        ).fetchone()[0]
+        _, named = self._named(db, worker_id)
         credited = db.execute(
             "SELECT COALESCE(SUM(tokens), 0) FROM pushes WHERE worker_id = ? AND fragment = ? "
             "AND push_id != ? AND state IN ('pending', 'merged')",
             (worker_id, fragment, exclude),
         ).fetchone()[0]
         return int(named) - int(credited)
+
+    def _owed(self, db: sqlite3.Connection, worker_id: str, fragment: int, exclude: str) -> tuple[float, int]:
+        """Rows and tokens the worker named that its pushes of `fragment` were not credited for
+        (its budget when positive, in rows at the tokens per row of what it named)."""
+        owed = self._budget(db, worker_id, fragment, exclude)
+        if owed <= 0:
+            return 0.0, 0
+        rows, toks = self._named(db, worker_id)
+        return owed * rows / max(1, toks), owed
+
+    def _named(self, db: sqlite3.Connection, worker_id: str) -> tuple[int, int]:
+        """Rows and tokens of every span the worker's pending and merged pushes named."""
+        rows, toks = db.execute(
+            "SELECT COALESCE(SUM(s.row_end - s.row_start), 0), "
+            "COALESCE(SUM((s.row_end - s.row_start) * (sh.tokens / MAX(1, sh.rows))), 0) "
+            "FROM spans s JOIN pushes p ON p.push_id = s.push_id JOIN shards sh ON sh.id = s.shard_id "
+            "WHERE p.worker_id = ? AND p.state IN ('pending', 'merged')",
+            (worker_id,),
+        ).fetchone()
+        return int(rows), int(toks)
 
     def _rowless_streak(self, db: sqlite3.Connection, worker_id: str, exclude: str, limit: int) -> int:
         """How many of the worker's latest pushes (any fragment, up to `limit`) named no rows,
@@ -224,7 +239,12 @@ class ClaimsTable(LedgerBase):
                 cap_rows = max(fragments * rows, rows + waiting_rows)
                 cap_toks = math.floor(cap_rows * toks / rows)
             else:
-                if not held_toks:
+                # Rows its worker named that this fragment's pushes were not credited for: a hand-in
+                # names every row on its first push, and the other fragments' follow with none
+                # (each row backs one push of every fragment). With no shard left to hold (the data
+                # ran out) they were refused, and those fragments' last steps lost.
+                owed_rows, owed_toks = self._owed(db, worker_id, fragment, push_id)
+                if not held_toks and not owed_toks:
                     return Claim(0, 0, "a delta must name the rows it trained on (spans)")
                 ahead = max(0, fragments - 1)
                 if self._rowless_streak(db, worker_id, push_id, ahead + 1) >= ahead:
@@ -233,7 +253,7 @@ class ClaimsTable(LedgerBase):
                         f"a delta names no rows (spans): at most {ahead} such pushes follow a push with "
                         "rows (or start a learner)",
                     )  # fmt: skip
-                cap_rows, cap_toks = held_rows, held_toks
+                cap_rows, cap_toks = held_rows + owed_rows, held_toks + owed_toks
             budget = self._budget(db, worker_id, fragment, push_id) + toks + held_toks
         toks_ok = min(tokens, cap_toks, budget)
         if toks_ok < 1 and spans:

@@ -5,7 +5,7 @@ import pytest
 
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.rows import PushRecorded
-from tests.unit.coordinator.ledger_setup import ROWS, TTL, push, with_train_shard
+from tests.unit.coordinator.ledger_setup import ROWS, TOKENS_PER_ROW, TTL, push, with_train_shard
 
 OVERLAPPING, OUTSIDE = [(0, 0, 5), (0, 3, 7)], [(0, 8, ROWS + 1)]
 
@@ -70,3 +70,28 @@ def test_a_revived_push_is_revived_once(ledger):
     with pytest.raises(PushRecorded):  # a second copy of it, read as dropped before the first's record
         push(ledger, "p1", [(sid, 0, 4)])
     assert snapshot(ledger, "p1") == before
+
+
+def test_a_hand_in_s_row_less_push_is_backed_by_the_rows_its_first_push_named(ledger):
+    """Data ran out: a learner's hand-in names every row it holds on its first push (fragment 1)
+    and gives the shard back; the other fragment's push follows with no rows and nothing held.
+    Each row backs one push of every fragment, so the rows just named back it (it was refused,
+    and fragment 0's last steps lost, in every data-exhausted digits run)."""
+    (sid,) = with_train_shard(ledger)
+    ledger.join("L1", "compute", "h")
+    assert ledger.lease_shard("L1", TTL).shard_id == sid
+    shape = {"batch_size": 2, "fragments": 2, "inner_steps": 10}
+    first = ledger.push_claim("L1", 1, "f1", [(sid, 0, ROWS)], 5, ROWS * TOKENS_PER_ROW, **shape)
+    assert (first.refusal, first.tokens) == ("", ROWS * TOKENS_PER_ROW)
+    assert ledger.record_push("f1", "L1", 1, 0, first.steps, first.tokens, [(sid, 0, ROWS)], [sid]) is None
+    last = ledger.push_claim("L1", 0, "f0", [], 5, ROWS * TOKENS_PER_ROW, **shape)
+    assert (last.refusal, last.steps, last.tokens) == ("", 5, ROWS * TOKENS_PER_ROW)
+    # More than the rows named is never credited: a claim of twice as much gets them once.
+    assert (
+        ledger.push_claim("L1", 0, "f0x", [], 10, 2 * ROWS * TOKENS_PER_ROW, **shape).tokens
+        == ROWS * TOKENS_PER_ROW
+    )
+    assert ledger.record_push("f0", "L1", 0, 0, last.steps, last.tokens, [], []) is None
+    # Fragment 1 was credited those rows already, and nothing is held: no credit behind another.
+    again = ledger.push_claim("L1", 1, "f1b", [], 5, ROWS * TOKENS_PER_ROW, **shape)
+    assert again.refusal and again.tokens == 0
