@@ -16,8 +16,10 @@ eval loss at equal tokens (issue: Decoupled vs synchronous DiLoCo).
 adds a hostile learner (RT2's defect 1: a learner steers within the norm bound) against the
 coordinator's outlier rule (`limits.norm_outlier`), or with `--norm-rule clip` against clipping
 each push to the bound instead of refusing it. Each learner's pushes are watched as the
-coordinator watches them (`coordinator/pusher_watch.py`): printed per learner, its figures, whether
-it ends suspect, and after how many of its pushes it was first found so.
+coordinator watches them (`coordinator/pusher_watch.py`, its bars `--set sync.suspect_norm_ratio=…`,
+`sync.suspect_alignment_gap`): printed per learner, its figures, whether it ends suspect, and after
+how many of its pushes it was first found so. With `--set sync.refuse_suspects=true` a learner's
+pushes are refused while it is named, as the coordinator's are.
 """
 
 from __future__ import annotations
@@ -87,33 +89,46 @@ class Watched:
     """The coordinator's watch of every learner's pushes (the clock: the tick), and after how many
     of its pushes each was first found suspect."""
 
+    ratio_bar: float = pusher_watch.SUSPECT_RATIO
+    gap_bar: float = pusher_watch.SUSPECT_GAP
     watches: dict[str, pusher_watch.PusherWatch] = field(default_factory=dict)
     pushes: collections.Counter = field(default_factory=collections.Counter)
     flagged_after: dict[str, int] = field(default_factory=dict)
     wrongly_flagged: int = 0  # judgements that found an honest learner suspect
 
-    def add(self, tick: int, m: int, ratio: float | None, alignment: float | None, hostile: int) -> None:
+    def add(self, tick: int, m: int, ratio: float | None, alignment: float | None, hostile: int) -> str:
+        """One more push of learner m; returns why it looks hostile or broken ("": it does not)."""
         self.pushes[str(m)] += 1
         self.watches.setdefault(str(m), pusher_watch.PusherWatch()).add(tick, ratio, alignment)
-        for worker, judgement in pusher_watch.judge(self.watches, tick, math.inf).items():
+        judged = pusher_watch.judge(self.watches, tick, math.inf, self.ratio_bar, self.gap_bar)
+        for worker, judgement in judged.items():
             self.watches[worker].take(judgement)
             if judgement.reason:
                 self.flagged_after.setdefault(worker, self.pushes[worker])
                 self.wrongly_flagged += worker != str(hostile)
+        return self.watches[str(m)].suspect
+
+    def named(self) -> set[int]:
+        return {int(w) for w, watch in self.watches.items() if watch.suspect}
 
     def result(self) -> list[dict]:
         return [{**w.figures(), "suspect": w.suspect, "flagged_after_pushes": self.flagged_after.get(m),
                  "pushes": self.pushes[m]} for m, w in sorted(self.watches.items())]  # fmt: skip
 
 
-def screened(delta, f: Fragment, m: int, steps: int, args, H: int, watched: Watched, tick: int):
+def screened(
+    delta, f: Fragment, m: int, steps: int, args, H: int, watched: Watched, tick: int, refuse_suspects=False
+):
     """The coordinator's outlier check on one push (None: refused), or with --norm-rule clip the
-    push scaled down to the bound instead; its norm joins the history once taken."""
+    push scaled down to the bound instead; its norm joins the history once taken. With
+    `refuse_suspects` a push of a learner the watch names is refused too."""
     norm = delta_norm_per_h(delta, steps, H)
     history = (tuple(f.norms), tuple(map(str, f.norm_by)), str(m))
     reference = limits.norm_reference(*history)
     ratio = norm / reference[0] if reference is not None and reference[0] > 0 else None
-    watched.add(tick, m, ratio, pusher_watch.alignment(delta, f.momentum), args.hostile)
+    suspect = watched.add(tick, m, ratio, pusher_watch.alignment(delta, f.momentum), args.hostile)
+    if suspect and refuse_suspects:
+        return None
     if args.norm_rule == "refuse":
         if limits.norm_outlier(norm, history[0], args.norm_ratio, *history[1:]):
             return None
@@ -127,21 +142,24 @@ def screened(delta, f: Fragment, m: int, steps: int, args, H: int, watched: Watc
     return delta
 
 
-def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
-    """Close every round whose every learner pushed, or with quorum once its window is over."""
+def close_rounds(frags, args, M, policy, tick, merges, single, force=False, refused=frozenset()):
+    """Close every round whose every learner pushed, or with quorum once its window is over. The
+    `refused` learners (named, with sync.refuse_suspects) are not waited for, nor a share, as in
+    the coordinator."""
     for f in frags:
         pushers = {m for m, *_ in f.pushes}
-        needed = M if args.quorum <= 0 else min(args.quorum, M)
+        members = M - len(set(refused) - pushers)
+        needed = members if args.quorum <= 0 else min(args.quorum, members)
         if not f.pushes:
             continue
-        if not force and len(pushers) < M and (len(pushers) < needed or tick < f.open_since + args.window):
+        if not force and len(pushers) < members and (len(pushers) < needed or tick < f.open_since + args.window):
             continue
         acc = merging.MergeAccumulator(policy.merge)
         for _, delta, tok, st in f.pushes:
             acc.add(delta, merging.merge_weight(tok, st, policy.merge))
-        scale = 1.0 if args.no_coverage else merging.coverage_scale(len(pushers), M)
+        scale = 1.0 if args.no_coverage else merging.coverage_scale(len(pushers), members)
         # The merger's rule: the momentum moves by the round's share of a full round's steps.
-        work = merging.work_fraction(sum(st for *_, st in f.pushes), M, args.inner_steps)
+        work = merging.work_fraction(sum(st for *_, st in f.pushes), members, args.inner_steps)
         fraction = 1.0 if args.late == "amend" else (scale if args.no_coverage else work)
         f.period_start, f.period_members = f.version, set(pushers)
         lr, mu = merging.outer_hyper(
@@ -152,7 +170,7 @@ def close_rounds(frags, args, M, policy, tick, merges, single, force=False):
         f.version += 1
         f.history.append({n: t.clone() for n, t in f.params.items()})
         merges += 1
-        single += len(pushers) < M
+        single += len(pushers) < members
         f.pushes, f.open_since = [], None
     return merges, single
 
@@ -222,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     done = [0] * M
     merges = single = 0
     refused = [0] * M  # pushes refused, by learner
-    watched = Watched()
+    watched = Watched(cfg.sync.suspect_norm_ratio, cfg.sync.suspect_alignment_gap)
     tick = 0
     while min(done) < steps_each:
         for m in range(M):
@@ -275,7 +293,9 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     if m == args.hostile:
                         delta = attacked(delta, f, since[m][q], args, H)
-                    delta = screened(delta, f, m, since[m][q], args, H, watched, tick)
+                    delta = screened(
+                        delta, f, m, since[m][q], args, H, watched, tick, cfg.sync.refuse_suspects
+                    )
                     if delta is None:  # refused: as the learner does, it takes the fragment as it is now
                         refused[m] += 1
                         apply_at[m][q] = (done[m] + tau, f.version)
@@ -284,7 +304,8 @@ def main(argv: list[str] | None = None) -> None:
                     if f.open_since is None:
                         f.open_since = tick
                     apply_at[m][q] = (done[m] + tau, f.version + 1)
-        merges, single = close_rounds(frags, args, M, policy, tick, merges, single)
+        refusing = watched.named() if cfg.sync.refuse_suspects else set()
+        merges, single = close_rounds(frags, args, M, policy, tick, merges, single, refused=refusing)
         tick += 1
     # The end: every learner hands in what it has not pushed (as the real learner's flush does).
     for m in range(M):
@@ -294,12 +315,15 @@ def main(argv: list[str] | None = None) -> None:
                 delta = {n: frags[q].history[base[m][q]][n] - params[n].detach() for n in plan[q]}
                 if m == args.hostile:
                     delta = attacked(delta, frags[q], since[m][q], args, H)
-                delta = screened(delta, frags[q], m, since[m][q], args, H, watched, tick)
+                delta = screened(
+                    delta, frags[q], m, since[m][q], args, H, watched, tick, cfg.sync.refuse_suspects
+                )
                 if delta is None:
                     refused[m] += 1
                     continue
                 frags[q].pushes.append((m, delta, since[m][q] * tokens_per_step, since[m][q]))
-    merges, single = close_rounds(frags, args, M, policy, tick, merges, single, force=True)
+    refusing = watched.named() if cfg.sync.refuse_suspects else set()
+    merges, single = close_rounds(frags, args, M, policy, tick, merges, single, force=True, refused=refusing)
     final = build_model(cfg.model, vocab, cfg.train.seed)
     with torch.no_grad():
         own = dict(final.named_parameters())

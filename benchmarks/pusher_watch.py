@@ -2,6 +2,7 @@
 
     python benchmarks/pusher_watch.py --out benchmarks/results/pusher_watch.json
     python benchmarks/pusher_watch.py --honest gpt4_h10,digits3 --scales 1.0,2.9 --seeds 1
+    python benchmarks/pusher_watch.py --refuse-suspects --honest '' --out benchmarks/results/pusher_watch_refuse.json
 
 Honest: real `diloco run`s (GPT at H = 10 and 20, a 3× slower learner, int8 pushes, synchronous
 DiLoCo, learners killed under chaos, the digits CNN with and without BatchNorm), each learner's
@@ -9,7 +10,9 @@ nearest approach to each bar as the coordinator kept it (the run's summary), and
 named. Hostile: benchmarks/outer_sim.py, 3 learners, one pushing its own delta reversed at each
 --scales × the others' median norm, per seed: the eval loss, whether it was named and after how many
 of its pushes, and whether an honest learner was named. Printed: the honest maxima beside the bars,
-and each attack's outcome.
+and each attack's outcome. --refuse-suspects runs every arm with `sync.refuse_suspects` (a named
+learner's pushes refused while it is named): what that saves under attack, and what it costs
+honest runs (each learner's refused pushes).
 """
 
 from __future__ import annotations
@@ -70,11 +73,11 @@ HONEST: dict[str, list[str]] = {
 }
 
 
-def honest_run(name: str, flags: list[str], workdir: Path, images: Path) -> dict[str, Any]:
+def honest_run(name: str, flags: list[str], workdir: Path, images: Path, refuse: bool) -> dict[str, Any]:
     """One honest run: each learner's nearest approach to the bars, and who was named."""
     data = ["--dataset", str(images)] if "examples/digits/run.toml" in flags else []
     cmd = [sys.executable, "-m", "cli", "run", "--workdir", str(workdir / name), "--no-progress",
-           "--set", "eval.every_s=0", *flags, *data]  # fmt: skip
+           "--set", "eval.every_s=0", "--set", f"sync.refuse_suspects={str(refuse).lower()}", *flags, *data]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
@@ -88,13 +91,15 @@ def honest_run(name: str, flags: list[str], workdir: Path, images: Path) -> dict
         "highest_ratio": max((d.get("delta_norm_ratio_highest") or 0.0 for d in detail), default=0.0),
         "largest_gap": max((d.get("delta_alignment_gap_largest") or 0.0 for d in detail), default=0.0),
         "alignments": [d.get("delta_alignment") for d in detail],
+        "pushes_refused": summary.get("pushes_refused"),
     }
 
 
-def hostile_run(scale: float, seed: int, out: Path) -> dict[str, Any]:
+def hostile_run(scale: float, seed: int, out: Path, refuse: bool) -> dict[str, Any]:
     """outer_sim with learner 2 pushing its delta reversed at `scale` × the others' median."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "outer_sim.py"), "--learners", "3", "--quorum", "0",
-           "--inner-steps", "20", "--seed", str(seed), "--out", str(out)]  # fmt: skip
+           "--inner-steps", "20", "--seed", str(seed), "--out", str(out),
+           "--set", f"sync.refuse_suspects={str(refuse).lower()}"]  # fmt: skip
     if scale > 0:
         cmd += ["--hostile", "2", "--attack-scale", str(scale)]
     subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
@@ -107,6 +112,7 @@ def hostile_run(scale: float, seed: int, out: Path) -> dict[str, Any]:
         "honest_named": result["wrongly_flagged"],
         "highest_ratio": [w["delta_norm_ratio_highest"] for w in result["watch"]],
         "largest_gap": [w["delta_alignment_gap_largest"] for w in result["watch"]],
+        "refused_by_learner": result["refused_by_learner"],
     }
 
 
@@ -115,10 +121,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--honest", default=",".join(HONEST), help=f"of: {', '.join(HONEST)} ('' for none)")
     p.add_argument("--scales", default="0,1.0,1.9,2.5,2.9,9.9", help="attack scales; 0: no attacker")
     p.add_argument("--seeds", default="1,2")
+    p.add_argument("--refuse-suspects", action="store_true", help="every arm with sync.refuse_suspects")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     results: dict[str, Any] = {
         "bars": {"ratio": SUSPECT_RATIO, "gap": SUSPECT_GAP},
+        "refuse_suspects": args.refuse_suspects,
         "honest": {},
         "hostile": {},
     }
@@ -128,15 +136,18 @@ def main(argv: list[str] | None = None) -> None:
             subprocess.run([sys.executable, str(ROOT / "examples/digits/prepare.py"), str(images)], check=True,
                            capture_output=True)  # fmt: skip
         for name in filter(None, args.honest.split(",")):
-            results["honest"][name] = got = honest_run(name, HONEST[name], Path(tmp), images)
+            results["honest"][name] = got = honest_run(
+                name, HONEST[name], Path(tmp), images, args.refuse_suspects
+            )
             print(f"honest {name}: highest ratio {got['highest_ratio']:.2f}, largest gap {got['largest_gap']:.3f}, "
                   f"named {list(got['named']) or 'nobody'}", flush=True)  # fmt: skip
         for scale in (float(s) for s in args.scales.split(",") if s):
             for seed in (int(s) for s in args.seeds.split(",")):
-                got = hostile_run(scale, seed, Path(tmp) / f"sim_{scale}_{seed}.json")
+                got = hostile_run(scale, seed, Path(tmp) / f"sim_{scale}_{seed}.json", args.refuse_suspects)
                 results["hostile"][f"{scale:g}x/seed{seed}"] = got
                 print(f"reversed at {scale:g}x, seed {seed}: eval {got['eval_loss']:.3f}, hostile named after "
-                      f"{got['hostile_named_after_pushes']} pushes, honest named {got['honest_named']}", flush=True)  # fmt: skip
+                      f"{got['hostile_named_after_pushes']} pushes, honest named {got['honest_named']}, "
+                      f"refused by learner {got['refused_by_learner']}", flush=True)  # fmt: skip
     honest = results["honest"].values()
     if honest:
         print(f"honest maxima: ratio {max(h['highest_ratio'] for h in honest):.2f} (bar {SUSPECT_RATIO:g}), "

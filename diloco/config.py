@@ -192,6 +192,16 @@ class SyncConfig:
     # ones (scaled by its steps over H) is refused as an outlier: one broken or hostile learner
     # cannot throw the model away. 0: no check. Needs a few accepted deltas first.
     max_delta_norm_ratio: float = 10.0
+    # The pusher watch (coordinator/pusher_watch.py) names a learner whose last pushes' median norm
+    # stands above suspect_norm_ratio x the others', or whose mean cosine to the outer momentum
+    # stands suspect_alignment_gap from the live learners' median (0: that rule off). Honest runs
+    # came to 1.35 and 0.16 at most (benchmarks/pusher_watch.py).
+    suspect_norm_ratio: float = 2.0
+    suspect_alignment_gap: float = 0.35
+    # Refuse a named learner's pushes (its rows left to train) until it no longer looks hostile or
+    # broken, instead of only naming it: its pushes are still watched while refused, so an honest
+    # learner named by mistake comes back. Off by default: being named refuses nothing.
+    refuse_suspects: bool = False
     # A round of short pushes (a restarted learner's first, the end game's last few steps) enters
     # the outer step scaled by 2ρ/(1 + ρ²), ρ its pushes' steps over H (merging.short_push_scale):
     # a short delta is mostly the inner loop's fluctuation, which does not shrink with its steps.

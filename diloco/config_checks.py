@@ -68,6 +68,8 @@ def check_limits(cfg: RunConfig) -> None:
         "sync.pull_chain": (s.pull_chain, 1, ""),
         "sync.max_unreachable_s": (s.max_unreachable_s, 0, " (0: never stop stepping)"),
         "sync.max_delta_norm_ratio": (s.max_delta_norm_ratio, 0, " (0: no outlier check)"),
+        "sync.suspect_norm_ratio": (s.suspect_norm_ratio, 0, " (0: no learner named by its norm)"),
+        "sync.suspect_alignment_gap": (s.suspect_alignment_gap, 0, " (0: none by its direction)"),
         "coordinator.stream_chunk_bytes": (c.stream_chunk_bytes, 1, ""),
         "coordinator.max_push_bytes": (c.max_push_bytes, 1, ""),
         "coordinator.grpc_workers": (c.grpc_workers, 1, ""),
@@ -111,6 +113,16 @@ def check_limits(cfg: RunConfig) -> None:
         raise ConfigError(
             f"sync.max_delta_norm_ratio must be 0 (no check) or >= 1, got {s.max_delta_norm_ratio:g}: "
             "below 1 it refuses a delta for being as large as the median of the recent ones"
+        )
+    if 0 < s.suspect_norm_ratio < 1:
+        raise ConfigError(
+            f"sync.suspect_norm_ratio must be 0 (off) or >= 1, got {s.suspect_norm_ratio:g}: below 1 "
+            "it names a learner for pushing as much as the others"
+        )
+    if s.refuse_suspects and not (s.suspect_norm_ratio or s.suspect_alignment_gap):
+        raise ConfigError(
+            "sync.refuse_suspects needs sync.suspect_norm_ratio or sync.suspect_alignment_gap: "
+            "with both 0 no learner is ever named"
         )
     if c.max_message_bytes > GRPC_INT_MAX:  # gRPC's channel arguments are C ints
         raise ConfigError(

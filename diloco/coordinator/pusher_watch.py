@@ -8,7 +8,7 @@ learner can wreck a run (README, "Who may talk to the coordinator"), and so can 
 faulty GPU, corrupt data) whose deltas are finite. One push says little (an honest delta can stand
 at 4× the median); a learner's last pushes together tell it apart. The coordinator says so (status,
 Prometheus, one log line when it changes); cutting the learner off is the operator's call
-(`diloco certs revoke`).
+(`diloco certs revoke`), or with `sync.refuse_suspects` its pushes are refused while it is named.
 
 Direction is judged against the other learners, not against the momentum alone: a learner that
 pushes more than the others takes the momentum with it, and then the honest learners' deltas are
@@ -24,7 +24,7 @@ import collections
 import math
 import random
 import statistics
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +37,7 @@ MIN_JUDGED = 3  # direction is judged among at least this many live learners' fi
 # and 0.16 at most (GPT at H = 10 and 20, a 3× slower learner, int8, synchronous, kills under
 # chaos, the digits CNN); one learner of three pushing its delta reversed at 1 to 9.9× the others'
 # median stood 0.40 to 1.30 from the others' cosine (0.85 and more below 2×), and 1 to 9.9 in norm.
+# Their defaults (config: sync.suspect_norm_ratio, sync.suspect_alignment_gap):
 SUSPECT_RATIO = 2.0  # the median of a learner's last norm ratios above this
 SUSPECT_GAP = 0.35  # its mean cosine to the momentum this far from the live learners' median
 # The cosine's sample (alignment): tensors up to SAMPLE_ALL entries whole, larger ones in
@@ -44,6 +45,8 @@ SUSPECT_GAP = 0.35  # its mean cosine to the momentum this far from the live lea
 SAMPLE_ALL = 1 << 16
 SAMPLE_BLOCKS = 4
 SAMPLE_SHARE = 8
+# How a push is refused while its learner is named (sync.refuse_suspects), before the reason.
+SUSPECT_REFUSAL = "its learner looks hostile or broken (sync.refuse_suspects)"
 # A learner's figures in status (PusherWatch.figures) that a run's summary keeps.
 WATCH_FIGURES = (
     "delta_norm_ratio",
@@ -174,14 +177,14 @@ def judge(
     """Whether each learner that pushed within `live_within_s` of `now` looks hostile or broken,
     and why: the median norm of its last pushes stands above `ratio_bar` × the others', or the
     mean cosine of its last deltas to the momentum stands more than `gap_bar` from the median of
-    the live learners' (at least MIN_JUDGED of them)."""
+    the live learners' (at least MIN_JUDGED of them). A bar of 0 turns its rule off."""
     live = {w: watch for w, watch in watches.items() if now - watch.last_at <= live_within_s}
     means = {w: m for w, watch in live.items() if (m := watch.alignment_mean()) is not None}
     reference = statistics.median(means.values()) if len(means) >= MIN_JUDGED else None
     out: dict[str, Judgement] = {}
     for worker, watch in live.items():
         reasons = []
-        if (median := watch.ratio_median()) is not None and median > ratio_bar:
+        if ratio_bar > 0 and (median := watch.ratio_median()) is not None and median > ratio_bar:
             reasons.append(
                 f"the median norm of its last {len(watch.ratios)} deltas is {median:.1f}× the other "
                 f"workers' (above {ratio_bar:g}×)"
@@ -189,10 +192,36 @@ def judge(
         gap = None
         if worker in means and reference is not None:
             gap = means[worker] - reference
-            if abs(gap) > gap_bar:
+            if gap_bar > 0 and abs(gap) > gap_bar:
                 reasons.append(
                     f"its last deltas' mean cosine to the fragments' outer momentum is {means[worker]:+.2f}, "
                     f"the {len(means)} live learners' median {reference:+.2f}: it does not go their way"
                 )
         out[worker] = Judgement("; ".join(reasons), gap)
     return out
+
+
+def refused(watches: Mapping[str, PusherWatch], refuse_suspects: bool) -> set[str]:
+    """The learners whose pushes are refused while they are named (with `refuse_suspects`): no
+    round is for them, else a round that needs every learner would wait for them for good."""
+    return {w for w, watch in watches.items() if watch.suspect} if refuse_suspects else set()
+
+
+def restored(
+    history: Mapping[str, Sequence[tuple[float, float | None, float | None]]],
+    now: float,
+    live_within_s: float,
+    ratio_bar: float = SUSPECT_RATIO,
+    gap_bar: float = SUSPECT_GAP,
+) -> dict[str, PusherWatch]:
+    """Each learner's watch as its last pushes left it ((when, norm ratio, alignment) each, oldest
+    first: the ledger's), judged at `now`: a coordinator's restart neither forgets a learner it
+    named nor gives it MIN_WATCHED more pushes before it is named again."""
+    watches: dict[str, PusherWatch] = {}
+    for worker, pushes in history.items():
+        watch = watches[worker] = PusherWatch()
+        for at, ratio, alignment in pushes:
+            watch.add(at, ratio, alignment)
+    for worker, judgement in judge(watches, now, live_within_s, ratio_bar, gap_bar).items():
+        watches[worker].take(judgement)
+    return watches

@@ -144,11 +144,13 @@ class CoordinatorMetrics:
 
 def known_push_refusals() -> list[str]:
     """The labels of the refusals a push can get (reason_label of each), for series at 0."""
+    from diloco.coordinator.pusher_watch import SUSPECT_REFUSAL
     from diloco.coordinator.syncer import staleness_refusal
 
     reasons = [
         staleness_refusal(0, 0, 1), staleness_refusal(0, 2, 1), "stalled stream", "malformed",
         "spans of this push overlap each other", "span 1:[0,1) is not inside a known shard",
+        SUSPECT_REFUSAL,
     ]  # fmt: skip
     return sorted({reason_label(r) for r in reasons if r})
 

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS pushes (
   base_version INTEGER NOT NULL, steps INTEGER NOT NULL, tokens INTEGER NOT NULL,
   state TEXT NOT NULL,                            -- pending | merged | dropped
   merged_version INTEGER, reason TEXT, received REAL NOT NULL,
-  norm REAL                                       -- the delta's norm per H steps, for the outlier check
+  norm REAL,                                      -- the delta's norm per H steps, for the outlier check
+  ratio REAL, alignment REAL                      -- as the pusher watch saw it (pusher_watch.py)
 );
 CREATE TABLE IF NOT EXISTS spans (
   shard_id INTEGER NOT NULL REFERENCES shards(id), row_start INTEGER NOT NULL,
@@ -118,6 +119,7 @@ class LedgerBase:
         self._db.executescript(SCHEMA)
         _keep_worker_callers(self._db)
         _keep_push_claims(self._db)
+        _keep_push_watch(self._db)
         # Reports (Status, the page, /metrics) read on a connection of their own: in WAL mode it
         # sees the last commit while the service writes on, so counting a large dataset's chunks
         # never holds up a push or a merge waiting for the ledger's lock.
@@ -286,6 +288,15 @@ def _keep_worker_callers(db: sqlite3.Connection) -> None:
     if "caller" not in {row[1] for row in db.execute("PRAGMA table_info(workers)")}:
         db.execute("ALTER TABLE workers ADD COLUMN caller TEXT")
     db.execute("CREATE INDEX IF NOT EXISTS workers_by_caller ON workers(caller, state)")
+
+
+def _keep_push_watch(db: sqlite3.Connection) -> None:
+    """A ledger from before pushes kept what the pusher watch saw of them: the columns added, empty
+    (each learner's watch after a restart starts from its pushes after it)."""
+    have = {row[1] for row in db.execute("PRAGMA table_info(pushes)")}
+    for column in ("ratio", "alignment"):
+        if column not in have:
+            db.execute(f"ALTER TABLE pushes ADD COLUMN {column} REAL")
 
 
 def _keep_push_claims(db: sqlite3.Connection) -> None:

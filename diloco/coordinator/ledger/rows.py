@@ -34,6 +34,7 @@ class PushesTable(ClaimsTable):
         state: str = "pending",
         reason: str = "",
         norm: float | None = None,
+        watched: tuple[float | None, float | None] = (None, None),
     ) -> str | None:
         """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
 
@@ -49,7 +50,8 @@ class PushesTable(ClaimsTable):
         worker now or before, not leased now to another, not all in other workers' pushes)
         push_claim checked before the delta streamed; rows of a shard leased to another worker
         since are cut out here, as rows trained twice are. `steps` and `tokens` are what push_claim
-        credited; `norm` (per H steps) is kept for the outlier check's history across restarts.
+        credited; `norm` (per H steps) is kept for the outlier check's history across restarts,
+        and `watched` (its norm ratio and alignment, refused or not) for its learner's watch.
         """
         resent = None
         with self._tx() as db:
@@ -91,8 +93,8 @@ class PushesTable(ClaimsTable):
                     _bump(db, "rows_trained_twice", (b - a) - sum(y - x for x, y in fresh))
                 spans = kept
             db.execute(
-                "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, received, norm) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, "
+                "received, norm, ratio, alignment) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     push_id,
                     worker_id,
@@ -104,6 +106,7 @@ class PushesTable(ClaimsTable):
                     reason or None,
                     self.clock(),
                     norm if state == "pending" else None,
+                    *watched,
                 ),
             )
             if state == "pending":
@@ -128,6 +131,23 @@ class PushesTable(ClaimsTable):
             (fragment, min_steps, limit),
         )
         return [(str(r[0]), float(r[1])) for r in reversed(rows)]
+
+    def recent_watched(self, limit: int) -> dict[str, list[tuple[float, float | None, float | None]]]:
+        """Each joined learner's last `limit` pushes the pusher watch saw, oldest first: (when
+        received, norm ratio, alignment), its watch after a restart."""
+        learners = [
+            r[0] for r in self._q("SELECT id FROM workers WHERE role = 'compute' AND state = 'active'")
+        ]
+        out: dict[str, list[tuple[float, float | None, float | None]]] = {}
+        for worker_id in learners:
+            rows = self._q(
+                "SELECT received, ratio, alignment FROM pushes WHERE worker_id = ? "
+                "AND (ratio IS NOT NULL OR alignment IS NOT NULL) ORDER BY received DESC LIMIT ?",
+                (worker_id, limit),
+            )
+            if rows:
+                out[str(worker_id)] = [(float(r[0]), r[1], r[2]) for r in reversed(rows)]
+        return out
 
     def _release(self, db: sqlite3.Connection, worker_id: str, released: Sequence[int]) -> None:
         """The shards the push says its learner holds no more: back to the pool (its own leases only)."""

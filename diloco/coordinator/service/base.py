@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from diloco.config import RunConfig
-from diloco.coordinator import checkpoint, lifecycle, merging, syncer
+from diloco.coordinator import checkpoint, lifecycle, merging, pusher_watch, syncer
 from diloco.coordinator.callers import (
     HEARTBEAT_BURST,
     Callers,
@@ -28,6 +28,7 @@ from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.init_check import RunModel
 from diloco.coordinator.ledger import Ledger
 from diloco.coordinator.ledger.workers import Reclaimed
+from diloco.coordinator.log_text import loggable
 from diloco.coordinator.pusher_watch import PusherWatch
 from diloco.coordinator.report import tokens_reported
 from diloco.coordinator.service.state import (
@@ -123,8 +124,17 @@ class ServiceBase:
         self.specs: dict[str, pb.TensorSpec] = {}
         self.averaged: frozenset[str] = frozenset()  # the specs' running statistics (_install_specs)
         self.step_time_s = 0.0  # EMA of learners' reported inner step time
-        # Each learner's last deltas against the run's (pusher_watch): this life's, under the lock.
-        self.pusher_watch: dict[str, PusherWatch] = {}
+        # Each learner's last deltas against the run's (pusher_watch), under the lock: as the
+        # ledger kept them, so that a restart does not forget whom it named.
+        self.pusher_watch: dict[str, PusherWatch] = pusher_watch.restored(
+            ledger.recent_watched(pusher_watch.WATCH_PUSHES),
+            self.clock(),
+            config.coordinator.lease_ttl_s,
+            config.sync.suspect_norm_ratio,
+            config.sync.suspect_alignment_gap,
+        )
+        for worker_id in pusher_watch.refused(self.pusher_watch, True):
+            log.warning("learner %s still looks hostile or broken", loggable(worker_id))
         self.sync_time_s = 0.0  # EMA of merge duration
         self.publish_time_s = 0.0  # EMA of writing a checkpoint and committing its merges
         self.last_loss = math.nan
@@ -300,6 +310,11 @@ class ServiceBase:
 
     def _live_learners(self) -> list[str]:
         return self.ledger.live_workers("compute", self.config.coordinator.lease_ttl_s)
+
+    def _merging_learners(self) -> list[str]:
+        """The live learners a round is for: all but those refused while named (lock held)."""
+        refused = pusher_watch.refused(self.pusher_watch, self.config.sync.refuse_suspects)
+        return [w for w in self._live_learners() if w not in refused]
 
     def _set_run_state(self, state: str, reason: str) -> None:
         with self.cond:

@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Iterator
 
-from diloco.coordinator import merging, syncer
+from diloco.coordinator import merging, pusher_watch, syncer
 from diloco.coordinator.ledger import MergeRecord
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import (
@@ -49,7 +49,7 @@ class Merger(ServiceBase):
         the earliest time a round still open may close with nothing else happening (None: none)."""
         if not self.fragments:
             return None
-        live = self._live_learners()
+        live = self._merging_learners()
         now = self.clock()
         recheck: list[float] = []
         for frag in self.fragments:
@@ -97,7 +97,10 @@ class Merger(ServiceBase):
         # a merged round, its push came again, and the other learner left (run finishing) before
         # it merged again: at coverage 1 and work 0.32, eval 2.310 -> 2.339; the same push merged
         # at 0.5 and 0.16, as the first time, gives 2.308 (recomputed from the checkpoints).
-        live = len(contributors | set(self._live_learners()) | frag.round.members)
+        # A learner refused while named (sync.refuse_suspects) is no share of it.
+        refused = pusher_watch.refused(self.pusher_watch, self.config.sync.refuse_suspects)
+        members = (set(self._live_learners()) | frag.round.members) - refused
+        live = len(contributors | members)
         scale = merging.coverage_scale(len(contributors), live)
         steps = sum(q.arrival.steps for q in pending)
         # Short pushes are mostly the inner loop's fluctuation (merging.short_push_scale). A

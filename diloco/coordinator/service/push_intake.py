@@ -82,9 +82,10 @@ class PushIntake(ServiceBase):
         tensors: dict[str, torch.Tensor],
         squared: float | None,
         frag: FragmentState,
-    ) -> tuple[float, str]:
+    ) -> tuple[float, str, tuple[float | None, float | None]]:
         """The delta's norm per H steps, and why it is an outlier ("" when it is not): refused like
-        a stale push, recorded with its reason, its rows left to train."""
+        a stale push, recorded with its reason, its rows left to train; and what the pusher watch
+        saw of it (its norm ratio and alignment), for the ledger."""
         # The parameters' norm: running statistics move by the data, not by the learning rate.
         own = [t for n, t in tensors.items() if n not in self.averaged]
         if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
@@ -99,24 +100,42 @@ class PushIntake(ServiceBase):
         ratio = norm_per_h / reference[0] if reference is not None and reference[0] > 0 else None
         if ratio is not None:
             self.metrics.push_norm_ratio.observe(ratio)
-        self._watch_pusher(header.worker_id, ratio, pusher_watch.alignment(tensors, momentum, self.averaged))
+        aligned = pusher_watch.alignment(tensors, momentum, self.averaged)
+        suspect = self._watch_pusher(header.worker_id, ratio, aligned)
         outlier = limits.norm_outlier(
             norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
         ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))
-        return norm_per_h, outlier
+        if not outlier and suspect and self.config.sync.refuse_suspects:
+            outlier = f"{pusher_watch.SUSPECT_REFUSAL}: {suspect}"
+        return norm_per_h, outlier, (ratio, aligned)
 
-    def _watch_pusher(self, worker_id: str, ratio: float | None, alignment: float | None) -> None:
+    def _watch_pusher(self, worker_id: str, ratio: float | None, alignment: float | None) -> str:
         """One more push in its learner's watch, and every live learner judged again (a learner's
         direction is judged against the others'); when one comes to look hostile or broken, or no
-        longer does, it is logged once; status shows the reason meanwhile."""
+        longer does, it is logged once; status shows the reason meanwhile. Returns the pusher's
+        reason ("": it looks like the others)."""
+        sync = self.config.sync
         with self.cond:
             now = self.clock()
-            self.pusher_watch.setdefault(worker_id, pusher_watch.PusherWatch()).add(now, ratio, alignment)
-            judged = pusher_watch.judge(self.pusher_watch, now, self.config.coordinator.lease_ttl_s)
+            watch = self.pusher_watch.setdefault(worker_id, pusher_watch.PusherWatch())
+            watch.add(now, ratio, alignment)
+            judged = pusher_watch.judge(
+                self.pusher_watch,
+                now,
+                self.config.coordinator.lease_ttl_s,
+                sync.suspect_norm_ratio,
+                sync.suspect_alignment_gap,
+            )
             changed = [(w, j.reason) for w, j in judged.items() if self.pusher_watch[w].take(j)]
-        for worker, reason in changed:
-            if reason:
-                log.warning("learner %s looks hostile or broken: %s (diloco certs revoke, if it is not yours)",
-                            loggable(worker), reason)  # fmt: skip
+            reason = watch.suspect
+        then = (
+            "its pushes refused meanwhile"
+            if sync.refuse_suspects
+            else "diloco certs revoke, if it is not yours"
+        )
+        for worker, why in changed:
+            if why:
+                log.warning("learner %s looks hostile or broken: %s (%s)", loggable(worker), why, then)
             else:
                 log.info("learner %s no longer looks hostile or broken", loggable(worker))
+        return reason

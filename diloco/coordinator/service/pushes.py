@@ -185,9 +185,11 @@ class PushRPCs(PushIntake):
             )  # fmt: skip
             header.inner_steps, header.tokens = claim.steps, claim.tokens
 
-        norm_per_h, outlier = self._delta_outlier(header, tensors, squared, frag) if tensors else (0.0, "")
+        norm_per_h, outlier, watched = (
+            self._delta_outlier(header, tensors, squared, frag) if tensors else (0.0, "", (None, None))
+        )
         with self.cond:
-            reply, fold = self._accept_push(header, tensors, empty, outlier, norm_per_h)
+            reply, fold = self._accept_push(header, tensors, empty, outlier, norm_per_h, watched)
             # Only deltas of H steps or more make the history: a fragment's first push under the
             # streaming stagger holds H/P steps at the start of the warm-up, and compared with it
             # the next round's honest pushes stood at 4.8-6.9x (benchmarks/norm_ratios.py).
@@ -252,8 +254,10 @@ class PushRPCs(PushIntake):
         released: list[int],
         stale: str | None,
         norm: float | None = None,
+        watched: tuple[float | None, float | None] = (None, None),
     ) -> str | None:
-        """The push in the ledger, pending or (stale) dropped; the ledger's refusal, or None."""
+        """The push in the ledger, pending or (stale) dropped, with what the pusher watch saw of
+        it; the ledger's refusal, or None."""
         return self.ledger.record_push(
             header.push_id,
             header.worker_id,
@@ -266,6 +270,7 @@ class PushRPCs(PushIntake):
             state="dropped" if stale else "pending",
             reason=stale or "",
             norm=norm or None,
+            watched=watched,
         )
 
     def _nothing_this_round(self, header: pb.TensorHeader) -> None:
@@ -310,6 +315,7 @@ class PushRPCs(PushIntake):
         empty: bool,
         refuse: str = "",
         norm: float = 0.0,
+        watched: tuple[float | None, float | None] = (None, None),
     ) -> tuple[pb.PushReply, tuple[RoundSum, float, float] | None]:
         """Record a push in its round (lock held); returns the reply, and for a delta to merge,
         the round's sum to fold it into with its weight and its age factor."""
@@ -334,7 +340,7 @@ class PushRPCs(PushIntake):
         )
         # A stale push is recorded too (dropped, with its reason): a retry of it gets the same answer.
         try:
-            refusal = self._record_push(header, spans, released, stale, norm) or stale
+            refusal = self._record_push(header, spans, released, stale, norm, watched) or stale
         except PushRecorded:
             # Another copy of this push (a client's retry while the first still streamed) was
             # recorded after this one read "not recorded": answered as any retry is.
@@ -349,7 +355,7 @@ class PushRPCs(PushIntake):
         if opens:
             # Whose share the merge is: a learner that leaves before the round closes (its run
             # finishing, its heartbeats gone) does not make the others' pushes a larger share.
-            frag.round.members = frozenset(self._live_learners()) | {header.worker_id}
+            frag.round.members = frozenset(self._merging_learners()) | {header.worker_id}
         if others:  # joining a round another learner opened: late for it?
             first = min(others, key=lambda a: a.arrived_at)
             missed = syncer.late_in_round_by(now, first, header.step_time_s, self.config.sync.gather_steps)

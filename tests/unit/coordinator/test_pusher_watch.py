@@ -15,6 +15,7 @@ from diloco.coordinator.pusher_watch import (
     PusherWatch,
     alignment,
     judge,
+    restored,
 )
 
 
@@ -127,3 +128,41 @@ def test_a_judgement_taken_says_when_a_learner_comes_to_look_suspect_and_when_it
     assert watch.take(Judgement("odd", -0.5)) and watch.suspect == "odd" and watch.largest_gap == 0.5
     assert not watch.take(Judgement("odd, other figures", 0.2)) and watch.largest_gap == 0.5
     assert watch.take(Judgement("", None)) and watch.suspect == ""
+
+
+def test_each_bar_is_the_config_s_and_a_bar_of_zero_turns_its_rule_off() -> None:
+    # One learner too large, another pointing the other way: each named by its own rule only.
+    watches = {
+        "a": watched(1.0, 0.6),
+        "b": watched(1.0, 0.6),
+        "big": watched(3.0, 0.6),
+        "odd": watched(1.0, -0.6),
+    }
+
+    def named(**bars: float) -> dict[str, str]:
+        got = judge(watches, now=100.0, live_within_s=60.0, **bars)
+        return {w: j.reason for w, j in got.items() if j.reason}
+
+    assert set(named()) == {"big", "odd"}
+    assert set(named(ratio_bar=0.0)) == {"odd"}
+    assert set(named(gap_bar=0.0)) == {"big"}
+    assert named(ratio_bar=0.0, gap_bar=0.0) == {}
+    assert set(named(ratio_bar=4.0, gap_bar=1.5)) == set()
+    assert "above 2.5×" in named(ratio_bar=2.5)["big"]
+
+
+def test_a_restored_watch_names_the_live_at_once_and_the_rest_at_their_next_push() -> None:
+    def pushes(cosine: float, at: float) -> list[tuple[float, float | None, float | None]]:
+        return [(at, 1.0, cosine)] * WATCH_PUSHES
+
+    history = {"a": pushes(0.6, 90.0), "b": pushes(0.55, 90.0), "evil": pushes(-0.6, 90.0)}
+    soon = restored(history, now=100.0, live_within_s=60.0)
+    assert [w for w, watch in soon.items() if watch.suspect] == ["evil"]
+    assert soon["evil"].largest_gap == pytest.approx(1.15)
+    # After a long stop nobody is live, and nobody is named; as they push again, at once.
+    later = restored(history, now=1000.0, live_within_s=60.0)
+    assert not any(watch.suspect for watch in later.values())
+    for worker, cosine in (("a", 0.6), ("b", 0.55), ("evil", -0.6)):
+        later[worker].add(1000.0, 1.0, cosine)
+    got = judge(later, now=1000.0, live_within_s=60.0)
+    assert [w for w, j in got.items() if j.reason] == ["evil"]

@@ -1,6 +1,8 @@
 """A learner whose deltas go against the other learners', on a real coordinator: within every norm
 bound, so each push is merged, and named for it in Status, in Prometheus and once in the log; the
-honest learners beside it are not (coordinator/pusher_watch.py)."""
+honest learners beside it are not (coordinator/pusher_watch.py). With sync.refuse_suspects its
+pushes are refused from the one that gets it named, the others' all taken, and a round that needs
+every learner (quorum 0) no longer waits for it; a restart of the coordinator keeps it named."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import pytest
 import torch
 
 from diloco.client import CoordinatorClient
+from diloco.coordinator.pusher_watch import SUSPECT_REFUSAL
 from diloco.v1 import coordinator_pb2 as pb
-from tests.support import tiny_coordinator
+from tests.support import start_coordinator_here, tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
 
 # H = 10 steps at the fixture's batch of 1: each push's 10 rows are a full H.
@@ -21,12 +24,60 @@ OVERRIDES = {"sync.max_staleness": 1000, "data.epochs": 4, "train.inner_steps": 
 ROUNDS = 8
 
 
+def push_rounds(
+    running, learners: list[CoordinatorClient], init: dict, shards: list[int], rounds: range
+) -> list[int]:
+    """Each learner pushes once a round, the last one (the hostile) its delta against the others'
+    way at their size (no norm rule names it); the rounds in which its push was refused."""
+    g = torch.Generator().manual_seed(0)
+    way = {n: torch.randn(t.shape, generator=g) * 1e-4 for n, t in init.items()}  # the data's way
+    refused = []
+    for i in rounds:
+        for k, learner in enumerate(learners):
+            sign = -1.0 if k == len(learners) - 1 else 1.0
+            delta = {n: sign * way[n] + torch.randn(t.shape, generator=g) * 5e-5 for n, t in init.items()}
+            h = header(shards[k], (10 * i, 10 * i + 10), f"{k}-{i}")
+            h.version = running.service.fragments[0].version
+            reply = learner.push(h, delta)
+            if k == len(learners) - 1 and not reply.accepted:
+                assert reply.reason.startswith(SUSPECT_REFUSAL) and "does not go" in reply.reason
+                refused.append(i)
+            else:
+                assert reply.accepted, reply
+    return refused
+
+
+def all_merged(running, received: int) -> None:
+    deadline = time.monotonic() + 30
+    while running.ledger.counters().get("pushes_received", 0) < received:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # Every accepted push merged: the last rounds closed on the honest two's pushes (well
+    # before the refused learner's heartbeats would lapse and end the wait anyway).
+    deadline = time.monotonic() + 10
+    while any(f.pending for f in running.service.fragments):
+        assert time.monotonic() < deadline, "a round waits for the refused learner"
+        time.sleep(0.05)
+
+
+def samples(running, family_name: str, label: str) -> dict[str, float]:
+    return {
+        s.labels[label]: s.value
+        for family in running.service.metrics.registry.collect()
+        if family.name == family_name
+        for s in family.samples
+        if s.name.endswith("_total") or family.type == "gauge"
+    }
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("refuse", [False, True], ids=["named", "refused"])
 def test_a_learner_pushing_against_the_others_is_named_and_the_honest_are_not(
-    tiny_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tiny_corpus: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, refuse: bool
 ) -> None:
     caplog.set_level(logging.INFO, logger="diloco.coordinator")
-    with tiny_coordinator(tiny_corpus, tmp_path, OVERRIDES) as (running, first, init):
+    overrides = {**OVERRIDES, "sync.refuse_suspects": refuse, "sync.quorum": 0 if refuse else 1}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
         more = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(2)]
         try:
             for learner in more:
@@ -34,38 +85,66 @@ def test_a_learner_pushing_against_the_others_is_named_and_the_honest_are_not(
             learners = [first, *more]
             hostile = learners[2].worker_id
             shards = [learner.lease_shard().shard_id for learner in learners]
-            g = torch.Generator().manual_seed(0)
-            way = {n: torch.randn(t.shape, generator=g) * 1e-4 for n, t in init.items()}  # the data's way
-            for i in range(ROUNDS):
-                for k, learner in enumerate(learners):
-                    # The same size as the others' (no norm rule names it), the other way.
-                    sign = -1.0 if learner.worker_id == hostile else 1.0
-                    delta = {
-                        n: sign * way[n] + torch.randn(t.shape, generator=g) * 5e-5 for n, t in init.items()
-                    }
-                    h = header(shards[k], (10 * i, 10 * i + 10), f"{k}-{i}")
-                    h.version = running.service.fragments[0].version
-                    reply = learner.push(h, delta)
-                    assert reply.accepted, reply
-            deadline = time.monotonic() + 30
-            while running.ledger.counters().get("pushes_received", 0) < 3 * ROUNDS:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            refused = push_rounds(running, learners, init, shards, range(ROUNDS))
+            all_merged(running, 3 * ROUNDS - len(refused))
             detail = running.service.status_detail()
             assert list(detail["suspect_learners"]) == [hostile], detail["suspect_learners"]
             assert "does not go their way" in detail["suspect_learners"][hostile]
             shown = {w["worker_id"]: w for w in detail["workers"]}
             assert shown[hostile]["delta_alignment"] < 0 < shown[first.worker_id]["delta_alignment"]
             assert all(0.5 < shown[w.worker_id]["delta_norm_ratio"] < 2 for w in learners)
-            scraped = {
-                s.labels["worker"]: s.value
-                for family in running.service.metrics.registry.collect()
-                if family.name == "diloco_learner_suspect"
-                for s in family.samples
-            }
+            scraped = samples(running, "diloco_learner_suspect", "worker")
             assert scraped == {first.worker_id: 0.0, more[0].worker_id: 0.0, hostile: 1.0}
+            # Named at its 6th cosine (pusher_watch.MIN_WATCHED), its 7th push (its first found no
+            # outer momentum yet): from that one on, refused if told to.
+            assert refused == (list(range(6, ROUNDS)) if refuse else [])
+            assert detail["pushes_refused"] == len(refused)
+            assert samples(running, "diloco_pushes_refused", "reason")["its_learner_looks_hostile"] == len(
+                refused
+            )
         finally:
             for learner in more:
                 learner.close()
-    named = [r.getMessage() for r in caplog.records if "looks hostile or broken" in r.getMessage()]
-    assert len(named) == 1 and hostile in named[0] and "diloco certs revoke" in named[0], named
+    named = [
+        m for r in caplog.records if (m := r.getMessage()).startswith("learner ") and "looks hostile" in m
+    ]
+    assert len(named) == 1 and hostile in named[0], named
+    assert ("its pushes refused meanwhile" if refuse else "diloco certs revoke") in named[0], named
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_coordinator_still_names_and_refuses_the_learner(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    # Its watch in memory only, a restart gave the learner MIN_WATCHED more pushes, each merged.
+    overrides = {**OVERRIDES, "sync.refuse_suspects": True}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
+        more = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(2)]
+        for learner in more:
+            learner.join()
+        learners = [first, *more]
+        shards = [learner.lease_shard().shard_id for learner in learners]
+        ids = [learner.worker_id for learner in learners]
+        try:
+            assert push_rounds(running, learners, init, shards, range(ROUNDS)) == [6, 7]
+            all_merged(running, 3 * ROUNDS - 2)
+            before = {w["worker_id"]: w for w in running.service.status_detail()["workers"]}
+        finally:
+            for learner in [*more, first]:
+                learner.close()
+            config = running.service.config
+            running.stop()
+    again = start_coordinator_here(config, str(tmp_path), "127.0.0.1")
+    back = [CoordinatorClient(f"127.0.0.1:{again.port}", pb.ROLE_COMPUTE, worker_id=w) for w in ids]
+    try:
+        detail = again.service.status_detail()
+        assert list(detail["suspect_learners"]) == [ids[2]], detail["suspect_learners"]
+        shown = {w["worker_id"]: w for w in detail["workers"]}
+        for w in ids:
+            assert shown[w]["delta_alignment"] == before[w]["delta_alignment"]
+        # Its very next push is refused; the honest learners' are taken.
+        assert push_rounds(again, back, init, shards, range(ROUNDS, ROUNDS + 1)) == [ROUNDS]
+    finally:
+        for learner in back:
+            learner.close()
+        again.stop()

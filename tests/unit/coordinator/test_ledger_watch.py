@@ -1,0 +1,60 @@
+"""What the pusher watch saw of each push is kept in the ledger (refused pushes too), so that a
+restarted coordinator rebuilds each learner's watch (coordinator/pusher_watch.py); a ledger from
+before it gains the columns, empty."""
+
+import sqlite3
+
+from diloco.coordinator.ledger import Ledger
+from diloco.coordinator.pusher_watch import WATCH_PUSHES, restored
+from tests.unit.coordinator.ledger_setup import TOKENS_PER_ROW, with_train_shard
+
+
+def record(ledger, push_id, worker, row, watched, state="pending"):
+    spans = [(1, row, row + 1)] if state == "pending" else []
+    return ledger.record_push(
+        push_id, worker, 0, 0, 5, TOKENS_PER_ROW, spans, [], state=state,
+        reason="" if state == "pending" else "refused", watched=watched,
+    )  # fmt: skip
+
+
+def test_each_learners_last_pushes_come_back_oldest_first_refused_ones_too(ledger, clock) -> None:
+    with_train_shard(ledger)
+    for worker in ("L1", "L2", "gone"):
+        ledger.join(worker, "compute", "h")
+    ledger.leave("gone")
+    record(ledger, "old", "L1", 0, (None, None))  # watched nothing (no momentum yet): not kept
+    for i in range(WATCH_PUSHES + 3):
+        clock.advance(1.0)
+        # The shard has 10 rows: past them, pushes refused (a refused push is watched too).
+        record(ledger, f"a{i}", "L1", 1 + i, (1.0 + i, 0.5), state="pending" if i < 8 else "dropped")
+    clock.advance(1.0)
+    record(ledger, "b0", "L2", 0, (None, -0.4), state="dropped")
+    record(ledger, "g0", "gone", 0, (2.0, 0.1), state="dropped")
+    got = ledger.recent_watched(WATCH_PUSHES)
+    assert set(got) == {"L1", "L2"}  # a learner that left has no watch to rebuild
+    assert [r for _, r, _ in got["L1"]] == [1.0 + i for i in range(3, WATCH_PUSHES + 3)]
+    assert [t for t, _, _ in got["L1"]] == sorted(t for t, _, _ in got["L1"])
+    assert got["L2"] == [(clock(), None, -0.4)]
+    watches = restored(got, clock(), 60.0)
+    assert watches["L1"].ratio_median() is not None and watches["L2"].ratio_median() is None
+
+
+def test_a_ledger_from_before_the_watch_was_kept_gains_its_columns(tmp_path, clock) -> None:
+    path = tmp_path / "ledger.sqlite"
+    db = sqlite3.connect(path)
+    db.execute(
+        "CREATE TABLE pushes (push_id TEXT PRIMARY KEY, worker_id TEXT NOT NULL, fragment INTEGER NOT NULL, "
+        "base_version INTEGER NOT NULL, steps INTEGER NOT NULL, tokens INTEGER NOT NULL, state TEXT NOT NULL, "
+        "merged_version INTEGER, reason TEXT, received REAL NOT NULL, norm REAL)"
+    )  # as it was made before the watch was kept
+    db.commit()
+    db.close()
+    ledger = Ledger(str(path), clock=clock)
+    try:
+        assert ledger.recent_watched(WATCH_PUSHES) == {}
+        with_train_shard(ledger)
+        ledger.join("L1", "compute", "h")
+        record(ledger, "p", "L1", 0, (1.5, 0.25))
+        assert ledger.recent_watched(WATCH_PUSHES) == {"L1": [(clock(), 1.5, 0.25)]}
+    finally:
+        ledger.close()
