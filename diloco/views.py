@@ -62,7 +62,7 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     )
     if failing := d.get("publish_failing"):
         table.add_row("[red]saving merges[/]", saving_text(failing))
-    add_suspects(table, d.get("suspect_learners"))
+    add_suspects(table, d.get("suspect_learners"), d.get("suspects_refused", False))
     loss = d.get("last_loss")
     table.add_row("loss", f"{loss:.4f}" if loss else "-")
     if d.get("train_metrics"):
@@ -73,11 +73,13 @@ def progress_table(d: dict[str, Any], started: float, name: str, minutes: float)
     return table
 
 
-def add_suspects(table: Table, suspects: dict[str, str] | None) -> None:
+def add_suspects(table: Table, suspects: dict[str, str] | None, refused: bool = False) -> None:
     """Learners whose pushes look hostile or broken (coordinator/pusher_watch.py): a red row each,
-    their ids and reasons shown as text, never as markup."""
+    their ids and reasons shown as text, never as markup; `refused`: their pushes are refused
+    meanwhile (sync.refuse_suspects)."""
+    then = " (its pushes refused meanwhile)" if refused else ""
     for worker, reason in (suspects or {}).items():
-        table.add_row(f"[red]suspect {escape(worker)}[/]", escape(reason))
+        table.add_row(f"[red]suspect {escape(worker)}[/]", escape(reason) + then)
 
 
 def last_merge_text(d: dict[str, Any]) -> str:
@@ -233,7 +235,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
     run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}" + last_merge_text(d))
     if failing := d.get("publish_failing"):
         run.add_row("saving merges", saving_text(failing))
-    add_suspects(run, d.get("suspect_learners"))
+    add_suspects(run, d.get("suspect_learners"), d.get("suspects_refused", False))
     loss = d.get("last_loss")
     run.add_row("last loss", (f"{loss:.4f}" if loss else "-") + metrics_text(d.get("train_metrics")))
     run.add_row("held-out eval", eval_text(d))

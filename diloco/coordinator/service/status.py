@@ -124,6 +124,7 @@ class StatusRPCs(ServiceBase):
             "workers": (shown := shown_workers(workers, STATUS_MAX_WORKERS)),
             # Learners whose last pushes look hostile or broken (pusher_watch), and why.
             "suspect_learners": {w["worker_id"]: w["suspect"] for w in shown if w.get("suspect")},
+            "suspects_refused": self.config.sync.refuse_suspects,  # their pushes refused meanwhile
             "workers_total": len(workers),
             "uptime_s": round(now - self.started_at, 3),
             "security": self.security_mode,

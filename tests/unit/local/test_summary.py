@@ -284,6 +284,10 @@ def test_status_counts_in_the_runs_unit() -> None:
     console.print(status_tables({**detail, "suspect_learners": {"[bold]x": "its deltas [red]differ"}}))
     text = console.export_text()
     assert "suspect [bold]x" in text and "its deltas [red]differ" in text
+    assert "refused" not in text
+    console = Console(width=200, record=True)
+    console.print(status_tables({**detail, "suspect_learners": {"x": "odd"}, "suspects_refused": True}))
+    assert "odd (its pushes refused meanwhile)" in console.export_text()
 
 
 def test_the_ddp_comparison_reads_the_right_way_round() -> None:
