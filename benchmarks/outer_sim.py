@@ -152,7 +152,11 @@ def close_rounds(frags, args, M, policy, tick, merges, single, force=False, refu
         needed = members if args.quorum <= 0 else min(args.quorum, members)
         if not f.pushes:
             continue
-        if not force and len(pushers) < members and (len(pushers) < needed or tick < f.open_since + args.window):
+        if (
+            not force
+            and len(pushers) < members
+            and (len(pushers) < needed or tick < f.open_since + args.window)
+        ):
             continue
         acc = merging.MergeAccumulator(policy.merge)
         for _, delta, tok, st in f.pushes:
