@@ -181,8 +181,8 @@ def push_verdict(
     if all_taken:
         return Verdict.REFUSE, "every row named is in other workers' pushes"
     if not spans:
-        # One fragment (the fuzzer's): no row-less push may follow one with rows, so none is backed
-        # by rows named before (with P >= 2 a hand-in's row-less push is: ledger/claims.py).
+        # One fragment (the fuzzer's): the claim takes no row-less push at all (P - 1 = 0 of them);
+        # with P >= 2 one may be backed by rows named before, a hand-in's (ledger/claims.py).
         held = [s for s in facts.shards("train") if s["state"] == "leased" and s["holder"] == worker]
         if not held:
             return Verdict.REFUSE, "no rows named and no train shard held"
