@@ -109,7 +109,7 @@ class Watched:
         return self.watches[str(m)].suspect
 
     def named(self) -> set[int]:
-        return {int(w) for w, watch in self.watches.items() if watch.suspect}
+        return {int(w) for w in pusher_watch.named(self.watches)}
 
     def result(self) -> list[dict]:
         return [{**w.figures(), "suspect": w.suspect, "flagged_after_pushes": self.flagged_after.get(m),

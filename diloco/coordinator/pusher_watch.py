@@ -201,10 +201,15 @@ def judge(
     return out
 
 
+def named(watches: Mapping[str, PusherWatch]) -> set[str]:
+    """The learners whose pushes look hostile or broken, as last judged."""
+    return {w for w, watch in watches.items() if watch.suspect}
+
+
 def refused(watches: Mapping[str, PusherWatch], refuse_suspects: bool) -> set[str]:
     """The learners whose pushes are refused while they are named (with `refuse_suspects`): no
     round is for them, else a round that needs every learner would wait for them for good."""
-    return {w for w, watch in watches.items() if watch.suspect} if refuse_suspects else set()
+    return named(watches) if refuse_suspects else set()
 
 
 def restored(

@@ -4,12 +4,13 @@ many steps and tokens those rows (and the rows its learner holds) can back.
 Each row a learner trains moves every fragment once, so a row backs at most one push of each
 fragment: over a worker's pushes of one fragment, the tokens credited never exceed the rows it
 has named (in any fragment's push) plus the untrained rows of the shards it holds now. That is
-the budget (`_budget`) every push draws on; a push with rows is credited at most P times the fresh
+the budget (`push_claim`) every push draws on; a push with rows is credited at most P times the fresh
 rows it names, or those rows and P − 1 intervals of H/P steps if more (a steady learner names H/P
 steps of rows per push, each push holding H steps: the rows of the oldest of the P intervals it
-holds), and a push with none rides on its held rows only as one of the first P − 1 pushes after
-the worker's last push with rows (a learner's first pushes, while its first rows wait for every
-fragment's push to cover them: compute/rows.py). A push whose own fresh rows find the budget
+holds), and a push with none rides on its held rows, and on named rows this fragment was not
+credited for (a hand-in's later pushes), only as one of the first P − 1 pushes after the worker's
+last push with rows (a learner's first pushes, while its first rows wait for every fragment's push
+to cover them: compute/rows.py). A push whose own fresh rows find the budget
 spent (their training was credited ahead, to earlier pushes) is taken for its rows only: they are
 recorded as trained, its delta merges nothing (`Claim.rows_only`), so no honest row is refused and
 trained again."""
@@ -122,26 +123,15 @@ class ClaimsTable(LedgerBase):
             rows, toks = rows + todo, toks + todo * (shard["tokens"] // max(1, shard["rows"]))
         return rows, toks
 
-    def _budget(self, db: sqlite3.Connection, worker_id: str, fragment: int, exclude: str) -> int:
-        """Tokens the worker's pushes of `fragment` may still be credited: the rows it has named
-        (each backs one push of every fragment) less what its pushes of `fragment` were credited
-        (the held rows and this push's fresh ones are added by the caller)."""
-        _, named = self._named(db, worker_id)
-        credited = db.execute(
-            "SELECT COALESCE(SUM(tokens), 0) FROM pushes WHERE worker_id = ? AND fragment = ? "
-            "AND push_id != ? AND state IN ('pending', 'merged')",
-            (worker_id, fragment, exclude),
-        ).fetchone()[0]
-        return int(named) - int(credited)
-
-    def _owed(self, db: sqlite3.Connection, worker_id: str, fragment: int, exclude: str) -> tuple[float, int]:
-        """Rows and tokens the worker named that its pushes of `fragment` were not credited for
-        (its budget when positive, in rows at the tokens per row of what it named)."""
-        owed = self._budget(db, worker_id, fragment, exclude)
-        if owed <= 0:
-            return 0.0, 0
-        rows, toks = self._named(db, worker_id)
-        return owed * rows / max(1, toks), owed
+    def _credited(self, db: sqlite3.Connection, worker_id: str, fragment: int, exclude: str) -> int:
+        """Tokens the worker's pushes of `fragment` (but `exclude`) were credited."""
+        return int(
+            db.execute(
+                "SELECT COALESCE(SUM(tokens), 0) FROM pushes WHERE worker_id = ? AND fragment = ? "
+                "AND push_id != ? AND state IN ('pending', 'merged')",
+                (worker_id, fragment, exclude),
+            ).fetchone()[0]
+        )
 
     def _named(self, db: sqlite3.Connection, worker_id: str) -> tuple[int, int]:
         """Rows and tokens of every span the worker's pending and merged pushes named."""
@@ -216,7 +206,7 @@ class ClaimsTable(LedgerBase):
         with none by the untrained rows of the train shards its worker holds, and only as one of
         the first P − 1 pushes since the worker's last push with rows. Either way, the tokens
         credited to the worker's pushes of this fragment stay within the rows it named and holds
-        (`_budget`): held rows credited to a push ahead of its rows are counted off when those
+        (its budget): held rows credited to a push ahead of its rows are counted off when those
         rows are named. Steps are credited as the credited rows
         fill batches of `batch_size` rows (a step is batch_size rows on any number of ranks)."""
         with self._lock:
@@ -229,6 +219,11 @@ class ClaimsTable(LedgerBase):
             if problem:
                 return Claim(0, 0, problem, denied=denied)
             held_rows, held_toks = self._held_todo(db, worker_id, spans)
+            # The budget: the rows the worker named (each backs one push of every fragment) less
+            # what its pushes of this fragment were credited; this push's own rows and the held
+            # ones are added below.
+            named_rows, named_toks = self._named(db, worker_id)
+            unclaimed = named_toks - self._credited(db, worker_id, fragment, push_id)
             if spans:
                 # A push of fragment p holds the steps since p's last push: the P intervals between
                 # its worker's last P pushes. It names the rows of the oldest (the others' rows
@@ -243,7 +238,8 @@ class ClaimsTable(LedgerBase):
                 # names every row on its first push, and the other fragments' follow with none
                 # (each row backs one push of every fragment). With no shard left to hold (the data
                 # ran out) they were refused, and those fragments' last steps lost.
-                owed_rows, owed_toks = self._owed(db, worker_id, fragment, push_id)
+                owed_toks = max(0, unclaimed)
+                owed_rows = owed_toks * named_rows / max(1, named_toks)
                 if not held_toks and not owed_toks:
                     return Claim(0, 0, "a delta must name the rows it trained on (spans)")
                 ahead = max(0, fragments - 1)
@@ -254,7 +250,7 @@ class ClaimsTable(LedgerBase):
                         "rows (or start a learner)",
                     )  # fmt: skip
                 cap_rows, cap_toks = held_rows + owed_rows, held_toks + owed_toks
-            budget = self._budget(db, worker_id, fragment, push_id) + toks + held_toks
+            budget = unclaimed + toks + held_toks
         toks_ok = min(tokens, cap_toks, budget)
         if toks_ok < 1 and spans:
             # Its rows are its own and untrained by anyone else, but what they back was credited

@@ -133,7 +133,7 @@ class ServiceBase:
             config.sync.suspect_norm_ratio,
             config.sync.suspect_alignment_gap,
         )
-        for worker_id in pusher_watch.refused(self.pusher_watch, True):
+        for worker_id in pusher_watch.named(self.pusher_watch):
             log.warning("learner %s still looks hostile or broken", loggable(worker_id))
         self.sync_time_s = 0.0  # EMA of merge duration
         self.publish_time_s = 0.0  # EMA of writing a checkpoint and committing its merges

@@ -83,9 +83,10 @@ class PushIntake(ServiceBase):
         squared: float | None,
         frag: FragmentState,
     ) -> tuple[float, str, tuple[float | None, float | None]]:
-        """The delta's norm per H steps, and why it is an outlier ("" when it is not): refused like
-        a stale push, recorded with its reason, its rows left to train; and what the pusher watch
-        saw of it (its norm ratio and alignment), for the ledger."""
+        """The delta's norm per H steps, and why it is refused ("" when it is not): an outlier, or
+        (sync.refuse_suspects) its learner named by the pusher watch; refused like a stale push,
+        recorded with its reason, its rows left to train. And what the pusher watch saw of it (its
+        norm ratio and alignment), for the ledger."""
         # The parameters' norm: running statistics move by the data, not by the learning rate.
         own = [t for n, t in tensors.items() if n not in self.averaged]
         if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
