@@ -9,7 +9,8 @@ the fragment's last accepted norms of deltas of H steps or more, other workers' 
 enough), replayed from the ledger's pushes (H from the workdir's run.toml). Printed per run: how many had a reference, the ratio's median, 90th and 99th
 percentile and largest, and how many were above 1.5, 2, 3, 5 and 10 (the default
 `sync.max_delta_norm_ratio`); `--show R` lists the pushes above R (when, which fragment, whose,
-on which version). Read this before lowering the bar: a push above it is refused, and in a
+on which version). `--of deviation` does the same for each taken push's deviation from the
+fragment's mean step (`sync.center_clip`'s figure, kept in the ledger since it came). Read this before lowering the bar: a push above it is refused, and in a
 warm-up every round's deltas are larger than the last.
 """
 
@@ -33,14 +34,16 @@ from diloco.coordinator.service.state import NORM_HISTORY  # noqa: E402
 BARS = (1.5, 2.0, 3.0, 5.0, 10.0)
 
 
-def push_ratios(ledger: Path, inner_steps: int) -> list[dict[str, Any]]:
-    """Each push with a norm and a reference: its ratio, fragment, worker, base version and
+def push_ratios(ledger: Path, inner_steps: int, of: str = "norm") -> list[dict[str, Any]]:
+    """Each push with a norm (or with `of` "deviation", a deviation from the fragment's mean step:
+    sync.center_clip's figure) and a reference: its ratio, fragment, worker, base version and
     seconds since the run's first push. Like the coordinator, only merged pushes of
     `inner_steps` (H) or more make the history."""
+    column = {"norm": "norm", "deviation": "deviation"}[of]  # a column name, never the caller's text
     with sqlite3.connect(f"file:{ledger}?mode=ro", uri=True) as db:
         rows = db.execute(
-            "SELECT fragment, worker_id, norm, state, received, base_version, steps FROM pushes "
-            "WHERE norm IS NOT NULL AND norm > 0 ORDER BY received"
+            f"SELECT fragment, worker_id, {column}, state, received, base_version, steps FROM pushes "
+            f"WHERE {column} IS NOT NULL AND {column} > 0 ORDER BY received"
         ).fetchall()
     accepted: dict[int, list[tuple[str, float]]] = {}  # per fragment: (worker, norm), oldest first
     out: list[dict[str, Any]] = []
@@ -73,13 +76,15 @@ def summary(pushes: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workdirs", nargs="+", type=Path, help="run workdirs (their state/ledger.sqlite)")
+    p.add_argument("--of", choices=["norm", "deviation"], default="norm",
+                   help="the outlier check's norms, or sync.center_clip's deviations from the mean step")  # fmt: skip
     p.add_argument("--show", type=float, default=0.0, help="list the pushes above this ratio")
     p.add_argument("--out", type=Path, help="write the summaries here as JSON")
     args = p.parse_args(argv)
     results = {}
     for workdir in args.workdirs:
         inner_steps = RunConfig.from_toml(workdir / "run.toml").train.inner_steps
-        pushes = push_ratios(workdir / "state" / "ledger.sqlite", inner_steps)
+        pushes = push_ratios(workdir / "state" / "ledger.sqlite", inner_steps, args.of)
         results[str(workdir)] = summary(pushes)
         print(workdir, json.dumps(results[str(workdir)]))
         for push in (q for q in pushes if args.show and q["ratio"] > args.show):

@@ -19,7 +19,9 @@ each push to the bound instead of refusing it. Each learner's pushes are watched
 coordinator watches them (`coordinator/pusher_watch.py`, its bars `--set sync.suspect_norm_ratio=…`,
 `sync.suspect_alignment_gap`): printed per learner, its figures, whether it ends suspect, and after
 how many of its pushes it was first found so. With `--set sync.refuse_suspects=true` a learner's
-pushes are refused while it is named, as the coordinator's are.
+pushes are refused while it is named, and with `--set sync.center_clip=K` a push deviating from the
+fragment's mean step by more than K × the others' median is pulled back to it, as the
+coordinator's are.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import build_rows  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
-from diloco.coordinator import limits, merging, pusher_watch  # noqa: E402
+from diloco.coordinator import centered_clip, limits, merging, pusher_watch  # noqa: E402
 from diloco.coordinator.service.state import NORM_HISTORY  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
@@ -66,6 +68,9 @@ class Fragment:
     # The outlier check's history: accepted pushes' norms per H steps, and who pushed each.
     norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
     norm_by: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
+    # sync.center_clip: taken pushes' deviations from the mean step, and who pushed each.
+    devs: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
+    dev_by: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
 
 
 def delta_norm_per_h(delta: dict[str, torch.Tensor], steps: int, H: int) -> float:
@@ -139,6 +144,26 @@ def screened(
             norm = limit
     f.norms.append(norm)
     f.norm_by.append(m)
+    if args.center_clip > 0:
+        delta = center_clipped(delta, f, m, steps, args, H)
+    return delta
+
+
+def center_clipped(delta, f: Fragment, m: int, steps: int, args, H: int):
+    """With --set sync.center_clip=K: a push whose deviation from the fragment's mean step stands
+    above K × the others' median deviation pulled toward that mean step, as the coordinator does
+    (coordinator/centered_clip.py; the deviation here over every entry, not from a sampled cosine)."""
+    mean_step = {n: f.momentum[n] * (1 - args.mu) for n in delta}
+    dev = delta_norm_per_h({n: delta[n] - mean_step[n] for n in delta}, steps, H)
+    share, _ = centered_clip.kept_share(
+        dev, tuple(f.devs), tuple(map(str, f.dev_by)), str(m), args.center_clip
+    )
+    f.devs.append(dev)
+    f.dev_by.append(m)
+    if share < 1:
+        args.clipped[m] = args.clipped.get(m, 0) + 1
+        delta = {n: d.clone() for n, d in delta.items()}
+        centered_clip.pull_toward(delta, f.momentum, args.mu, share)
     return delta
 
 
@@ -225,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = cfg.model.vocab_size or load_tokenizer(cfg.data.tokenizer).vocab_size
     train_rows, eval_rows = build_rows(cfg, vocab, steps_each * M * bs, 16 * bs)
     policy = dataclasses.replace(cfg.sync, quorum=args.quorum)
+    args.mu, args.center_clip, args.clipped = policy.outer_momentum, cfg.sync.center_clip, {}
 
     models = [build_model(cfg.model, vocab, cfg.train.seed) for _ in range(M)]
     optims = [make_inner_optimizer(m, cfg.train) for m in models]
@@ -336,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
                 own[n].copy_(t)
     loss = eval_loss(final, eval_rows, bs, "cpu")
     result = {"eval_loss": loss, "merges": merges, "partial_merges": single, "refused": sum(refused), "refused_by_learner": refused, "steps_each": steps_each,
-              "watch": watched.result(), "wrongly_flagged": watched.wrongly_flagged,
+              "watch": watched.result(), "wrongly_flagged": watched.wrongly_flagged, "center_clipped": args.clipped,
               "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     print(json.dumps(result))
     if args.out:

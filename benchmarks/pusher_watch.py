@@ -12,7 +12,13 @@ named. Hostile: benchmarks/outer_sim.py, 3 learners, one pushing its own delta r
 of its pushes, and whether an honest learner was named. Printed: the honest maxima beside the bars,
 and each attack's outcome. --refuse-suspects runs every arm with `sync.refuse_suspects` (a named
 learner's pushes refused while it is named): what that saves under attack, and what it costs
-honest runs (each learner's refused pushes).
+honest runs (each learner's refused pushes). --center-clips 0,2 runs every arm once per
+`sync.center_clip` bound, side by side (coordinator/centered_clip.py): the honest runs' pushes
+clipped and their deviation ratios (the figure the bound is compared with, from each run's ledger),
+and the eval under attack.
+
+    python benchmarks/pusher_watch.py --refuse-suspects --center-clips 0,2 --honest gpt4_h10,digits3 \
+        --scales 0,1.0,2.5,9.9 --out benchmarks/results/center_clip.json
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.norm_ratios import push_ratios, summary  # noqa: E402
+from diloco.config import RunConfig  # noqa: E402
 from diloco.coordinator.pusher_watch import SUSPECT_GAP, SUSPECT_RATIO  # noqa: E402
 
 GPT = ["--set", "train.inner_steps=10"]
@@ -73,33 +81,42 @@ HONEST: dict[str, list[str]] = {
 }
 
 
-def honest_run(name: str, flags: list[str], workdir: Path, images: Path, refuse: bool) -> dict[str, Any]:
-    """One honest run: each learner's nearest approach to the bars, and who was named."""
+def honest_run(
+    name: str, flags: list[str], workdir: Path, images: Path, refuse: bool, clip: float = 0.0
+) -> dict[str, Any]:
+    """One honest run: each learner's nearest approach to the bars, who was named, and how many
+    pushes the centered clip pulled in (with the deviation ratios it compared)."""
     data = ["--dataset", str(images)] if "examples/digits/run.toml" in flags else []
-    cmd = [sys.executable, "-m", "cli", "run", "--workdir", str(workdir / name), "--no-progress",
-           "--set", "eval.every_s=0", "--set", f"sync.refuse_suspects={str(refuse).lower()}", *flags, *data]  # fmt: skip
+    cmd = [sys.executable, "-m", "cli", "run", "--workdir", str(workdir), "--no-progress",
+           "--set", "eval.every_s=0", "--set", f"sync.refuse_suspects={str(refuse).lower()}",
+           "--set", f"sync.center_clip={clip:g}", *flags, *data]  # fmt: skip
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    summary = json.loads((workdir / name / "summary.json").read_text())
-    detail = summary["learners_detail"].values()
+    run = json.loads((workdir / "summary.json").read_text())
+    detail = run["learners_detail"].values()
+    inner_steps = RunConfig.from_toml(workdir / "run.toml").train.inner_steps
     return {
-        "eval_loss": summary["eval_loss"],
-        "named": summary.get("suspect_learners") or {},
-        "kills": summary.get("kills") or {},
+        "eval_loss": run["eval_loss"],
+        "named": run.get("suspect_learners") or {},
+        "kills": run.get("kills") or {},
         "highest_ratio": max((d.get("delta_norm_ratio_highest") or 0.0 for d in detail), default=0.0),
         "largest_gap": max((d.get("delta_alignment_gap_largest") or 0.0 for d in detail), default=0.0),
         "alignments": [d.get("delta_alignment") for d in detail],
-        "pushes_refused": summary.get("pushes_refused"),
+        "pushes_refused": run.get("pushes_refused"),
+        "pushes_center_clipped": run.get("pushes_center_clipped"),
+        "deviation_ratios": summary(
+            push_ratios(workdir / "state" / "ledger.sqlite", inner_steps, "deviation")
+        ),
     }
 
 
-def hostile_run(scale: float, seed: int, out: Path, refuse: bool) -> dict[str, Any]:
+def hostile_run(scale: float, seed: int, out: Path, refuse: bool, clip: float = 0.0) -> dict[str, Any]:
     """outer_sim with learner 2 pushing its delta reversed at `scale` × the others' median."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "outer_sim.py"), "--learners", "3", "--quorum", "0",
            "--inner-steps", "20", "--seed", str(seed), "--out", str(out),
-           "--set", f"sync.refuse_suspects={str(refuse).lower()}"]  # fmt: skip
+           "--set", f"sync.refuse_suspects={str(refuse).lower()}", "--set", f"sync.center_clip={clip:g}"]  # fmt: skip
     if scale > 0:
         cmd += ["--hostile", "2", "--attack-scale", str(scale)]
     subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=True)
@@ -113,6 +130,7 @@ def hostile_run(scale: float, seed: int, out: Path, refuse: bool) -> dict[str, A
         "highest_ratio": [w["delta_norm_ratio_highest"] for w in result["watch"]],
         "largest_gap": [w["delta_alignment_gap_largest"] for w in result["watch"]],
         "refused_by_learner": result["refused_by_learner"],
+        "center_clipped": result["center_clipped"],
     }
 
 
@@ -122,11 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scales", default="0,1.0,1.9,2.5,2.9,9.9", help="attack scales; 0: no attacker")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--refuse-suspects", action="store_true", help="every arm with sync.refuse_suspects")
+    p.add_argument("--center-clips", default="0", help="sync.center_clip bounds, each arm once per bound")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    clips = [float(c) for c in args.center_clips.split(",")]
     results: dict[str, Any] = {
         "bars": {"ratio": SUSPECT_RATIO, "gap": SUSPECT_GAP},
         "refuse_suspects": args.refuse_suspects,
+        "center_clips": clips,
         "honest": {},
         "hostile": {},
     }
@@ -136,18 +157,25 @@ def main(argv: list[str] | None = None) -> None:
             subprocess.run([sys.executable, str(ROOT / "examples/digits/prepare.py"), str(images)], check=True,
                            capture_output=True)  # fmt: skip
         for name in filter(None, args.honest.split(",")):
-            results["honest"][name] = got = honest_run(
-                name, HONEST[name], Path(tmp), images, args.refuse_suspects
-            )
-            print(f"honest {name}: highest ratio {got['highest_ratio']:.2f}, largest gap {got['largest_gap']:.3f}, "
-                  f"named {list(got['named']) or 'nobody'}", flush=True)  # fmt: skip
+            for clip in clips:  # side by side: the arms of one config run one after the other
+                key = name if len(clips) == 1 else f"{name}/clip{clip:g}"
+                results["honest"][key] = got = honest_run(
+                    name, HONEST[name], Path(tmp) / key.replace("/", "_"), images, args.refuse_suspects, clip
+                )
+                print(f"honest {key}: eval {got['eval_loss']:.4f}, highest ratio {got['highest_ratio']:.2f}, "
+                      f"largest gap {got['largest_gap']:.3f}, named {list(got['named']) or 'nobody'}, "
+                      f"clipped {got['pushes_center_clipped']}, deviation ratios {got['deviation_ratios']}",
+                      flush=True)  # fmt: skip
         for scale in (float(s) for s in args.scales.split(",") if s):
             for seed in (int(s) for s in args.seeds.split(",")):
-                got = hostile_run(scale, seed, Path(tmp) / f"sim_{scale}_{seed}.json", args.refuse_suspects)
-                results["hostile"][f"{scale:g}x/seed{seed}"] = got
-                print(f"reversed at {scale:g}x, seed {seed}: eval {got['eval_loss']:.3f}, hostile named after "
-                      f"{got['hostile_named_after_pushes']} pushes, honest named {got['honest_named']}, "
-                      f"refused by learner {got['refused_by_learner']}", flush=True)  # fmt: skip
+                for clip in clips:
+                    key = f"{scale:g}x/seed{seed}" + ("" if len(clips) == 1 else f"/clip{clip:g}")
+                    out = Path(tmp) / f"sim_{key.replace('/', '_')}.json"
+                    results["hostile"][key] = got = hostile_run(scale, seed, out, args.refuse_suspects, clip)
+                    print(f"reversed at {key}: eval {got['eval_loss']:.3f}, hostile named after "
+                          f"{got['hostile_named_after_pushes']} pushes, honest named {got['honest_named']}, "
+                          f"refused by learner {got['refused_by_learner']}, clipped {got['center_clipped']}",
+                          flush=True)  # fmt: skip
     honest = results["honest"].values()
     if honest:
         print(f"honest maxima: ratio {max(h['highest_ratio'] for h in honest):.2f} (bar {SUSPECT_RATIO:g}), "

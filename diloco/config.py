@@ -202,6 +202,14 @@ class SyncConfig:
     # broken, instead of only naming it: its pushes are still watched while refused, so an honest
     # learner named by mistake comes back. Off by default: being named refuses nothing.
     refuse_suspects: bool = False
+    # A taken delta whose deviation from the fragment's mean step ((1 - outer_momentum) x its
+    # momentum) stands above center_clip x the median of the other workers' recent deviations is
+    # pulled toward that mean step until it stands there (coordinator/centered_clip.py): a learner
+    # inside the norm bound can no longer take the model far the wrong way. 0: off. Honest GPT
+    # pushes came to 1.86x, the digits CNN's to 4.2x (1-3 of ~100 a run above 3); a reversed
+    # learner at 9.9x the median norm took outer_sim's eval to 2.65 / 2.60 at 3 (2.93 / 2.94 off,
+    # 2.50 / 2.49 at 2, where 16-19% of the digits pushes are clipped: benchmarks/results/center_clip*).
+    center_clip: float = 3.0
     # A round of short pushes (a restarted learner's first, the end game's last few steps) enters
     # the outer step scaled by 2ρ/(1 + ρ²), ρ its pushes' steps over H (merging.short_push_scale):
     # a short delta is mostly the inner loop's fluctuation, which does not shrink with its steps.

@@ -70,6 +70,7 @@ def check_limits(cfg: RunConfig) -> None:
         "sync.max_delta_norm_ratio": (s.max_delta_norm_ratio, 0, " (0: no outlier check)"),
         "sync.suspect_norm_ratio": (s.suspect_norm_ratio, 0, " (0: no learner named by its norm)"),
         "sync.suspect_alignment_gap": (s.suspect_alignment_gap, 0, " (0: none by its direction)"),
+        "sync.center_clip": (s.center_clip, 0, " (0: no clipping)"),
         "coordinator.stream_chunk_bytes": (c.stream_chunk_bytes, 1, ""),
         "coordinator.max_push_bytes": (c.max_push_bytes, 1, ""),
         "coordinator.grpc_workers": (c.grpc_workers, 1, ""),
@@ -118,6 +119,11 @@ def check_limits(cfg: RunConfig) -> None:
         raise ConfigError(
             f"sync.suspect_norm_ratio must be 0 (off) or >= 1, got {s.suspect_norm_ratio:g}: below 1 "
             "it names a learner for pushing as much as the others"
+        )
+    if 0 < s.center_clip < 1:
+        raise ConfigError(
+            f"sync.center_clip must be 0 (off) or >= 1, got {s.center_clip:g}: below 1 it clips a "
+            "delta for deviating as much as the others"
         )
     if s.refuse_suspects and not (s.suspect_norm_ratio or s.suspect_alignment_gap):
         raise ConfigError(

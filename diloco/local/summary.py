@@ -229,6 +229,7 @@ def summarize(
         "wall_seconds": round(train_seconds, 2),
         "total_seconds": round(total_seconds, 2),
         "pushes_refused": d.get("pushes_refused", 0),
+        "pushes_center_clipped": d.get("pushes_center_clipped", 0),
         "record_stats": d.get("record_stats", {}),
         "transfers": d.get("transfers", {}),
     }

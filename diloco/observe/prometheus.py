@@ -213,6 +213,11 @@ class StatusCollector(Collector):
         yield CounterMetricFamily(
             "diloco_pushes_accepted", "Delta pushes taken into a round", value=d["pushes_received"]
         )
+        yield CounterMetricFamily(
+            "diloco_pushes_center_clipped",
+            "Taken pushes pulled toward the fragment's mean step (sync.center_clip)",
+            value=d.get("pushes_center_clipped", 0),
+        )
         wire = CounterMetricFamily(
             "diloco_wire_bytes", "Bytes on the wire by RPC", labels=["rpc", "direction"]
         )

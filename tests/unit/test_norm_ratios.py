@@ -44,3 +44,14 @@ def test_the_ratio_is_against_other_workers_full_pushes(tmp_path: Path) -> None:
 def test_a_run_without_a_reference_says_so(tmp_path: Path) -> None:
     got = push_ratios(ledger_with(tmp_path / "ledger.sqlite", [("a", 10, 1.0, "merged")]), inner_steps=10)
     assert got == [] and summary(got) == {"pushes": 0}
+
+
+def test_deviations_are_replayed_the_same_way_from_their_own_column(tmp_path: Path) -> None:
+    # Norms all 1 (no push stands out by its norm); the last stands out by its deviation.
+    pushes = [(w, 10, 1.0, "merged") for w in "abcde"]
+    path = ledger_with(tmp_path / "ledger.sqlite", pushes)
+    with sqlite3.connect(path) as db:
+        for i, deviation in enumerate((0.5, 0.5, 0.5, 0.5, 2.0)):
+            db.execute("UPDATE pushes SET deviation = ? WHERE push_id = ?", (deviation, f"p{i}"))
+    assert [p["ratio"] for p in push_ratios(path, inner_steps=10)] == [1.0]
+    assert [p["ratio"] for p in push_ratios(path, inner_steps=10, of="deviation")] == [4.0]

@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS pushes (
   state TEXT NOT NULL,                            -- pending | merged | dropped
   merged_version INTEGER, reason TEXT, received REAL NOT NULL,
   norm REAL,                                      -- the delta's norm per H steps, for the outlier check
-  ratio REAL, alignment REAL                      -- as the pusher watch saw it (pusher_watch.py)
+  ratio REAL, alignment REAL,                     -- as the pusher watch saw it (pusher_watch.py)
+  deviation REAL                                  -- per H steps, from the mean step (centered_clip.py)
 );
 CREATE TABLE IF NOT EXISTS spans (
   shard_id INTEGER NOT NULL REFERENCES shards(id), row_start INTEGER NOT NULL,
@@ -291,10 +292,11 @@ def _keep_worker_callers(db: sqlite3.Connection) -> None:
 
 
 def _keep_push_watch(db: sqlite3.Connection) -> None:
-    """A ledger from before pushes kept what the pusher watch saw of them: the columns added, empty
-    (each learner's watch after a restart starts from its pushes after it)."""
+    """A ledger from before pushes kept what the pusher watch and the centered clip saw of them: the
+    columns added, empty (each learner's watch after a restart starts from its pushes after it; a
+    fragment's deviations are its norms, as if its momentum were zero)."""
     have = {row[1] for row in db.execute("PRAGMA table_info(pushes)")}
-    for column in ("ratio", "alignment"):
+    for column in ("ratio", "alignment", "deviation"):
         if column not in have:
             db.execute(f"ALTER TABLE pushes ADD COLUMN {column} REAL")
 

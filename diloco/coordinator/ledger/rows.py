@@ -34,7 +34,7 @@ class PushesTable(ClaimsTable):
         state: str = "pending",
         reason: str = "",
         norm: float | None = None,
-        watched: tuple[float | None, float | None] = (None, None),
+        watched: tuple[float | None, float | None, float | None] = (None, None, None),
     ) -> str | None:
         """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
 
@@ -51,7 +51,8 @@ class PushesTable(ClaimsTable):
         push_claim checked before the delta streamed; rows of a shard leased to another worker
         since are cut out here, as rows trained twice are. `steps` and `tokens` are what push_claim
         credited; `norm` (per H steps) is kept for the outlier check's history across restarts,
-        and `watched` (its norm ratio and alignment, refused or not) for its learner's watch.
+        `watched` (its norm ratio and alignment, refused or not) for its learner's watch, and (taken)
+        its deviation from the mean step for the centered clip's history.
         """
         resent = None
         with self._tx() as db:
@@ -94,7 +95,7 @@ class PushesTable(ClaimsTable):
                 spans = kept
             db.execute(
                 "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, "
-                "received, norm, ratio, alignment) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "received, norm, ratio, alignment, deviation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     push_id,
                     worker_id,
@@ -106,7 +107,8 @@ class PushesTable(ClaimsTable):
                     reason or None,
                     self.clock(),
                     norm if state == "pending" else None,
-                    *watched,
+                    *watched[:2],
+                    watched[2] if state == "pending" else None,
                 ),
             )
             if state == "pending":
@@ -121,16 +123,17 @@ class PushesTable(ClaimsTable):
             _bump(db, "pushes_refused" if state == "dropped" else "pushes_received", 1)
         return resent
 
-    def recent_norms(self, fragment: int, limit: int, min_steps: int = 0) -> list[tuple[str, float]]:
+    def recent_norms(self, fragment: int, limit: int, min_steps: int = 0) -> list[tuple[str, float, float]]:
         """The last `limit` merged pushes of `fragment` with a norm and at least `min_steps`
-        steps, oldest first: (worker, norm per H steps), the outlier check's history after a
-        restart."""
+        steps, oldest first: (worker, norm per H steps, deviation per H steps), the outlier
+        check's and the centered clip's history after a restart (a push from before deviations
+        were kept: its norm, its deviation from a zero momentum)."""
         rows = self._q(
-            "SELECT worker_id, norm FROM pushes WHERE fragment = ? AND state = 'merged' AND norm IS NOT NULL "
+            "SELECT worker_id, norm, deviation FROM pushes WHERE fragment = ? AND state = 'merged' AND norm IS NOT NULL "
             "AND steps >= ? ORDER BY merged_version DESC, received DESC LIMIT ?",
             (fragment, min_steps, limit),
         )
-        return [(str(r[0]), float(r[1])) for r in reversed(rows)]
+        return [(str(r[0]), float(r[1]), float(r[1] if r[2] is None else r[2])) for r in reversed(rows)]
 
     def recent_watched(self, limit: int) -> dict[str, list[tuple[float, float | None, float | None]]]:
         """Each joined learner's last `limit` pushes the pusher watch saw, oldest first: (when

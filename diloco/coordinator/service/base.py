@@ -266,11 +266,14 @@ class ServiceBase:
             files=files or [version], broadcast=params, previous_round=self.ledger.round_pushers(p, version),
             awaited=awaited, awaited_until=self.clock() + RESEND_WAIT_HEARTBEATS * self.config.coordinator.heartbeat_s,
         )  # fmt: skip
-        # The outlier check's history, as the merged pushes of H steps or more left it: a restart
-        # does not empty it.
-        for worker_id, norm in self.ledger.recent_norms(p, NORM_HISTORY, self.config.train.inner_steps):
+        # The outlier check's and the centered clip's history, as the merged pushes of H steps or
+        # more left it: a restart does not empty it.
+        for worker_id, norm, deviation in self.ledger.recent_norms(
+            p, NORM_HISTORY, self.config.train.inner_steps
+        ):
             state.recent_norms.append(norm)
             state.recent_workers.append(worker_id)
+            state.recent_deviations.append(deviation)
         return state
 
     def _new_sum(self) -> RoundSum:

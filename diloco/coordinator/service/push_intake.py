@@ -1,21 +1,42 @@
 """A push's delta as it comes in: received and decoded piece by piece within the bounds its header
-declares, and judged by its norm (per H steps) against the fragment's parameters and the other
-workers' recent deltas, before the round takes it (pushes.py)."""
+declares, judged by its norm (per H steps) against the fragment's parameters and the other
+workers' recent deltas, and by its deviation from the fragment's mean step (centered_clip.py),
+before the round takes it (pushes.py)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 
 import torch
 
-from diloco.coordinator import limits, pusher_watch
+from diloco.coordinator import centered_clip, limits, pusher_watch
 from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import FragmentState, log
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.wire import codecs
 from diloco.wire.tensors import TensorAssembler, WireError, sq_norm
+
+
+@dataclass(frozen=True)
+class Screened:
+    """What the intake made of a delta before its round takes it."""
+
+    norm_per_h: float = 0.0
+    refusal: str = ""  # why it is refused ("": it is not)
+    ratio: float | None = None  # its norm over the outlier check's median (the pusher watch's)
+    alignment: float | None = None  # its cosine to the fragment's momentum (the pusher watch's)
+    deviation_per_h: float | None = None  # from the fragment's mean step (centered_clip)
+    kept: float = 1.0  # the share of that deviation it keeps (1: merged as it came)
+    clipped: str = ""  # why less than all of it
+    momentum: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the momentum it was measured against
+
+    @property
+    def watched(self) -> tuple[float | None, float | None, float | None]:
+        """What the ledger keeps of it for the watch and the clip after a restart."""
+        return self.ratio, self.alignment, self.deviation_per_h
 
 
 class PushIntake(ServiceBase):
@@ -76,27 +97,40 @@ class PushIntake(ServiceBase):
             frag.param_norm = (version, math.sqrt(sum(sq_norm(params[n].float()) for n in names)))
         return frag.param_norm[1], numel
 
+    def _momentum_norm(
+        self, frag: FragmentState, version: int, momentum: Mapping[str, torch.Tensor]
+    ) -> float:
+        """The norm of the fragment's momentum at `version` (running statistics left out), computed
+        once per version."""
+        if frag.momentum_norm[0] != version:
+            norm = math.sqrt(sum(sq_norm(t.float()) for n, t in momentum.items() if n not in self.averaged))
+            frag.momentum_norm = (version, norm)
+        return frag.momentum_norm[1]
+
     def _delta_outlier(
         self,
         header: pb.TensorHeader,
         tensors: dict[str, torch.Tensor],
         squared: float | None,
         frag: FragmentState,
-    ) -> tuple[float, str, tuple[float | None, float | None]]:
+    ) -> Screened:
         """The delta's norm per H steps, and why it is refused ("" when it is not): an outlier, or
         (sync.refuse_suspects) its learner named by the pusher watch; refused like a stale push,
         recorded with its reason, its rows left to train. And what the pusher watch saw of it (its
-        norm ratio and alignment), for the ledger."""
+        norm ratio and alignment), its deviation from the fragment's mean step, and how much of
+        that deviation it keeps (sync.center_clip)."""
         # The parameters' norm: running statistics move by the data, not by the learning rate.
         own = [t for n, t in tensors.items() if n not in self.averaged]
         if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
             squared = sum(sq_norm(t) for t in own)
         # A delta of more than H steps (credited by its rows) is compared per H steps; a shorter
         # one as it is (it is smaller, never an outlier for being short).
-        norm_per_h = math.sqrt(squared) / max(1.0, header.inner_steps / self.config.train.inner_steps)
+        steps_over_h = max(1.0, header.inner_steps / self.config.train.inner_steps)
+        norm_per_h = math.sqrt(squared) / steps_over_h
         with self.cond:  # appended to under the lock by other pushes: read a copy taken under it
             recent, by = tuple(frag.recent_norms), tuple(frag.recent_workers)
-            momentum = frag.momentum
+            deviations = tuple(frag.recent_deviations)
+            momentum, version = frag.momentum, frag.version
         reference = limits.norm_reference(recent, by, header.worker_id)
         ratio = norm_per_h / reference[0] if reference is not None and reference[0] > 0 else None
         if ratio is not None:
@@ -108,7 +142,23 @@ class PushIntake(ServiceBase):
         ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))
         if not outlier and suspect and self.config.sync.refuse_suspects:
             outlier = f"{pusher_watch.SUSPECT_REFUSAL}: {suspect}"
-        return norm_per_h, outlier, (ratio, aligned)
+        mean_step = (1.0 - self.policy.outer_momentum) * self._momentum_norm(frag, version, momentum)
+        deviation = centered_clip.deviation(squared, mean_step, aligned) / steps_over_h
+        kept, why = centered_clip.kept_share(
+            deviation, deviations, by, header.worker_id, self.config.sync.center_clip
+        )
+        return Screened(norm_per_h, outlier, ratio, aligned, deviation, kept, why, momentum)
+
+    def _center(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], screened: Screened) -> None:
+        """A taken delta whose deviation from the fragment's mean step is clipped: pulled toward
+        that mean step (outside the lock, before it is folded), counted and logged."""
+        centered_clip.pull_toward(
+            tensors, screened.momentum, self.policy.outer_momentum, screened.kept, self.averaged
+        )
+        self.ledger.bump("pushes_center_clipped")
+        log.info(
+            "push %s of %s clipped: %s", header.push_id[:8], loggable(header.worker_id), screened.clipped
+        )
 
     def _watch_pusher(self, worker_id: str, ratio: float | None, alignment: float | None) -> str:
         """One more push in its learner's watch, and every live learner judged again (a learner's

@@ -15,7 +15,7 @@ from diloco.coordinator.ledger.claims import Claim
 from diloco.coordinator.ledger.db import DROPPED_BY_RESTART
 from diloco.coordinator.ledger.rows import PushRecorded
 from diloco.coordinator.log_text import loggable
-from diloco.coordinator.service.push_intake import PushIntake
+from diloco.coordinator.service.push_intake import PushIntake, Screened
 from diloco.coordinator.service.state import (
     PUSH_HEADER_WAIT_S,
     PUSH_SLOT_WAIT_S,
@@ -185,19 +185,23 @@ class PushRPCs(PushIntake):
             )  # fmt: skip
             header.inner_steps, header.tokens = claim.steps, claim.tokens
 
-        norm_per_h, outlier, watched = (
-            self._delta_outlier(header, tensors, squared, frag) if tensors else (0.0, "", (None, None))
-        )
+        screened = self._delta_outlier(header, tensors, squared, frag) if tensors else Screened()
+        norm_per_h = screened.norm_per_h
         with self.cond:
-            reply, fold = self._accept_push(header, tensors, empty, outlier, norm_per_h, watched)
+            reply, fold = self._accept_push(
+                header, tensors, empty, screened.refusal, norm_per_h, screened.watched
+            )
             # Only deltas of H steps or more make the history: a fragment's first push under the
             # streaming stagger holds H/P steps at the start of the warm-up, and compared with it
             # the next round's honest pushes stood at 4.8-6.9x (benchmarks/norm_ratios.py).
             if fold is not None and norm_per_h > 0 and header.inner_steps >= self.config.train.inner_steps:
                 frag.recent_norms.append(norm_per_h)
                 frag.recent_workers.append(header.worker_id)
+                frag.recent_deviations.append(screened.deviation_per_h or norm_per_h)
             self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
         if fold is not None:
+            if screened.kept < 1:
+                self._center(header, tensors, screened)
             self._fold(header, tensors, *fold)
         # Learners push every H/P steps but heartbeat every few seconds: told here, they stop
         # within a push interval of the budget instead of training on for a heartbeat period.
@@ -254,7 +258,7 @@ class PushRPCs(PushIntake):
         released: list[int],
         stale: str | None,
         norm: float | None = None,
-        watched: tuple[float | None, float | None] = (None, None),
+        watched: tuple[float | None, float | None, float | None] = (None, None, None),
     ) -> str | None:
         """The push in the ledger, pending or (stale) dropped, with what the pusher watch saw of
         it; the ledger's refusal, or None."""
@@ -315,7 +319,7 @@ class PushRPCs(PushIntake):
         empty: bool,
         refuse: str = "",
         norm: float = 0.0,
-        watched: tuple[float | None, float | None] = (None, None),
+        watched: tuple[float | None, float | None, float | None] = (None, None, None),
     ) -> tuple[pb.PushReply, tuple[RoundSum, float, float] | None]:
         """Record a push in its round (lock held); returns the reply, and for a delta to merge,
         the round's sum to fold it into with its weight and its age factor."""

@@ -100,7 +100,12 @@ class FragmentState:
     recent_workers: collections.deque[str] = field(
         default_factory=lambda: collections.deque(maxlen=NORM_HISTORY)
     )
+    # The deviations per H steps of the same deltas from the fragment's mean step (centered_clip).
+    recent_deviations: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=NORM_HISTORY)
+    )
     param_norm: tuple[int, float] = (-1, 0.0)  # (version, ‖params‖ less running statistics)
+    momentum_norm: tuple[int, float] = (-1, 0.0)  # (version, ‖momentum‖ less running statistics)
 
 
 def moving_average(current: float, sample: float, weight: float = 0.2) -> float:

@@ -105,6 +105,8 @@ class StatusRPCs(ServiceBase):
             "pushes_refused": int(counters.get("pushes_refused", 0)),
             # Taken for their rows only (own fresh rows, no credit left): rows kept, delta not merged.
             "pushes_rows_only": int(counters.get("pushes_rows_only", 0)),
+            # Taken, but pulled toward the fragment's mean step (sync.center_clip).
+            "pushes_center_clipped": int(counters.get("pushes_center_clipped", 0)),
             "record_stats": {
                 k.split(".", 1)[1]: int(v) for k, v in counters.items() if k.startswith("records.")
             },

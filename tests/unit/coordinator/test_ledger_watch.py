@@ -1,6 +1,7 @@
 """What the pusher watch saw of each push is kept in the ledger (refused pushes too), so that a
-restarted coordinator rebuilds each learner's watch (coordinator/pusher_watch.py); a ledger from
-before it gains the columns, empty."""
+restarted coordinator rebuilds each learner's watch (coordinator/pusher_watch.py), and each taken
+push's deviation from the mean step for the centered clip; a ledger from before them gains the
+columns, empty."""
 
 import sqlite3
 
@@ -22,14 +23,14 @@ def test_each_learners_last_pushes_come_back_oldest_first_refused_ones_too(ledge
     for worker in ("L1", "L2", "gone"):
         ledger.join(worker, "compute", "h")
     ledger.leave("gone")
-    record(ledger, "old", "L1", 0, (None, None))  # watched nothing (no momentum yet): not kept
+    record(ledger, "old", "L1", 0, (None, None, None))  # watched nothing (no momentum yet): not kept
     for i in range(WATCH_PUSHES + 3):
         clock.advance(1.0)
         # The shard has 10 rows: past them, pushes refused (a refused push is watched too).
-        record(ledger, f"a{i}", "L1", 1 + i, (1.0 + i, 0.5), state="pending" if i < 8 else "dropped")
+        record(ledger, f"a{i}", "L1", 1 + i, (1.0 + i, 0.5, 0.7), state="pending" if i < 8 else "dropped")
     clock.advance(1.0)
-    record(ledger, "b0", "L2", 0, (None, -0.4), state="dropped")
-    record(ledger, "g0", "gone", 0, (2.0, 0.1), state="dropped")
+    record(ledger, "b0", "L2", 0, (None, -0.4, None), state="dropped")
+    record(ledger, "g0", "gone", 0, (2.0, 0.1, None), state="dropped")
     got = ledger.recent_watched(WATCH_PUSHES)
     assert set(got) == {"L1", "L2"}  # a learner that left has no watch to rebuild
     assert [r for _, r, _ in got["L1"]] == [1.0 + i for i in range(3, WATCH_PUSHES + 3)]
@@ -54,7 +55,30 @@ def test_a_ledger_from_before_the_watch_was_kept_gains_its_columns(tmp_path, clo
         assert ledger.recent_watched(WATCH_PUSHES) == {}
         with_train_shard(ledger)
         ledger.join("L1", "compute", "h")
-        record(ledger, "p", "L1", 0, (1.5, 0.25))
+        record(ledger, "p", "L1", 0, (1.5, 0.25, 0.9))
         assert ledger.recent_watched(WATCH_PUSHES) == {"L1": [(clock(), 1.5, 0.25)]}
+    finally:
+        ledger.close()
+
+
+def test_a_merged_push_gives_back_its_norm_and_deviation_and_an_older_one_its_norm_twice(
+    tmp_path, clock
+) -> None:
+    ledger = Ledger(str(tmp_path / "ledger.sqlite"), clock=clock)
+    try:
+        with_train_shard(ledger)
+        ledger.join("L1", "compute", "h")
+        for i, deviation in enumerate((0.4, None)):  # None: recorded before deviations were kept
+            clock.advance(1.0)
+            ledger.record_push(
+                f"p{i}", "L1", 0, 0, 5, TOKENS_PER_ROW, [(1, i, i + 1)], [], norm=2.0 + i,
+                watched=(1.0, 0.5, deviation),
+            )  # fmt: skip
+        db = sqlite3.connect(tmp_path / "ledger.sqlite")
+        db.execute("UPDATE pushes SET state = 'merged', merged_version = 1")  # as a merge commits them
+        db.commit()
+        db.close()
+        assert ledger.recent_norms(0, 16, min_steps=5) == [("L1", 2.0, 0.4), ("L1", 3.0, 3.0)]
+        assert ledger.recent_norms(0, 16, min_steps=6) == []  # shorter than H: not in the history
     finally:
         ledger.close()

@@ -31,6 +31,8 @@ from diloco.config import ConfigError, RunConfig
         ("sync.max_delta_norm_ratio", 0.5),
         ("sync.suspect_norm_ratio", 0.5),
         ("sync.suspect_alignment_gap", -0.1),
+        ("sync.center_clip", 0.5),
+        ("sync.center_clip", float("nan")),
         ("sync.suspect_alignment_gap", float("nan")),
         ("sync.max_unreachable_s", float("nan")),
         ("sync.grace_factor", float("nan")),
@@ -61,7 +63,7 @@ def test_the_edges_of_each_range_are_accepted() -> None:
     edges = {"train.lr": 0.0, "train.weight_decay": 0.0, "train.warmup_steps": 0, "train.grad_clip": 0.0,
              "train.beta1": 0.0, "sync.outer_momentum": 0.0, "sync.outer_lr": 1.0, "sync.pull_chain": 1,
              "sync.max_delta_norm_ratio": 0.0, "sync.max_unreachable_s": 0.0, "sync.codec_level": 0,
-             "sync.suspect_norm_ratio": 0.0, "sync.suspect_alignment_gap": 0.0,
+             "sync.suspect_norm_ratio": 0.0, "sync.suspect_alignment_gap": 0.0, "sync.center_clip": 1.0,
              "coordinator.max_workers_per_caller": 0, "coordinator.max_concurrent_rpcs": 0,
              "coordinator.heartbeat_s": 29.0}  # fmt: skip
     RunConfig().with_overrides(edges).validate()
