@@ -235,6 +235,7 @@ def status_tables(detail: dict[str, Any]) -> Group:
     run.add_row("rounds", f"{d['rounds']}, fragment versions {d['fragment_versions']}" + last_merge_text(d))
     if failing := d.get("publish_failing"):
         run.add_row("saving merges", saving_text(failing))
+    run.add_row("pushes", pushes_text(d))
     add_suspects(run, d.get("suspect_learners"), d.get("suspects_refused", False))
     loss = d.get("last_loss")
     run.add_row("last loss", (f"{loss:.4f}" if loss else "-") + metrics_text(d.get("train_metrics")))
@@ -250,6 +251,17 @@ def status_tables(detail: dict[str, Any]) -> Group:
         workers.add_row(*worker_cells(w))
     workers.caption = f"{d.get('unit', 'tokens')}/s: per second of work (a learner's in inner steps, a data worker's on chunks)"
     return Group(run, workers)
+
+
+def pushes_text(d: dict[str, Any]) -> str:
+    """The deltas pushed: taken, refused, and of those taken the ones pulled toward their
+    fragment's mean step (sync.center_clip) or taken for their rows only."""
+    text = f"{d.get('pushes_received', 0):,} taken, {d.get('pushes_refused', 0):,} refused"
+    if clipped := d.get("pushes_center_clipped"):
+        text += f", {clipped:,} clipped toward their fragment's mean step"
+    if rows_only := d.get("pushes_rows_only"):
+        text += f", {rows_only:,} for their rows only"
+    return text
 
 
 def shards_text(d: dict[str, Any]) -> str:

@@ -32,6 +32,7 @@ from diloco.views import (
     last_merge_text,
     lowest_learner_text,
     print_summary,
+    pushes_text,
     status_columns,
     status_tables,
     than_ddp,
@@ -284,7 +285,7 @@ def test_status_counts_in_the_runs_unit() -> None:
     console.print(status_tables({**detail, "suspect_learners": {"[bold]x": "its deltas [red]differ"}}))
     text = console.export_text()
     assert "suspect [bold]x" in text and "its deltas [red]differ" in text
-    assert "refused" not in text
+    assert "refused meanwhile" not in text
     console = Console(width=200, record=True)
     console.print(status_tables({**detail, "suspect_learners": {"x": "odd"}, "suspects_refused": True}))
     assert "odd (its pushes refused meanwhile)" in console.export_text()
@@ -342,3 +343,10 @@ def test_a_resumed_runs_rates_are_this_jobs_own(tmp_path: Path) -> None:
                       train_seconds=100.0, total_seconds=110.0, minutes=0)  # fmt: skip
     assert fresh["resumed_from"] is None and fresh["trained_tokens_per_s"] == pytest.approx(30_000)
     assert fresh["goodput"] is not None
+
+
+def test_status_says_how_many_pushes_were_taken_refused_and_clipped() -> None:
+    base = {"pushes_received": 1200, "pushes_refused": 3}
+    assert pushes_text(base) == "1,200 taken, 3 refused"
+    got = pushes_text({**base, "pushes_center_clipped": 2, "pushes_rows_only": 1})
+    assert got == "1,200 taken, 3 refused, 2 clipped toward their fragment's mean step, 1 for their rows only"
