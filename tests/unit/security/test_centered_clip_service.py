@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from diloco.wire import codecs
 from tests.support import start_coordinator_here, tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
 
@@ -30,16 +31,28 @@ def merged(running, version: int) -> None:
         time.sleep(0.05)
 
 
+def sent(delta: dict[str, torch.Tensor], codec: str) -> dict[str, torch.Tensor]:
+    """The delta as a learner streams it: fp32 tensors, else one encoded blob per tensor."""
+    if codec == "fp32":
+        return delta
+    return {
+        n: torch.frombuffer(bytearray(codecs.encode(t, codec)), dtype=torch.uint8) for n, t in delta.items()
+    }
+
+
 def flat(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([params[n].reshape(-1) for n in sorted(params)])
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("bound", [0.0, 2.0], ids=["off", "on"])
+@pytest.mark.parametrize(
+    "bound, codec", [(0.0, "fp32"), (2.0, "fp32"), (2.0, "int8")], ids=["off", "on", "on-int8"]
+)  # int8: the decoded delta is the one pulled
 def test_a_reversed_push_inside_the_norm_bound_is_pulled_back_to_the_fragments_way(
-    tiny_corpus: Path, tmp_path: Path, bound: float
+    tiny_corpus: Path, tmp_path: Path, bound: float, codec: str
 ) -> None:
-    with tiny_coordinator(tiny_corpus, tmp_path, {**OVERRIDES, "sync.center_clip": bound}) as (
+    overrides = {**OVERRIDES, "sync.center_clip": bound, "sync.codec": codec}
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (
         running,
         learner,
         init,
@@ -50,14 +63,14 @@ def test_a_reversed_push_inside_the_norm_bound_is_pulled_back_to_the_fragments_w
         for i in range(HONEST):
             noise = {n: torch.randn(t.shape, generator=g) * 3e-5 for n, t in init.items()}
             h = header(shard, (10 * i, 10 * i + 10), f"honest-{i}")
-            h.version = running.service.fragments[0].version
-            assert learner.push(h, {n: way[n] + noise[n] for n in init}).accepted
+            h.version, h.codec = running.service.fragments[0].version, codec
+            assert learner.push(h, sent({n: way[n] + noise[n] for n in init}, codec)).accepted
             merged(running, i + 1)
         before = flat(running.service.fragments[0].params)
         # Reversed at 8× the honest deltas' norm: under the outlier bar (10×), so it is taken.
         h = header(shard, (10 * HONEST, 10 * HONEST + 10), "reversed")
-        h.version = running.service.fragments[0].version
-        reply = learner.push(h, {n: -8.0 * way[n] for n in init})
+        h.version, h.codec = running.service.fragments[0].version, codec
+        reply = learner.push(h, sent({n: -8.0 * way[n] for n in init}, codec))
         assert reply.accepted, reply
         merged(running, HONEST + 1)
         along = float((flat(running.service.fragments[0].params) - before) @ flat(way))
