@@ -19,9 +19,9 @@ each push to the bound instead of refusing it. Each learner's pushes are watched
 coordinator watches them (`coordinator/pusher_watch.py`, its bars `--set sync.suspect_norm_ratio=…`,
 `sync.suspect_alignment_gap`): printed per learner, its figures, whether it ends suspect, and after
 how many of its pushes it was first found so. With `--set sync.refuse_suspects=true` a learner's
-pushes are refused while it is named, and with `--set sync.center_clip=K` a push deviating from the
-fragment's mean step by more than K × the others' median is pulled back to it, as the
-coordinator's are.
+pushes are refused while it is named; a push deviating from the fragment's mean step by more than
+sync.center_clip × the others' median is pulled back to it, as the coordinator's are (on by
+default: `--set sync.center_clip=0` for none, as before it was built).
 """
 
 from __future__ import annotations

@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--scales", default="0,1.0,1.9,2.5,2.9,9.9", help="attack scales; 0: no attacker")
     p.add_argument("--seeds", default="1,2")
     p.add_argument("--refuse-suspects", action="store_true", help="every arm with sync.refuse_suspects")
-    p.add_argument("--center-clips", default="0", help="sync.center_clip bounds, each arm once per bound")
+    p.add_argument("--center-clips", default=f"{RunConfig().sync.center_clip:g}",
+                   help="sync.center_clip bounds, each arm once per bound (default: the coordinator's)")  # fmt: skip
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     clips = [float(c) for c in args.center_clips.split(",")]
