@@ -68,9 +68,8 @@ class Fragment:
     # The outlier check's history: accepted pushes' norms per H steps, and who pushed each.
     norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
     norm_by: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
-    # sync.center_clip: taken pushes' deviations from the mean step, and who pushed each.
+    # sync.center_clip: the same pushes' deviations from the mean step (who pushed each: norm_by).
     devs: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
-    dev_by: collections.deque = field(default_factory=lambda: collections.deque(maxlen=NORM_HISTORY))
 
 
 def delta_norm_per_h(delta: dict[str, torch.Tensor], steps: int, H: int) -> float:
@@ -142,10 +141,10 @@ def screened(
         if norm > limit:
             delta = {n: d * (limit / norm) for n, d in delta.items()}
             norm = limit
+    if args.center_clip > 0:  # judged against the pushes before it; then its norm and deviation join
+        delta = center_clipped(delta, f, m, steps, args, H)
     f.norms.append(norm)
     f.norm_by.append(m)
-    if args.center_clip > 0:
-        delta = center_clipped(delta, f, m, steps, args, H)
     return delta
 
 
@@ -156,10 +155,9 @@ def center_clipped(delta, f: Fragment, m: int, steps: int, args, H: int):
     mean_step = {n: f.momentum[n] * (1 - args.mu) for n in delta}
     dev = delta_norm_per_h({n: delta[n] - mean_step[n] for n in delta}, steps, H)
     share, _ = centered_clip.kept_share(
-        dev, tuple(f.devs), tuple(map(str, f.dev_by)), str(m), args.center_clip
+        dev, tuple(f.devs), tuple(map(str, f.norm_by)), str(m), args.center_clip
     )
     f.devs.append(dev)
-    f.dev_by.append(m)
     if share < 1:
         args.clipped[m] = args.clipped.get(m, 0) + 1
         delta = {n: d.clone() for n, d in delta.items()}

@@ -87,14 +87,18 @@ class PushIntake(ServiceBase):
         layer's variances span too many orders for a block's absmax: outer.encode)."""
         return "fp32" if name in self.averaged else codec
 
+    def _steps_sq_norm(self, tensors: Mapping[str, torch.Tensor]) -> float:
+        """The squared norm of a fragment's tensors that move by steps: running statistics left
+        out (they move by the data, not by the learning rate)."""
+        return sum(sq_norm(t.float()) for n, t in tensors.items() if n not in self.averaged)
+
     def _param_norm(self, frag: FragmentState) -> tuple[float, int]:
         """The fragment's parameter norm (running statistics left out) and its entries, computed
         once per version."""
         version, params = frag.version, frag.params
-        names = [n for n in frag.names if n not in self.averaged]
-        numel = sum(params[n].numel() for n in names)
+        numel = sum(t.numel() for n, t in params.items() if n not in self.averaged)
         if frag.param_norm[0] != version:
-            frag.param_norm = (version, math.sqrt(sum(sq_norm(params[n].float()) for n in names)))
+            frag.param_norm = (version, math.sqrt(self._steps_sq_norm(params)))
         return frag.param_norm[1], numel
 
     def _momentum_norm(
@@ -103,11 +107,10 @@ class PushIntake(ServiceBase):
         """The norm of the fragment's momentum at `version` (running statistics left out), computed
         once per version."""
         if frag.momentum_norm[0] != version:
-            norm = math.sqrt(sum(sq_norm(t.float()) for n, t in momentum.items() if n not in self.averaged))
-            frag.momentum_norm = (version, norm)
+            frag.momentum_norm = (version, math.sqrt(self._steps_sq_norm(momentum)))
         return frag.momentum_norm[1]
 
-    def _delta_outlier(
+    def _screen(
         self,
         header: pb.TensorHeader,
         tensors: dict[str, torch.Tensor],
@@ -119,10 +122,8 @@ class PushIntake(ServiceBase):
         recorded with its reason, its rows left to train. And what the pusher watch saw of it (its
         norm ratio and alignment), its deviation from the fragment's mean step, and how much of
         that deviation it keeps (sync.center_clip)."""
-        # The parameters' norm: running statistics move by the data, not by the learning rate.
-        own = [t for n, t in tensors.items() if n not in self.averaged]
-        if squared is None or len(own) < len(tensors):  # decoded, or statistics in it: one more pass
-            squared = sum(sq_norm(t) for t in own)
+        if squared is None or self.averaged.intersection(tensors):  # decoded, or statistics in it
+            squared = self._steps_sq_norm(tensors)
         # A delta of more than H steps (credited by its rows) is compared per H steps; a shorter
         # one as it is (it is smaller, never an outlier for being short).
         steps_over_h = max(1.0, header.inner_steps / self.config.train.inner_steps)

@@ -185,7 +185,7 @@ class PushRPCs(PushIntake):
             )  # fmt: skip
             header.inner_steps, header.tokens = claim.steps, claim.tokens
 
-        screened = self._delta_outlier(header, tensors, squared, frag) if tensors else Screened()
+        screened = self._screen(header, tensors, squared, frag) if tensors else Screened()
         norm_per_h = screened.norm_per_h
         with self.cond:
             reply, fold = self._accept_push(
@@ -197,7 +197,8 @@ class PushRPCs(PushIntake):
             if fold is not None and norm_per_h > 0 and header.inner_steps >= self.config.train.inner_steps:
                 frag.recent_norms.append(norm_per_h)
                 frag.recent_workers.append(header.worker_id)
-                frag.recent_deviations.append(screened.deviation_per_h or norm_per_h)
+                deviation = screened.deviation_per_h
+                frag.recent_deviations.append(norm_per_h if deviation is None else deviation)
             self.cond.notify_all()  # the merger decides; pushes that come while it merges join the next round
         if fold is not None:
             if screened.kept < 1:
