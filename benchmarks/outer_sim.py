@@ -100,10 +100,13 @@ class Watched:
     flagged_after: dict[str, int] = field(default_factory=dict)
     wrongly_flagged: int = 0  # judgements that found an honest learner suspect
 
-    def add(self, tick: int, m: int, ratio: float | None, alignment: float | None, hostile: int) -> str:
-        """One more push of learner m; returns why it looks hostile or broken ("": it does not)."""
+    def add(
+        self, tick: int, m: int, ratio: float | None, alignment: float | None, hostile: int, fragment: int = 0
+    ) -> str:
+        """One more push of learner m to `fragment`; returns why it looks hostile or broken ("":
+        it does not)."""
         self.pushes[str(m)] += 1
-        self.watches.setdefault(str(m), pusher_watch.PusherWatch()).add(tick, ratio, alignment)
+        self.watches.setdefault(str(m), pusher_watch.PusherWatch()).add(tick, ratio, alignment, fragment)
         judged = pusher_watch.judge(self.watches, tick, math.inf, self.ratio_bar, self.gap_bar)
         for worker, judgement in judged.items():
             self.watches[worker].take(judgement)
@@ -121,7 +124,16 @@ class Watched:
 
 
 def screened(
-    delta, f: Fragment, m: int, steps: int, args, H: int, watched: Watched, tick: int, refuse_suspects=False
+    delta,
+    f: Fragment,
+    m: int,
+    steps: int,
+    args,
+    H: int,
+    watched: Watched,
+    tick: int,
+    refuse_suspects=False,
+    fragment: int = 0,
 ):
     """The coordinator's outlier check on one push (None: refused), or with --norm-rule clip the
     push scaled down to the bound instead; its norm joins the history once taken. With
@@ -130,7 +142,7 @@ def screened(
     history = (tuple(f.norms), tuple(map(str, f.norm_by)), str(m))
     reference = limits.norm_reference(*history)
     ratio = norm / reference[0] if reference is not None and reference[0] > 0 else None
-    suspect = watched.add(tick, m, ratio, pusher_watch.alignment(delta, f.momentum), args.hostile)
+    suspect = watched.add(tick, m, ratio, pusher_watch.alignment(delta, f.momentum), args.hostile, fragment)
     if suspect and refuse_suspects:
         return None
     if args.norm_rule == "refuse":
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                     if m == args.hostile:
                         delta = attacked(delta, f, since[m][q], args, H)
                     delta = screened(
-                        delta, f, m, since[m][q], args, H, watched, tick, cfg.sync.refuse_suspects
+                        delta, f, m, since[m][q], args, H, watched, tick, cfg.sync.refuse_suspects, q
                     )
                     if delta is None:  # refused: as the learner does, it takes the fragment as it is now
                         refused[m] += 1
@@ -344,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
                 if m == args.hostile:
                     delta = attacked(delta, frags[q], since[m][q], args, H)
                 delta = screened(
-                    delta, frags[q], m, since[m][q], args, H, watched, tick, cfg.sync.refuse_suspects
+                    delta, frags[q], m, since[m][q], args, H, watched, tick, cfg.sync.refuse_suspects, q
                 )
                 if delta is None:
                     refused[m] += 1

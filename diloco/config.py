@@ -193,15 +193,16 @@ class SyncConfig:
     # cannot throw the model away. 0: no check. Needs a few accepted deltas first.
     max_delta_norm_ratio: float = 10.0
     # The pusher watch (coordinator/pusher_watch.py) names a learner whose last pushes' median norm
-    # stands above suspect_norm_ratio x the others', or whose mean cosine to the outer momentum
-    # stands suspect_alignment_gap from the live learners' median (0: that rule off). Honest runs
-    # came to 1.35 and 0.16 at most (benchmarks/pusher_watch.py).
+    # stands above suspect_norm_ratio x the others', whose mean cosine to the outer momentum stands
+    # suspect_alignment_gap from the live learners' median, or whose reported training loss stands
+    # above the others' by suspect_loss_excess x the run's first loss (0: that rule off).
     suspect_norm_ratio: float = 2.0
     suspect_alignment_gap: float = 0.35
+    suspect_loss_excess: float = 1.0
     # Refuse a named learner's pushes (its rows left to train) until it no longer looks hostile or
-    # broken, instead of only naming it: its pushes are still watched while refused, so an honest
-    # learner named by mistake comes back. Off by default: being named refuses nothing.
-    refuse_suspects: bool = False
+    # broken: still watched while refused, so an honest learner named by mistake comes back. On:
+    # only named, a learner climbing the loss took eval 2.18 to 35-60 (benchmarks/hostile_learner.py).
+    refuse_suspects: bool = True
     # A taken delta whose deviation from the fragment's mean step ((1 - outer_momentum) x its
     # momentum) stands above center_clip x the median of the other workers' recent deviations is
     # pulled toward that mean step until it stands there (coordinator/centered_clip.py): a learner

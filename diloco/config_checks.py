@@ -70,6 +70,7 @@ def check_limits(cfg: RunConfig) -> None:
         "sync.max_delta_norm_ratio": (s.max_delta_norm_ratio, 0, " (0: no outlier check)"),
         "sync.suspect_norm_ratio": (s.suspect_norm_ratio, 0, " (0: no learner named by its norm)"),
         "sync.suspect_alignment_gap": (s.suspect_alignment_gap, 0, " (0: none by its direction)"),
+        "sync.suspect_loss_excess": (s.suspect_loss_excess, 0, " (0: none by its loss)"),
         "sync.center_clip": (s.center_clip, 0, " (0: no clipping)"),
         "coordinator.stream_chunk_bytes": (c.stream_chunk_bytes, 1, ""),
         "coordinator.max_push_bytes": (c.max_push_bytes, 1, ""),
@@ -110,25 +111,19 @@ def check_limits(cfg: RunConfig) -> None:
             f"coordinator.heartbeat_s ({c.heartbeat_s:g}) must be below coordinator.lease_ttl_s "
             f"({c.lease_ttl_s:g}): a worker is counted dead when no heartbeat came for a lease's time"
         )
-    if 0 < s.max_delta_norm_ratio < 1:
+    # Ratios to the others' median: 0 turns the rule off, and below 1 an ordinary value crosses it.
+    below_one = {
+        "sync.max_delta_norm_ratio": (s.max_delta_norm_ratio, "no check", "refuses a delta for being as large as the median of the recent ones"),
+        "sync.suspect_norm_ratio": (s.suspect_norm_ratio, "off", "names a learner for pushing as much as the others"),
+        "sync.center_clip": (s.center_clip, "off", "clips a delta for deviating as much as the others"),
+    }  # fmt: skip
+    for key, (value, zero, below) in below_one.items():
+        if 0 < value < 1:
+            raise ConfigError(f"{key} must be 0 ({zero}) or >= 1, got {value:g}: below 1 it {below}")
+    if s.refuse_suspects and not (s.suspect_norm_ratio or s.suspect_alignment_gap or s.suspect_loss_excess):
         raise ConfigError(
-            f"sync.max_delta_norm_ratio must be 0 (no check) or >= 1, got {s.max_delta_norm_ratio:g}: "
-            "below 1 it refuses a delta for being as large as the median of the recent ones"
-        )
-    if 0 < s.suspect_norm_ratio < 1:
-        raise ConfigError(
-            f"sync.suspect_norm_ratio must be 0 (off) or >= 1, got {s.suspect_norm_ratio:g}: below 1 "
-            "it names a learner for pushing as much as the others"
-        )
-    if 0 < s.center_clip < 1:
-        raise ConfigError(
-            f"sync.center_clip must be 0 (off) or >= 1, got {s.center_clip:g}: below 1 it clips a "
-            "delta for deviating as much as the others"
-        )
-    if s.refuse_suspects and not (s.suspect_norm_ratio or s.suspect_alignment_gap):
-        raise ConfigError(
-            "sync.refuse_suspects needs sync.suspect_norm_ratio or sync.suspect_alignment_gap: "
-            "with both 0 no learner is ever named"
+            "sync.refuse_suspects needs sync.suspect_norm_ratio, sync.suspect_alignment_gap or "
+            "sync.suspect_loss_excess: with all three 0 no learner is ever named"
         )
     if c.max_message_bytes > GRPC_INT_MAX:  # gRPC's channel arguments are C ints
         raise ConfigError(

@@ -1,14 +1,14 @@
 """Each learner's recent deltas against the others': how large (over the outlier check's median of
 the other workers' norms) and which way (cosine to the fragment's outer momentum, beside the other
-learners' cosines), and the pure decision that a learner's pushes look hostile or broken, with its
-reason.
+learners' cosines), over all its pushes and fragment by fragment, and the pure decision that a
+learner's pushes look hostile or broken, with its reason.
 
 A norm bound limits how far one push moves the model, not where to: within it an authenticated
 learner can wreck a run (README, "Who may talk to the coordinator"), and so can a broken one (a
 faulty GPU, corrupt data) whose deltas are finite. One push says little (an honest delta can stand
 at 4× the median); a learner's last pushes together tell it apart. The coordinator says so (status,
-Prometheus, one log line when it changes); cutting the learner off is the operator's call
-(`diloco certs revoke`), or with `sync.refuse_suspects` its pushes are refused while it is named.
+Prometheus, one log line when it changes) and, with `sync.refuse_suspects` (the default), refuses
+its pushes while it is named; cutting it off for good is the operator's call (`diloco certs revoke`).
 
 Direction is judged against the other learners, not against the momentum alone: a learner that
 pushes more than the others takes the momentum with it, and then the honest learners' deltas are
@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-WATCH_PUSHES = 16  # a learner's last pushes the figures are over
+WATCH_PUSHES = 16  # a learner's last pushes the figures are over (of all fragments, and of each)
+ALL = -1  # the figures over every fragment's pushes together
 MIN_WATCHED = 6  # fewer say nothing yet
 MIN_JUDGED = 3  # direction is judged among at least this many live learners' figures
 # The bars (benchmarks/pusher_watch.py, results/pusher_watch.json): honest learners came to 1.35
@@ -40,6 +41,14 @@ MIN_JUDGED = 3  # direction is judged among at least this many live learners' fi
 # Their defaults (config: sync.suspect_norm_ratio, sync.suspect_alignment_gap):
 SUSPECT_RATIO = 2.0  # the median of a learner's last norm ratios above this
 SUSPECT_GAP = 0.35  # its mean cosine to the momentum this far from the live learners' median
+# The training loss its pushes report (a learner climbing the loss, a broken one, says so itself;
+# a hostile one can lie, and is left to the rules above): the median of its last pushes' losses
+# stands above the other learners' median by this share of the run's first round's loss (the
+# scale a loss moves on: a ratio of two losses near 0, as a classifier's end, says nothing). An
+# honest learner 3× slower than the others came to 0.34 (its first pushes' losses are from steps
+# the others took long before); the climber to 1.2 at its first push (results/hostile_learner*).
+SUSPECT_LOSS = 1.0
+MIN_LOSSES = 3  # a push's loss is a mean over its inner steps: a few tell a learner apart
 # The cosine's sample (alignment): tensors up to SAMPLE_ALL entries whole, larger ones in
 # SAMPLE_BLOCKS blocks that together hold 1/SAMPLE_SHARE of them.
 SAMPLE_ALL = 1 << 16
@@ -53,66 +62,117 @@ WATCH_FIGURES = (
     "delta_alignment",
     "delta_norm_ratio_highest",
     "delta_alignment_gap_largest",
+    "loss_excess",
+    "loss_excess_highest",
 )
 
 
 @dataclass
-class PusherWatch:
-    """One learner's last pushes: each one's norm ratio and alignment (None: not known for it)."""
+class FragmentFigures:
+    """A learner's last pushes of one fragment: each one's norm ratio and alignment."""
 
     ratios: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES))
     alignments: collections.deque[float] = field(
         default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES)
     )
+    # Kept as pushes come (None until MIN_WATCHED): every push judges every live learner.
+    median: float | None = None
+    mean: float | None = None
+
+    def add(self, ratio: float | None, alignment: float | None) -> None:
+        if ratio is not None and math.isfinite(ratio):
+            self.ratios.append(ratio)
+            if len(self.ratios) >= MIN_WATCHED:
+                self.median = statistics.median(self.ratios)
+        if alignment is not None and math.isfinite(alignment):
+            self.alignments.append(alignment)
+            if len(self.alignments) >= MIN_WATCHED:
+                self.mean = statistics.fmean(self.alignments)
+
+
+@dataclass
+class PusherWatch:
+    """One learner's last pushes, over every fragment (ALL) and fragment by fragment. Directions
+    are judged both ways: all together gather evidence fastest where a learner stands out in
+    every fragment (a delta reversed whole: named after 8 pushes), each fragment on its own finds
+    one that stands out in one fragment only (measured: a learner climbing the loss, one
+    fragment's cosine +0.9 against the others' +0.4, the other like theirs, looked ordinary over
+    both and was named after 18-19 pushes, or never; fragment by fragment after 12-21:
+    results/hostile_learner_per_fragment.json)."""
+
+    fragments: dict[int, FragmentFigures] = field(default_factory=dict)
+    # The training loss each of its last pushes reported (finite ones), over every fragment: each
+    # push reports the learner's mean loss over its inner steps.
+    losses: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES))
     last_at: float = 0.0  # when it last pushed (the service's clock)
     suspect: str = ""  # the reason last decided ("": none); the service logs when it comes and goes
     # The nearest the learner came to each bar in this coordinator's life: how much room an
     # honest one leaves.
     highest_ratio: float | None = None
     largest_gap: float | None = None
-    # Kept as pushes come (None until MIN_WATCHED): every push judges every live learner.
-    _median: float | None = None
-    _mean: float | None = None
+    loss_excess: float | None = None  # as last judged
+    highest_loss_excess: float | None = None
 
-    def add(self, now: float, ratio: float | None, alignment: float | None) -> None:
+    def add(
+        self,
+        now: float,
+        ratio: float | None,
+        alignment: float | None,
+        fragment: int = 0,
+        loss: float | None = None,
+    ) -> None:
         self.last_at = now
-        if ratio is not None and math.isfinite(ratio):
-            self.ratios.append(ratio)
-            if len(self.ratios) >= MIN_WATCHED:
-                self._median = statistics.median(self.ratios)
-                self.highest_ratio = max(self.highest_ratio or 0.0, self._median)
-        if alignment is not None and math.isfinite(alignment):
-            self.alignments.append(alignment)
-            if len(self.alignments) >= MIN_WATCHED:
-                self._mean = statistics.fmean(self.alignments)
+        if loss is not None and math.isfinite(loss):
+            self.losses.append(loss)
+        for key in (ALL, fragment):
+            self.fragments.setdefault(key, FragmentFigures()).add(ratio, alignment)
+        median = self.fragments[ALL].median
+        if median is not None and ratio is not None:
+            self.highest_ratio = max(self.highest_ratio or 0.0, median)
 
     def take(self, judgement: Judgement) -> bool:
         """A judgement of this learner: its reason kept, its gap in the largest so far. True when
         it came to look hostile or broken, or no longer does (its figures move push by push)."""
         if judgement.gap is not None:
             self.largest_gap = max(self.largest_gap or 0.0, abs(judgement.gap))
+        self.loss_excess = judgement.loss_excess
+        if judgement.loss_excess is not None:
+            self.highest_loss_excess = max(self.highest_loss_excess or 0.0, judgement.loss_excess)
         changed = bool(judgement.reason) != bool(self.suspect)
         self.suspect = judgement.reason
         return changed
 
-    def ratio_median(self) -> float | None:
-        return self._median
+    def ratio_median(self) -> tuple[float, int] | None:
+        """The median norm ratio of its last pushes, over every fragment: (median, pushes). Norms
+        are not judged fragment by fragment: measured, an honest digits CNN learner's smaller
+        fragment stood at 2.19× the others' (results/pusher_watch_loss_honest.json), while over
+        all its pushes honest learners came to 1.35 at most."""
+        figures = self.fragments.get(ALL)
+        return (figures.median, len(figures.ratios)) if figures and figures.median is not None else None
 
-    def alignment_mean(self) -> float | None:
-        return self._mean
+    def loss_median(self) -> float | None:
+        return statistics.median(self.losses) if len(self.losses) >= MIN_LOSSES else None
+
+    def alignment_mean(self, fragment: int) -> float | None:
+        figures = self.fragments.get(fragment)
+        return figures.mean if figures is not None else None
 
     def figures(self) -> dict[str, float | None]:
-        """For status: the median norm ratio and the mean alignment of the last pushes (None
-        until there are MIN_WATCHED), and the nearest to each bar so far."""
+        """For status: the median norm ratio and the mean alignment of its last pushes (None
+        until there are MIN_WATCHED), its loss's excess as last judged, and the nearest to each
+        bar so far."""
 
         def rounded(x: float | None) -> float | None:
             return None if x is None else round(x, 3)
 
+        ratio = self.ratio_median()
         return {
-            "delta_norm_ratio": rounded(self.ratio_median()),
-            "delta_alignment": rounded(self.alignment_mean()),
+            "delta_norm_ratio": rounded(ratio[0] if ratio else None),
+            "delta_alignment": rounded(self.alignment_mean(ALL)),
             "delta_norm_ratio_highest": rounded(self.highest_ratio),
             "delta_alignment_gap_largest": rounded(self.largest_gap),
+            "loss_excess": rounded(self.loss_excess),
+            "loss_excess_highest": rounded(self.highest_loss_excess),
         }
 
 
@@ -165,6 +225,8 @@ def sampled(size: int, rng: random.Random) -> list[tuple[int, int]]:
 class Judgement:
     reason: str  # "" when the learner's pushes look like the others'
     gap: float | None  # its mean alignment less the other learners' median (None: not judged)
+    # Its median loss less the other learners', over the run's first round's loss (None: not judged).
+    loss_excess: float | None = None
 
 
 def judge(
@@ -173,32 +235,72 @@ def judge(
     live_within_s: float,
     ratio_bar: float = SUSPECT_RATIO,
     gap_bar: float = SUSPECT_GAP,
+    loss_bar: float = SUSPECT_LOSS,
+    loss_scale: float | None = None,
 ) -> dict[str, Judgement]:
     """Whether each learner that pushed within `live_within_s` of `now` looks hostile or broken,
-    and why: the median norm of its last pushes stands above `ratio_bar` × the others', or the
-    mean cosine of its last deltas to the momentum stands more than `gap_bar` from the median of
-    the live learners' (at least MIN_JUDGED of them). A bar of 0 turns its rule off."""
+    and why: the median norm of its last pushes stands above `ratio_bar` × the others'; the mean
+    cosine of its last deltas (all together, or of one fragment) to the momentum stands more than
+    `gap_bar` from the median of the live learners' (at least MIN_JUDGED of them); or the median
+    training loss its last pushes reported stands above the other live learners' median by more
+    than `loss_bar` × `loss_scale` (the run's first round's loss; one other learner is enough: the
+    higher loss is the worse one). A bar of 0 turns its rule off."""
     live = {w: watch for w, watch in watches.items() if now - watch.last_at <= live_within_s}
-    means = {w: m for w, watch in live.items() if (m := watch.alignment_mean()) is not None}
-    reference = statistics.median(means.values()) if len(means) >= MIN_JUDGED else None
+    gaps = _direction_gaps(live)
+    losses = {w: m for w, watch in live.items() if (m := watch.loss_median()) is not None}
     out: dict[str, Judgement] = {}
     for worker, watch in live.items():
         reasons = []
-        if ratio_bar > 0 and (median := watch.ratio_median()) is not None and median > ratio_bar:
+        excess, why = _loss_excess(worker, losses, loss_scale)
+        if loss_bar > 0 and excess is not None and excess > loss_bar:
+            reasons.append(f"{why} (above {loss_bar:g})")
+        ratio = watch.ratio_median()
+        if ratio_bar > 0 and ratio is not None and ratio[0] > ratio_bar:
             reasons.append(
-                f"the median norm of its last {len(watch.ratios)} deltas is {median:.1f}× the other "
+                f"the median norm of its last {ratio[1]} deltas is {ratio[0]:.1f}× the other "
                 f"workers' (above {ratio_bar:g}×)"
             )
-        gap = None
-        if worker in means and reference is not None:
-            gap = means[worker] - reference
-            if gap_bar > 0 and abs(gap) > gap_bar:
-                reasons.append(
-                    f"its last deltas' mean cosine to the fragments' outer momentum is {means[worker]:+.2f}, "
-                    f"the {len(means)} live learners' median {reference:+.2f}: it does not go their way"
-                )
-        out[worker] = Judgement("; ".join(reasons), gap)
+        gap = gaps.get(worker)
+        if gap is not None and gap_bar > 0 and abs(gap[0]) > gap_bar:
+            _, fragment, mean, reference, judged = gap
+            momentum = "the fragments'" if fragment == ALL else f"fragment {fragment}'s"
+            reasons.append(
+                f"its last deltas' mean cosine to {momentum} outer momentum is {mean:+.2f}, "
+                f"the {judged} live learners' median {reference:+.2f}: it does not go their way"
+            )
+        out[worker] = Judgement("; ".join(reasons), gap[0] if gap is not None else None, excess)
     return out
+
+
+def _direction_gaps(live: Mapping[str, PusherWatch]) -> dict[str, tuple[float, int, float, float, int]]:
+    """Each learner's largest gap (over all its pushes, or one fragment's) between its mean cosine
+    and the median of the live learners' that have one: (gap, fragment or ALL, its mean, the
+    median, how many learners), where MIN_JUDGED or more have one."""
+    gaps: dict[str, tuple[float, int, float, float, int]] = {}
+    for fragment in sorted({p for watch in live.values() for p in watch.fragments}):
+        means = {w: m for w, watch in live.items() if (m := watch.alignment_mean(fragment)) is not None}
+        if len(means) < MIN_JUDGED:
+            continue
+        reference = statistics.median(means.values())
+        for worker, mean in means.items():
+            if worker not in gaps or abs(mean - reference) > abs(gaps[worker][0]):
+                gaps[worker] = (mean - reference, fragment, mean, reference, len(means))
+    return gaps
+
+
+def _loss_excess(worker: str, losses: Mapping[str, float], scale: float | None) -> tuple[float | None, str]:
+    """How far `worker`'s median reported loss stands above the other learners' median, over the
+    run's first loss `scale`, and that in words; None where it cannot be told (no first loss yet,
+    too few losses, no other learner)."""
+    others = [m for w, m in losses.items() if w != worker]
+    if worker not in losses or not others or scale is None or not 0 < scale < math.inf:
+        return None, ""
+    reference = statistics.median(others)
+    excess = (losses[worker] - reference) / scale
+    return excess, (
+        f"the median training loss of its last pushes is {losses[worker]:.3g}, the other learners' "
+        f"{reference:.3g}: {excess:.2f} of the run's first loss {scale:.3g} above them"
+    )
 
 
 def named(watches: Mapping[str, PusherWatch]) -> set[str]:
@@ -213,20 +315,23 @@ def refused(watches: Mapping[str, PusherWatch], refuse_suspects: bool) -> set[st
 
 
 def restored(
-    history: Mapping[str, Sequence[tuple[float, float | None, float | None]]],
+    history: Mapping[str, Sequence[tuple[float, float | None, float | None, int, float | None]]],
     now: float,
     live_within_s: float,
     ratio_bar: float = SUSPECT_RATIO,
     gap_bar: float = SUSPECT_GAP,
+    loss_bar: float = SUSPECT_LOSS,
+    loss_scale: float | None = None,
 ) -> dict[str, PusherWatch]:
-    """Each learner's watch as its last pushes left it ((when, norm ratio, alignment) each, oldest
-    first: the ledger's), judged at `now`: a coordinator's restart neither forgets a learner it
+    """Each learner's watch as its last pushes left it ((when, norm ratio, alignment, fragment,
+    loss) each, oldest first: the ledger's), judged at `now`: a coordinator's restart neither forgets a learner it
     named nor gives it MIN_WATCHED more pushes before it is named again."""
     watches: dict[str, PusherWatch] = {}
     for worker, pushes in history.items():
         watch = watches[worker] = PusherWatch()
-        for at, ratio, alignment in pushes:
-            watch.add(at, ratio, alignment)
-    for worker, judgement in judge(watches, now, live_within_s, ratio_bar, gap_bar).items():
+        for at, ratio, alignment, fragment, loss in pushes:
+            watch.add(at, ratio, alignment, fragment, loss)
+    judged = judge(watches, now, live_within_s, ratio_bar, gap_bar, loss_bar, loss_scale)
+    for worker, judgement in judged.items():
         watches[worker].take(judgement)
     return watches

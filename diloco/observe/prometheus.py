@@ -283,6 +283,11 @@ class StatusCollector(Collector):
             "diloco_learner_delta_alignment",
             "Mean cosine of a learner's last deltas to their fragments' outer momentum", labels=["worker"],
         )  # fmt: skip
+        excess = GaugeMetricFamily(
+            "diloco_learner_loss_excess",
+            "A learner's reported training loss above the other learners', over the run's first loss",
+            labels=["worker"],
+        )
         suspect = GaugeMetricFamily(
             "diloco_learner_suspect",
             "1 while a learner's last pushes look hostile or broken",
@@ -308,10 +313,12 @@ class StatusCollector(Collector):
                     ratio.add_metric([wid], w["delta_norm_ratio"])
                 if w.get("delta_alignment") is not None:
                     alignment.add_metric([wid], w["delta_alignment"])
+                if w.get("loss_excess") is not None:
+                    excess.add_metric([wid], w["loss_excess"])
                 suspect.add_metric([wid], 1.0 if w.get("suspect") else 0.0)
             elif w["role"] == "data":
                 data_rate.add_metric([wid], w.get("tokens_per_s", 0.0))
-        yield from (up, util, stall, loss, age, lag, ratio, alignment, suspect, trained, data_rate)
+        yield from (up, util, stall, loss, age, lag, ratio, alignment, excess, suspect, trained, data_rate)
 
     @staticmethod
     def _eval(d: dict[str, Any]) -> Iterator[Metric]:

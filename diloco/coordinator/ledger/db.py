@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS pushes (
   merged_version INTEGER, reason TEXT, received REAL NOT NULL,
   norm REAL,                                      -- the delta's norm per H steps, for the outlier check
   ratio REAL, alignment REAL,                     -- as the pusher watch saw it (pusher_watch.py)
-  deviation REAL                                  -- per H steps, from the mean step (centered_clip.py)
+  deviation REAL,                                 -- per H steps, from the mean step (centered_clip.py)
+  loss REAL                                       -- the training loss its learner reported (the watch's)
 );
 CREATE TABLE IF NOT EXISTS spans (
   shard_id INTEGER NOT NULL REFERENCES shards(id), row_start INTEGER NOT NULL,
@@ -296,7 +297,7 @@ def _keep_push_watch(db: sqlite3.Connection) -> None:
     columns added, empty (each learner's watch after a restart starts from its pushes after it; a
     fragment's deviations are its norms, as if its momentum were zero)."""
     have = {row[1] for row in db.execute("PRAGMA table_info(pushes)")}
-    for column in ("ratio", "alignment", "deviation"):
+    for column in ("ratio", "alignment", "deviation", "loss"):
         if column not in have:
             db.execute(f"ALTER TABLE pushes ADD COLUMN {column} REAL")
 

@@ -34,7 +34,7 @@ class PushesTable(ClaimsTable):
         state: str = "pending",
         reason: str = "",
         norm: float | None = None,
-        watched: tuple[float | None, float | None, float | None] = (None, None, None),
+        watched: tuple[float | None, float | None, float | None, float | None] = (None, None, None, None),
     ) -> str | None:
         """Record a received push with the shard rows it trained on. Returns a refusal reason or None.
 
@@ -51,8 +51,8 @@ class PushesTable(ClaimsTable):
         push_claim checked before the delta streamed; rows of a shard leased to another worker
         since are cut out here, as rows trained twice are. `steps` and `tokens` are what push_claim
         credited; `norm` (per H steps) is kept for the outlier check's history across restarts,
-        `watched` (its norm ratio and alignment, refused or not) for its learner's watch, and (taken)
-        its deviation from the mean step for the centered clip's history.
+        `watched` (its norm ratio, alignment and reported loss, refused or not) for its learner's
+        watch, and (taken) its deviation from the mean step for the centered clip's history.
         """
         resent = None
         with self._tx() as db:
@@ -95,7 +95,7 @@ class PushesTable(ClaimsTable):
                 spans = kept
             db.execute(
                 "INSERT INTO pushes(push_id, worker_id, fragment, base_version, steps, tokens, state, reason, "
-                "received, norm, ratio, alignment, deviation) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "received, norm, ratio, alignment, deviation, loss) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     push_id,
                     worker_id,
@@ -109,6 +109,7 @@ class PushesTable(ClaimsTable):
                     norm if state == "pending" else None,
                     *watched[:2],
                     watched[2] if state == "pending" else None,
+                    watched[3],
                 ),
             )
             if state == "pending":
@@ -135,21 +136,33 @@ class PushesTable(ClaimsTable):
         )
         return [(str(r[0]), float(r[1]), float(r[1] if r[2] is None else r[2])) for r in reversed(rows)]
 
-    def recent_watched(self, limit: int) -> dict[str, list[tuple[float, float | None, float | None]]]:
-        """Each joined learner's last `limit` pushes the pusher watch saw, oldest first: (when
-        received, norm ratio, alignment), its watch after a restart."""
+    def first_loss(self) -> float | None:
+        """The mean training loss of the run's first merged round with one (the scale the pusher
+        watch measures a learner's loss against), or None before it."""
+        value = self._one("SELECT mean_loss FROM rounds WHERE mean_loss > 0 ORDER BY closed LIMIT 1")
+        return float(value) if value is not None else None
+
+    def recent_watched(
+        self, limit: int
+    ) -> dict[str, list[tuple[float, float | None, float | None, int, float | None]]]:
+        """Each joined learner's last `limit` pushes of each fragment the pusher watch saw, oldest
+        first: (when received, norm ratio, alignment, fragment, reported loss), its watch after a
+        restart."""
         learners = [
             r[0] for r in self._q("SELECT id FROM workers WHERE role = 'compute' AND state = 'active'")
         ]
-        out: dict[str, list[tuple[float, float | None, float | None]]] = {}
+        out: dict[str, list[tuple[float, float | None, float | None, int, float | None]]] = {}
         for worker_id in learners:
             rows = self._q(
-                "SELECT received, ratio, alignment FROM pushes WHERE worker_id = ? "
-                "AND (ratio IS NOT NULL OR alignment IS NOT NULL) ORDER BY received DESC LIMIT ?",
+                "SELECT received, ratio, alignment, fragment, loss FROM (SELECT received, ratio, "
+                "alignment, fragment, loss, ROW_NUMBER() OVER (PARTITION BY fragment ORDER BY received "
+                "DESC) AS n FROM pushes WHERE worker_id = ? AND (ratio IS NOT NULL OR alignment IS NOT "
+                "NULL OR loss IS NOT NULL)) "
+                "WHERE n <= ? ORDER BY received",
                 (worker_id, limit),
             )
             if rows:
-                out[str(worker_id)] = [(float(r[0]), r[1], r[2]) for r in reversed(rows)]
+                out[str(worker_id)] = [(float(r[0]), r[1], r[2], int(r[3]), r[4]) for r in rows]
         return out
 
     def _release(self, db: sqlite3.Connection, worker_id: str, released: Sequence[int]) -> None:

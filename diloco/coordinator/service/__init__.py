@@ -26,6 +26,7 @@ from diloco.coordinator.service.pushes import PushRPCs
 from diloco.coordinator.service.shards import ShardRPCs
 from diloco.coordinator.service.state import STREAMED_REQUEST_KINDS, FragmentState
 from diloco.coordinator.service.status import StatusRPCs
+from diloco.coordinator.service.ticker import Ticker
 from diloco.v1 import coordinator_pb2_grpc as pb_grpc
 
 __all__ = ["STREAMED_REQUEST_KINDS", "CoordinatorService", "FragmentState"]
@@ -39,6 +40,7 @@ class CoordinatorService(
     PushRPCs,
     Merger,
     Publisher,
+    Ticker,
     StatusRPCs,
     EvalRPCs,
     pb_grpc.CoordinatorServicer,

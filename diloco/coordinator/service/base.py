@@ -27,7 +27,6 @@ from diloco.coordinator.callers import (
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.init_check import RunModel
 from diloco.coordinator.ledger import Ledger
-from diloco.coordinator.ledger.workers import Reclaimed
 from diloco.coordinator.log_text import loggable
 from diloco.coordinator.pusher_watch import PusherWatch
 from diloco.coordinator.report import tokens_reported
@@ -38,7 +37,6 @@ from diloco.coordinator.service.state import (
     RoundSum,
     log,
 )
-from diloco.coordinator.stall import TICK_S, own_stall_s
 from diloco.coordinator.wirecount import WIRE_COUNTS, WireCounter
 from diloco.fragments import assign_fragments
 from diloco.observe.events import RunEvents
@@ -51,11 +49,6 @@ from diloco.v1 import coordinator_pb2 as pb
 RESEND_WAIT_HEARTBEATS = 2.0
 # Chunk completions a waiting data worker's next ask is paced by (chunks.retry_after_s).
 CHUNK_PACE_WINDOW = 8
-
-# How often the run's rates are sampled as a "progress" event (curves of the page, TensorBoard).
-PROGRESS_EVERY_S = 5.0
-# How often workers gone long and named nowhere are looked for (coordinator.forget_workers_after_s).
-FORGET_EVERY_S = 60.0
 
 
 class ServiceBase:
@@ -125,13 +118,11 @@ class ServiceBase:
         self.averaged: frozenset[str] = frozenset()  # the specs' running statistics (_install_specs)
         self.step_time_s = 0.0  # EMA of learners' reported inner step time
         # Each learner's last deltas against the run's (pusher_watch), under the lock: as the
-        # ledger kept them, so that a restart does not forget whom it named.
+        # ledger kept them, so that a restart does not forget whom it named. A learner's loss is
+        # measured on the scale of the run's first round's (set by the first merge with a loss).
+        self.loss_scale: float | None = ledger.first_loss()
         self.pusher_watch: dict[str, PusherWatch] = pusher_watch.restored(
-            ledger.recent_watched(pusher_watch.WATCH_PUSHES),
-            self.clock(),
-            config.coordinator.lease_ttl_s,
-            config.sync.suspect_norm_ratio,
-            config.sync.suspect_alignment_gap,
+            ledger.recent_watched(pusher_watch.WATCH_PUSHES), self.clock(), *self.watch_bars()
         )
         for worker_id in pusher_watch.named(self.pusher_watch):
             log.warning("learner %s still looks hostile or broken", loggable(worker_id))
@@ -145,6 +136,13 @@ class ServiceBase:
         self._merger = threading.Thread(target=self._merge_forever, name="merger", daemon=True)
 
     # -- life cycle -----------------------------------------------------------------------------
+
+    def watch_bars(self) -> tuple[float, float, float, float, float | None]:
+        """What the pusher watch judges with: how long a learner counts as live, its bars, and the
+        scale of losses."""
+        s = self.config.sync
+        return (self.config.coordinator.lease_ttl_s, s.suspect_norm_ratio, s.suspect_alignment_gap,
+                s.suspect_loss_excess, self.loss_scale)  # fmt: skip
 
     def status_detail(self) -> dict:
         raise NotImplementedError  # StatusRPCs
@@ -330,82 +328,6 @@ class ServiceBase:
                 self.ledger.set_meta(run_state=state)
             log.info("run %s (%s)", state, reason)
             self.cond.notify_all()
-
-    def _tick_forever(self) -> None:
-        """Time-driven events: lease expiry, the token budget, the end of the run. (Grace windows
-        and learners found dead close rounds in the merger, which wakes at least every 0.25 s.)"""
-        while not self._stop.wait(TICK_S):
-            try:
-                self.tick()
-            except Exception:  # a bad tick must not kill the syncer; it is logged and retried
-                log.exception("syncer tick failed")
-            self._ticked_at = time.monotonic()
-
-    def tick(self) -> None:
-        self._sample_progress(time.monotonic())
-        stall, why = own_stall_s(self._ticked_at, time.monotonic())
-        if stall:  # before anything expires: the silence was ours
-            log.warning("%s", why)
-            self.ledger.extend_deadlines(stall)
-        ttl = self.config.coordinator.lease_ttl_s
-        self._say_reclaimed(self.ledger.reclaim_expired(ttl, self.config.coordinator.max_chunk_attempts), ttl)
-        gone_s = self.config.coordinator.forget_workers_after_s
-        if gone_s > 0 and time.monotonic() - self._forgot_at >= FORGET_EVERY_S:
-            self._forgot_at = time.monotonic()
-            if forgotten := self.ledger.forget_idle(gone_s):
-                log.info(
-                    "forgot %d workers gone over %.0f s that left nothing in the ledger", forgotten, gone_s
-                )
-        for _ in range(2):  # running → finishing → finished may both happen in one tick
-            with self.cond:
-                unpublished = any(f.pending or f.unpublished for f in self.fragments)
-            change = lifecycle.next_run_state(
-                self.run_state,
-                tokens_merged=int(self.ledger.counter("tokens_merged")),
-                budget=self.config.train.max_tokens,
-                # A ledger query: asked only where the answer matters (a finishing run).
-                live_learners=len(self._live_learners()) if self.run_state == lifecycle.FINISHING else 0,
-                work_unpublished=unpublished,
-                data_exhausted=self.run_state == lifecycle.RUNNING and self.ledger.train_data_exhausted(),
-            )
-            if change.state is None:
-                return
-            self._set_run_state(change.state, change.reason)
-
-    def _say_reclaimed(self, reclaimed: Reclaimed, ttl_s: float) -> None:
-        """A worker that went silent (killed, hung, cut off) and the leases that came back: in the
-        log and metrics.jsonl, where an operator looks for what happened to it."""
-        for worker_id, role in reclaimed.lost:
-            log.warning("worker %s (%s) lost: no heartbeat for %.0f s", worker_id, role, ttl_s)
-            self.events.record("lost", worker_id=worker_id, role=role)
-        for kind, ids in (("chunk", reclaimed.chunks), ("shard", reclaimed.shards)):
-            if ids:
-                log.info("%s leases expired, back to the pool: %s", kind, ", ".join(map(str, ids)))
-        if reclaimed.quarantined:
-            log.warning("chunks quarantined, their leases expired too often: %s", reclaimed.quarantined)
-
-    def _sample_progress(self, now: float) -> None:
-        """Every PROGRESS_EVERY_S, the run's rates as an event: merged tokens/s, wire bytes per
-        merged token (over the interval), learners alive."""
-        last = self._progress_at
-        if last is not None and now - last[0] < PROGRESS_EVERY_S:
-            return
-        merged = int(self.ledger.counter("tokens_merged"))
-        wire = sum(self.wire.totals())
-        self._progress_at = (now, merged, wire)
-        self._save_counts()
-        if last is None:
-            return
-        dt, dm, dw = now - last[0], merged - last[1], wire - last[2]
-        self.events.record(
-            "progress",
-            tokens_merged=merged,
-            wire_bytes=wire,  # (the events' window takes both rates over 30 s from the totals)
-            merged_tokens_per_s=round(dm / dt, 1),
-            wire_bytes_per_token=round(dw / dm, 1) if dm > 0 else None,
-            learners_alive=len(self._live_learners()),
-            run_state=self.run_state,
-        )
 
     def _tokens_reported(self) -> int:
         """Tokens the learners say they trained (report.tokens_reported)."""

@@ -156,6 +156,8 @@ class Merger(ServiceBase):
         frag.awaited = frozenset()  # only the first round after a restart waits for re-sends
         if mean_loss is not None:
             self.last_loss = mean_loss
+            if self.loss_scale is None:  # the scale the pusher watch measures learners' losses on
+                self.loss_scale = mean_loss
         elapsed = time.monotonic() - started
         self.sync_time_s = moving_average(self.sync_time_s, elapsed)
         log.info(

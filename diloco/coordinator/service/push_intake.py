@@ -28,15 +28,16 @@ class Screened:
     refusal: str = ""  # why it is refused ("": it is not)
     ratio: float | None = None  # its norm over the outlier check's median (the pusher watch's)
     alignment: float | None = None  # its cosine to the fragment's momentum (the pusher watch's)
+    loss: float | None = None  # the training loss its learner reported (the pusher watch's)
     deviation_per_h: float | None = None  # from the fragment's mean step (centered_clip)
     kept: float = 1.0  # the share of that deviation it keeps (1: merged as it came)
     clipped: str = ""  # why less than all of it
     momentum: Mapping[str, torch.Tensor] = field(default_factory=dict)  # the momentum it was measured against
 
     @property
-    def watched(self) -> tuple[float | None, float | None, float | None]:
+    def watched(self) -> tuple[float | None, float | None, float | None, float | None]:
         """What the ledger keeps of it for the watch and the clip after a restart."""
-        return self.ratio, self.alignment, self.deviation_per_h
+        return self.ratio, self.alignment, self.deviation_per_h, self.loss
 
 
 class PushIntake(ServiceBase):
@@ -137,7 +138,8 @@ class PushIntake(ServiceBase):
         if ratio is not None:
             self.metrics.push_norm_ratio.observe(ratio)
         aligned = pusher_watch.alignment(tensors, momentum, self.averaged)
-        suspect = self._watch_pusher(header.worker_id, ratio, aligned)
+        loss = header.mean_loss if 0 < header.mean_loss < math.inf else None
+        suspect = self._watch_pusher(header.worker_id, ratio, aligned, header.fragment, loss)
         outlier = limits.norm_outlier(
             norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
         ) or limits.delta_size_problem(norm_per_h, *self._param_norm(frag))
@@ -148,7 +150,7 @@ class PushIntake(ServiceBase):
         kept, why = centered_clip.kept_share(
             deviation, deviations, by, header.worker_id, self.config.sync.center_clip
         )
-        return Screened(norm_per_h, outlier, ratio, aligned, deviation, kept, why, momentum)
+        return Screened(norm_per_h, outlier, ratio, aligned, loss, deviation, kept, why, momentum)
 
     def _center(self, header: pb.TensorHeader, tensors: dict[str, torch.Tensor], screened: Screened) -> None:
         """A taken delta whose deviation from the fragment's mean step is clipped: pulled toward
@@ -161,7 +163,9 @@ class PushIntake(ServiceBase):
             "push %s of %s clipped: %s", header.push_id[:8], loggable(header.worker_id), screened.clipped
         )
 
-    def _watch_pusher(self, worker_id: str, ratio: float | None, alignment: float | None) -> str:
+    def _watch_pusher(
+        self, worker_id: str, ratio: float | None, alignment: float | None, fragment: int, loss: float | None
+    ) -> str:
         """One more push in its learner's watch, and every live learner judged again (a learner's
         direction is judged against the others'); when one comes to look hostile or broken, or no
         longer does, it is logged once; status shows the reason meanwhile. Returns the pusher's
@@ -170,14 +174,8 @@ class PushIntake(ServiceBase):
         with self.cond:
             now = self.clock()
             watch = self.pusher_watch.setdefault(worker_id, pusher_watch.PusherWatch())
-            watch.add(now, ratio, alignment)
-            judged = pusher_watch.judge(
-                self.pusher_watch,
-                now,
-                self.config.coordinator.lease_ttl_s,
-                sync.suspect_norm_ratio,
-                sync.suspect_alignment_gap,
-            )
+            watch.add(now, ratio, alignment, fragment, loss)
+            judged = pusher_watch.judge(self.pusher_watch, now, *self.watch_bars())
             changed = [(w, j.reason) for w, j in judged.items() if self.pusher_watch[w].take(j)]
             reason = watch.suspect
         then = (

@@ -259,7 +259,7 @@ class PushRPCs(PushIntake):
         released: list[int],
         stale: str | None,
         norm: float | None = None,
-        watched: tuple[float | None, float | None, float | None] = (None, None, None),
+        watched: tuple[float | None, float | None, float | None, float | None] = (None, None, None, None),
     ) -> str | None:
         """The push in the ledger, pending or (stale) dropped, with what the pusher watch saw of
         it; the ledger's refusal, or None."""
@@ -320,7 +320,7 @@ class PushRPCs(PushIntake):
         empty: bool,
         refuse: str = "",
         norm: float = 0.0,
-        watched: tuple[float | None, float | None, float | None] = (None, None, None),
+        watched: tuple[float | None, float | None, float | None, float | None] = (None, None, None, None),
     ) -> tuple[pb.PushReply, tuple[RoundSum, float, float] | None]:
         """Record a push in its round (lock held); returns the reply, and for a delta to merge,
         the round's sum to fold it into with its weight and its age factor."""

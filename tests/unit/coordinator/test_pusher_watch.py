@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diloco.coordinator.pusher_watch import (
+    MIN_LOSSES,
     MIN_WATCHED,
     WATCH_PUSHES,
     Judgement,
@@ -46,6 +47,99 @@ def test_direction_is_judged_against_the_other_learners_not_the_momentum_alone()
     watches = {"a": watched(0.9, 0.63), "b": watched(0.9, 0.63), "evil": watched(1.0, -0.63)}
     got = judge(watches, now=100.0, live_within_s=60.0)
     assert [w for w, j in got.items() if j.reason] == ["evil"]
+
+
+def by_fragment(figures: list[tuple[float, float]]) -> PusherWatch:
+    """A watch of WATCH_PUSHES pushes of each fragment, at (norm ratio, cosine) each."""
+    watch = PusherWatch()
+    for _ in range(WATCH_PUSHES):
+        for fragment, (ratio, cosine) in enumerate(figures):
+            watch.add(100.0, ratio, cosine, fragment)
+    return watch
+
+
+def test_a_learner_standing_out_in_one_fragment_only_is_named_by_that_fragment() -> None:
+    # Measured (benchmarks/hostile_learner.py): a learner climbing the loss took fragment 0's
+    # momentum with it (cosine +0.9 against the others' +0.4) while its fragment 1 looked like
+    # theirs; over both fragments together it stood 0.15 from the others, under the bar.
+    watches = {
+        "a": by_fragment([(1.0, 0.4), (1.0, 0.0)]),
+        "b": by_fragment([(1.0, 0.45), (1.0, 0.05)]),
+        "odd": by_fragment([(1.0, 0.9), (1.0, -0.1)]),
+    }
+    got = judge(watches, now=100.0, live_within_s=60.0)
+    assert [w for w, j in got.items() if j.reason] == ["odd"], got
+    assert "fragment 0's outer momentum is +0.90" in got["odd"].reason
+    assert got["odd"].gap == pytest.approx(0.45) and got["a"].gap == pytest.approx(-0.05)
+    # Norms are judged over all its pushes only: an honest digits CNN learner's smaller fragment
+    # stood at 2.19x the others' (results/pusher_watch_loss_honest.json).
+    watches["big"] = by_fragment([(1.2, 0.4), (2.2, 0.0)])
+    assert judge(watches, now=100.0, live_within_s=60.0)["big"].reason == ""
+    assert watches["big"].figures()["delta_norm_ratio"] == 1.7
+
+
+def test_a_fragment_is_judged_by_direction_only_among_three_learners_that_push_it() -> None:
+    # Fragment 1 pushed by two learners only: which of them is the odd one there, nothing says.
+    watches = {
+        "a": by_fragment([(1.0, 0.4), (1.0, 0.2)]),
+        "b": by_fragment([(1.0, 0.5), (1.0, -0.2)]),
+        "c": by_fragment([(1.0, 0.45)]),
+    }
+    assert all(j.reason == "" for j in judge(watches, now=100.0, live_within_s=60.0).values())
+    # A third learner pushes it too, the way the first does: now the second is the odd one there.
+    watches["c"] = by_fragment([(1.0, 0.45), (1.0, 0.2)])
+    got = judge(watches, now=100.0, live_within_s=60.0)
+    assert [w for w, j in got.items() if j.reason] == ["b"] and "fragment 1's" in got["b"].reason
+
+
+def test_a_learner_odd_in_every_fragment_is_named_over_all_its_pushes_first() -> None:
+    # Over all fragments together the figures fill twice as fast with two fragments: a delta
+    # reversed whole is named after MIN_WATCHED pushes, not MIN_WATCHED of each fragment.
+    watches = {w: by_fragment([(1.0, 0.6), (1.0, 0.6)]) for w in ("a", "b")}
+    watches["evil"] = PusherWatch()
+    for i in range(MIN_WATCHED):
+        watches["evil"].add(100.0, 1.0, -0.6, i % 2)
+    got = judge(watches, now=100.0, live_within_s=60.0)["evil"]
+    assert "cosine to the fragments' outer momentum is -0.60" in got.reason
+
+
+def losing(loss: float | None, pushes: int = WATCH_PUSHES) -> PusherWatch:
+    watch = PusherWatch()
+    for _ in range(pushes):
+        watch.add(100.0, 1.0, None, 0, loss)
+    return watch
+
+
+def test_a_learner_reporting_a_loss_far_above_the_others_is_named_even_among_two() -> None:
+    # Measured (benchmarks/hostile_learner.py): a learner climbing the loss reported 9 to 38
+    # against the honest ones' 2.3 to 3.4 from its first pushes on, the run's first loss 4.9. The
+    # higher loss is the broken one, so two learners are enough to judge it.
+    got = judge({"a": losing(3.0), "climber": losing(9.0)}, 100.0, 60.0, loss_scale=5.0)
+    assert got["a"].reason == "" and got["a"].loss_excess == pytest.approx(-1.2)
+    assert "training loss of its last pushes is 9, the other learners' 3: 1.20 of the run's first loss 5" in (
+        got["climber"].reason
+    )
+    # Doing better than the others is no reason; near them neither; 0 turns the rule off, and
+    # without a first loss to measure on (no merge yet) nothing is judged.
+    got = judge({"a": losing(3.0), "b": losing(1.0), "c": losing(4.4)}, 100.0, 60.0, loss_scale=5.0)
+    assert all(j.reason == "" for j in got.values()), got
+    assert (
+        judge({"a": losing(3.0), "c": losing(9.0)}, 100.0, 60.0, loss_bar=0.0, loss_scale=5.0)["c"].reason
+        == ""
+    )
+    assert judge({"a": losing(3.0), "c": losing(9.0)}, 100.0, 60.0)["c"].loss_excess is None
+
+
+def test_a_loss_is_measured_on_the_runs_first_loss_not_as_a_ratio() -> None:
+    # A classifier near its end: 0.008 against 0.001 is 8x, and nothing (the first loss 2.3).
+    got = judge({"a": losing(0.001), "b": losing(0.008)}, 100.0, 60.0, loss_scale=2.3)
+    assert all(j.reason == "" for j in got.values()) and got["b"].loss_excess == pytest.approx(0.007 / 2.3)
+    got = judge({"a": losing(3.0), "new": losing(30.0, MIN_LOSSES - 1)}, 100.0, 60.0, loss_scale=5.0)
+    assert got["new"] == Judgement("", None, None)
+    watch = losing(3.0)
+    watch.take(Judgement("", None, 0.4))
+    watch.take(Judgement("", None, -0.1))
+    assert watch.figures()["loss_excess"] == -0.1 and watch.figures()["loss_excess_highest"] == 0.4
 
 
 def test_honest_learners_whose_cosines_differ_a_little_are_not_named() -> None:
@@ -152,8 +246,8 @@ def test_each_bar_is_the_config_s_and_a_bar_of_zero_turns_its_rule_off() -> None
 
 
 def test_a_restored_watch_names_the_live_at_once_and_the_rest_at_their_next_push() -> None:
-    def pushes(cosine: float, at: float) -> list[tuple[float, float | None, float | None]]:
-        return [(at, 1.0, cosine)] * WATCH_PUSHES
+    def pushes(cosine: float, at: float) -> list[tuple[float, float | None, float | None, int, float | None]]:
+        return [(at, 1.0, cosine, 0, None)] * WATCH_PUSHES
 
     history = {"a": pushes(0.6, 90.0), "b": pushes(0.55, 90.0), "evil": pushes(-0.6, 90.0)}
     soon = restored(history, now=100.0, live_within_s=60.0)

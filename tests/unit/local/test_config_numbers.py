@@ -32,6 +32,8 @@ from diloco.config import ConfigError, RunConfig
         ("sync.suspect_norm_ratio", 0.5),
         ("sync.suspect_alignment_gap", -0.1),
         ("sync.center_clip", 0.5),
+        ("sync.suspect_loss_excess", -0.5),
+        ("sync.suspect_loss_excess", float("nan")),
         ("sync.center_clip", float("nan")),
         ("sync.suspect_alignment_gap", float("nan")),
         ("sync.max_unreachable_s", float("nan")),
@@ -64,13 +66,14 @@ def test_the_edges_of_each_range_are_accepted() -> None:
              "train.beta1": 0.0, "sync.outer_momentum": 0.0, "sync.outer_lr": 1.0, "sync.pull_chain": 1,
              "sync.max_delta_norm_ratio": 0.0, "sync.max_unreachable_s": 0.0, "sync.codec_level": 0,
              "sync.suspect_norm_ratio": 0.0, "sync.suspect_alignment_gap": 0.0, "sync.center_clip": 1.0,
+             "sync.suspect_loss_excess": 0.0,
              "coordinator.max_workers_per_caller": 0, "coordinator.max_concurrent_rpcs": 0,
              "coordinator.heartbeat_s": 29.0}  # fmt: skip
     RunConfig().with_overrides(edges).validate()
 
 
 def test_refusing_suspects_needs_a_rule_that_can_name_one() -> None:
-    off = {"sync.suspect_norm_ratio": 0.0, "sync.suspect_alignment_gap": 0.0}
+    off = {"sync.suspect_norm_ratio": 0.0, "sync.suspect_alignment_gap": 0.0, "sync.suspect_loss_excess": 0.0}
     with pytest.raises(ConfigError, match=r"sync\.refuse_suspects"):
         RunConfig().with_overrides({**off, "sync.refuse_suspects": True}).validate()
     RunConfig().with_overrides({"sync.suspect_norm_ratio": 0.0, "sync.refuse_suspects": True}).validate()

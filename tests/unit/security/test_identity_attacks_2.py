@@ -27,7 +27,7 @@ from diloco.coordinator.callers import (
     spend,
 )
 from diloco.coordinator.ledger import Ledger
-from diloco.coordinator.service import base as service_base
+from diloco.coordinator.service import ticker as service_ticker
 from diloco.security.transport import Security
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import FakeClock, start_coordinator_here
@@ -221,7 +221,7 @@ def test_ids_that_only_joined_are_forgotten_and_the_rest_kept(tmp_path: Path) ->
 def test_the_coordinator_forgets_ids_that_only_joined(
     tiny_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(service_base, "FORGET_EVERY_S", 0.0)
+    monkeypatch.setattr(service_ticker, "FORGET_EVERY_S", 0.0)
     running = coordinator(tiny_corpus, tmp_path, {"coordinator.forget_workers_after_s": 0.1})
     evil = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE, security=TOKEN)
     try:
