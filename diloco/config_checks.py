@@ -120,11 +120,6 @@ def check_limits(cfg: RunConfig) -> None:
     for key, (value, zero, below) in below_one.items():
         if 0 < value < 1:
             raise ConfigError(f"{key} must be 0 ({zero}) or >= 1, got {value:g}: below 1 it {below}")
-    if s.refuse_suspects and not (s.suspect_norm_ratio or s.suspect_alignment_gap or s.suspect_loss_excess):
-        raise ConfigError(
-            "sync.refuse_suspects needs sync.suspect_norm_ratio, sync.suspect_alignment_gap or "
-            "sync.suspect_loss_excess: with all three 0 no learner is ever named"
-        )
     if c.max_message_bytes > GRPC_INT_MAX:  # gRPC's channel arguments are C ints
         raise ConfigError(
             f"coordinator.max_message_bytes must be at most {GRPC_INT_MAX}, got {c.max_message_bytes}"

@@ -72,8 +72,10 @@ def test_the_edges_of_each_range_are_accepted() -> None:
     RunConfig().with_overrides(edges).validate()
 
 
-def test_refusing_suspects_needs_a_rule_that_can_name_one() -> None:
+def test_every_watch_rule_off_leaves_nothing_to_refuse() -> None:
+    # sync.refuse_suspects is on by default: turning every rule off turns the watch off with it,
+    # without a second key to set.
     off = {"sync.suspect_norm_ratio": 0.0, "sync.suspect_alignment_gap": 0.0, "sync.suspect_loss_excess": 0.0}
-    with pytest.raises(ConfigError, match=r"sync\.refuse_suspects"):
-        RunConfig().with_overrides({**off, "sync.refuse_suspects": True}).validate()
-    RunConfig().with_overrides({"sync.suspect_norm_ratio": 0.0, "sync.refuse_suspects": True}).validate()
+    cfg = RunConfig().with_overrides(off)
+    cfg.validate()
+    assert cfg.sync.refuse_suspects
