@@ -21,7 +21,7 @@ pytestmark = pytest.mark.e2e
 def test_a_learner_climbing_the_loss_is_named_and_refused_and_the_run_still_learns(
     small_corpus: Path, tmp_path: Path
 ) -> None:
-    spec = HostileRun(timeout_s=200)
+    spec = HostileRun(tokens=400_000, timeout_s=200)  # 700 k in the benchmark: 400 k tell it here
     got = run(tmp_path / "run", small_corpus, spec)
     (climber,) = got["ascent_ids"]
     assert set(got["named"]) == {climber}, got["named"]
