@@ -69,7 +69,8 @@ WATCH_FIGURES = (
 
 @dataclass
 class FragmentFigures:
-    """A learner's last pushes of one fragment: each one's norm ratio and alignment."""
+    """A learner's last pushes (of every fragment, or of one): each one's norm ratio (over every
+    fragment only) and alignment."""
 
     ratios: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES))
     alignments: collections.deque[float] = field(
@@ -124,8 +125,9 @@ class PusherWatch:
         self.last_at = now
         if loss is not None and math.isfinite(loss):
             self.losses.append(loss)
-        for key in (ALL, fragment):
-            self.fragments.setdefault(key, FragmentFigures()).add(ratio, alignment)
+        # Norms are judged over all its pushes only (ratio_median): a fragment keeps directions.
+        self.fragments.setdefault(ALL, FragmentFigures()).add(ratio, alignment)
+        self.fragments.setdefault(fragment, FragmentFigures()).add(None, alignment)
         median = self.fragments[ALL].median
         if median is not None and ratio is not None:
             self.highest_ratio = max(self.highest_ratio or 0.0, median)

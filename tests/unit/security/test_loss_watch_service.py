@@ -16,7 +16,7 @@ from diloco.coordinator.pusher_watch import SUSPECT_REFUSAL
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import start_coordinator_here, tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
-from tests.unit.security.test_pusher_watch_service import OVERRIDES, all_merged, samples
+from tests.unit.security.test_pusher_watch_service import OVERRIDES, all_merged, joined, samples
 
 ROUNDS = 8
 LOSSES = (3.0, 12.0)  # the honest learner's, the climber's
@@ -50,10 +50,7 @@ def test_a_learner_reporting_a_loss_far_above_the_others_is_named_and_refused_an
 ) -> None:
     overrides = {**OVERRIDES, "sync.refuse_suspects": True}
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
-        other = CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE)
-        other.join()
-        learners = [first, other]
-        shards = [learner.lease_shard().shard_id for learner in learners]
+        learners, shards = joined(running, first, 1)
         ids = [learner.worker_id for learner in learners]
         try:
             refused = push_rounds(running, learners, init, shards, range(ROUNDS))

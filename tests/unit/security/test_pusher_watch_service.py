@@ -60,6 +60,15 @@ def all_merged(running, received: int) -> None:
         time.sleep(0.05)
 
 
+def joined(running, first: CoordinatorClient, more: int) -> tuple[list[CoordinatorClient], list[int]]:
+    """`first` and `more` learners joined to the running coordinator, each with a shard leased."""
+    others = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(more)]
+    for learner in others:
+        learner.join()
+    learners = [first, *others]
+    return learners, [learner.lease_shard().shard_id for learner in learners]
+
+
 def samples(running, family_name: str, label: str) -> dict[str, float]:
     return {
         s.labels[label]: s.value
@@ -78,13 +87,10 @@ def test_a_learner_pushing_against_the_others_is_named_and_the_honest_are_not(
     caplog.set_level(logging.INFO, logger="diloco.coordinator")
     overrides = {**OVERRIDES, "sync.refuse_suspects": refuse, "sync.quorum": 0 if refuse else 1}
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
-        more = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(2)]
+        learners, shards = joined(running, first, 2)
+        more = learners[1:]
         try:
-            for learner in more:
-                learner.join()
-            learners = [first, *more]
             hostile = learners[2].worker_id
-            shards = [learner.lease_shard().shard_id for learner in learners]
             refused = push_rounds(running, learners, init, shards, range(ROUNDS))
             all_merged(running, 3 * ROUNDS - len(refused))
             detail = running.service.status_detail()
@@ -119,18 +125,14 @@ def test_a_restarted_coordinator_still_names_and_refuses_the_learner(
     # Its watch in memory only, a restart gave the learner MIN_WATCHED more pushes, each merged.
     overrides = {**OVERRIDES, "sync.refuse_suspects": True}
     with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
-        more = [CoordinatorClient(f"127.0.0.1:{running.port}", pb.ROLE_COMPUTE) for _ in range(2)]
-        for learner in more:
-            learner.join()
-        learners = [first, *more]
-        shards = [learner.lease_shard().shard_id for learner in learners]
+        learners, shards = joined(running, first, 2)
         ids = [learner.worker_id for learner in learners]
         try:
             assert push_rounds(running, learners, init, shards, range(ROUNDS)) == [6, 7]
             all_merged(running, 3 * ROUNDS - 2)
             before = {w["worker_id"]: w for w in running.service.status_detail()["workers"]}
         finally:
-            for learner in [*more, first]:
+            for learner in learners:
                 learner.close()
             config = running.service.config
             running.stop()
