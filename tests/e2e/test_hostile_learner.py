@@ -28,8 +28,10 @@ def test_a_learner_climbing_the_loss_is_named_and_refused_and_the_run_still_lear
     assert "training loss" in got["named"][climber]
     assert not got["honest_named"]
     mine = got["learners"][climber]
-    # Named once it and the others have MIN_LOSSES pushes (and the run its first loss).
-    assert mine["refused_named"] >= 1 and MIN_LOSSES <= mine["pushes_before_refused"] <= 2 * MIN_LOSSES, mine
+    # Named once it and the others have MIN_LOSSES pushes (and the run its first loss): at the
+    # earliest its MIN_LOSSES-th push is the first refused, MIN_LOSSES - 1 taken before it.
+    assert mine["refused_named"] >= 1, mine
+    assert MIN_LOSSES - 1 <= mine["pushes_before_refused"] <= 2 * MIN_LOSSES, mine
     honest = [v for w, v in got["learners"].items() if w != climber]
     assert len(honest) == 2 and all(v["refused_named"] == 0 and v["merged"] > 0 for v in honest), honest
     assert got["audit_ok"], got["audit_violations"]
