@@ -24,6 +24,7 @@ and the eval under attack.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -35,6 +36,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.loss_replay import replay  # noqa: E402
 from benchmarks.norm_ratios import push_ratios, summary  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
 from diloco.coordinator.pusher_watch import SUSPECT_GAP, SUSPECT_LOSS, SUSPECT_RATIO  # noqa: E402
@@ -104,6 +106,8 @@ def honest_run(
         "highest_ratio": max((d.get("delta_norm_ratio_highest") or 0.0 for d in detail), default=0.0),
         "largest_gap": max((d.get("delta_alignment_gap_largest") or 0.0 for d in detail), default=0.0),
         "highest_loss_excess": max((d.get("loss_excess_highest") or 0.0 for d in detail), default=0.0),
+        # The loss rule's figure replayed from the ledger both ways (benchmarks/loss_replay.py).
+        "loss_excess_replayed": replay(workdir),
         "alignments": [d.get("delta_alignment") for d in detail],
         "pushes_refused": run.get("pushes_refused"),
         "pushes_center_clipped": run.get("pushes_center_clipped"),
@@ -139,7 +143,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--honest", default=",".join(HONEST), help=f"of: {', '.join(HONEST)} ('' for none)")
     p.add_argument("--scales", default="0,1.0,1.9,2.5,2.9,9.9", help="attack scales; 0: no attacker")
-    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--seeds", default="1,2", help="the attack runs' seeds")
+    p.add_argument(
+        "--honest-seeds", default="1", help="train.seed of each honest run (each config once per seed)"
+    )
     p.add_argument("--refuse-suspects", action="store_true", help="every arm with sync.refuse_suspects")
     p.add_argument("--center-clips", default=f"{RunConfig().sync.center_clip:g}",
                    help="sync.center_clip bounds, each arm once per bound (default: the coordinator's)")  # fmt: skip
@@ -158,16 +165,19 @@ def main(argv: list[str] | None = None) -> None:
         if any(n.startswith("digits") for n in args.honest.split(",") if n):
             subprocess.run([sys.executable, str(ROOT / "examples/digits/prepare.py"), str(images)], check=True,
                            capture_output=True)  # fmt: skip
-        for name in filter(None, args.honest.split(",")):
-            for clip in clips:  # side by side: the arms of one config run one after the other
-                key = name if len(clips) == 1 else f"{name}/clip{clip:g}"
-                results["honest"][key] = got = honest_run(
-                    name, HONEST[name], Path(tmp) / key.replace("/", "_"), images, args.refuse_suspects, clip
-                )
-                print(f"honest {key}: eval {got['eval_loss']:.4f}, highest ratio {got['highest_ratio']:.2f}, "
-                      f"largest gap {got['largest_gap']:.3f}, highest loss excess {got['highest_loss_excess']:.3f}, named {list(got['named']) or 'nobody'}, "
-                      f"clipped {got['pushes_center_clipped']}, deviation ratios {got['deviation_ratios']}",
-                      flush=True)  # fmt: skip
+        honest_seeds = [int(s) for s in args.honest_seeds.split(",")]
+        for name, seed, clip in itertools.product(filter(None, args.honest.split(",")), honest_seeds, clips):
+            # side by side: the arms of one config and seed run one after the other
+            key = name + ("" if len(honest_seeds) == 1 else f"/seed{seed}")
+            key += "" if len(clips) == 1 else f"/clip{clip:g}"
+            flags = [*HONEST[name], "--set", f"train.seed={seed}"]
+            results["honest"][key] = got = honest_run(
+                name, flags, Path(tmp) / key.replace("/", "_"), images, args.refuse_suspects, clip
+            )
+            print(f"honest {key}: eval {got['eval_loss']:.4f}, highest ratio {got['highest_ratio']:.2f}, "
+                  f"largest gap {got['largest_gap']:.3f}, highest loss excess {got['highest_loss_excess']:.3f} (replayed {got['loss_excess_replayed']}), named {list(got['named']) or 'nobody'}, "
+                  f"clipped {got['pushes_center_clipped']}, deviation ratios {got['deviation_ratios']}",
+                  flush=True)  # fmt: skip
         for scale in (float(s) for s in args.scales.split(",") if s):
             for seed in (int(s) for s in args.seeds.split(",")):
                 for clip in clips:

@@ -195,10 +195,11 @@ class SyncConfig:
     # The pusher watch (coordinator/pusher_watch.py) names a learner whose last pushes' median norm
     # stands above suspect_norm_ratio x the others', whose mean cosine to the outer momentum stands
     # suspect_alignment_gap from the live learners' median, or whose reported training loss stands
-    # above the others' by suspect_loss_excess x the run's first loss (0: that rule off).
+    # above the others' by suspect_loss_excess x the run's first loss (0: that rule off). A named
+    # learner stays named until its figures fall below pusher_watch.RELEASE (3/4) of each bar.
     suspect_norm_ratio: float = 2.0
     suspect_alignment_gap: float = 0.35
-    suspect_loss_excess: float = 1.0
+    suspect_loss_excess: float = 0.75
     # Refuse a named learner's pushes (its rows left to train) until it no longer looks hostile or
     # broken: still watched while refused, so an honest learner named by mistake comes back. On:
     # only named, a learner climbing the loss took eval 2.18 to 35-60 (benchmarks/hostile_learner.py).

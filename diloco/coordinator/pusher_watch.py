@@ -45,10 +45,18 @@ SUSPECT_GAP = 0.35  # its mean cosine to the momentum this far from the live lea
 # a hostile one can lie, and is left to the rules above): the median of its last pushes' losses
 # stands above the other learners' median by this share of the run's first round's loss (the
 # scale a loss moves on: a ratio of two losses near 0, as a classifier's end, says nothing). An
-# honest learner 3× slower than the others came to 0.34 (its first pushes' losses are from steps
-# the others took long before); the climber to 1.2 at its first push (results/hostile_learner*).
-SUSPECT_LOSS = 1.0
+# honest learner 3× slower than the others came to 0.37, the digits CNN to 0.47 (its loss falls
+# from 2.3 to 0.1 within a few pushes), a learner climbing the loss to 0.80-0.91 at its third push,
+# and more with every push it climbs (results/pusher_watch_release.json, hostile_learner*.json).
+SUSPECT_LOSS = 0.75
 MIN_LOSSES = 3  # a push's loss is a mean over its inner steps: a few tell a learner apart
+# A named learner is judged against this share of each bar until it no longer looks hostile or
+# broken: a learner whose figure stands near a bar is not named and un-named push by push, its
+# pushes merged between. Measured: a climber first named at a loss excess of 1.01-1.10 (the bar then
+# 1.0) was un-named with 2-3 of its pushes merged after in two runs of four; in CI one such run
+# ended at 3.03, near the unigram baseline. Honest learners' highest figures stand below 3/4 of
+# every bar (above), so one named by mistake still comes back.
+RELEASE = 0.75
 # The cosine's sample (alignment): tensors up to SAMPLE_ALL entries whole, larger ones in
 # SAMPLE_BLOCKS blocks that together hold 1/SAMPLE_SHARE of them.
 SAMPLE_ALL = 1 << 16
@@ -246,24 +254,27 @@ def judge(
     `gap_bar` from the median of the live learners' (at least MIN_JUDGED of them); or the median
     training loss its last pushes reported stands above the other live learners' median by more
     than `loss_bar` × `loss_scale` (the run's first round's loss; one other learner is enough: the
-    higher loss is the worse one). A bar of 0 turns its rule off."""
+    higher loss is the worse one). A bar of 0 turns its rule off; a learner already named is
+    judged against RELEASE × each bar (it stays named until it clearly no longer stands out)."""
     live = {w: watch for w, watch in watches.items() if now - watch.last_at <= live_within_s}
     gaps = _direction_gaps(live)
     losses = {w: m for w, watch in live.items() if (m := watch.loss_median()) is not None}
     out: dict[str, Judgement] = {}
     for worker, watch in live.items():
         reasons = []
+        share = RELEASE if watch.suspect else 1.0
+        ratio_at, gap_at, loss_at = ratio_bar * share, gap_bar * share, loss_bar * share
         excess, why = _loss_excess(worker, losses, loss_scale)
-        if loss_bar > 0 and excess is not None and excess > loss_bar:
-            reasons.append(f"{why} (above {loss_bar:g})")
+        if loss_at > 0 and excess is not None and excess > loss_at:
+            reasons.append(f"{why} (above {loss_at:g})")
         ratio = watch.ratio_median()
-        if ratio_bar > 0 and ratio is not None and ratio[0] > ratio_bar:
+        if ratio_at > 0 and ratio is not None and ratio[0] > ratio_at:
             reasons.append(
                 f"the median norm of its last {ratio[1]} deltas is {ratio[0]:.1f}× the other "
-                f"workers' (above {ratio_bar:g}×)"
+                f"workers' (above {ratio_at:g}×)"
             )
         gap = gaps.get(worker)
-        if gap is not None and gap_bar > 0 and abs(gap[0]) > gap_bar:
+        if gap is not None and gap_at > 0 and abs(gap[0]) > gap_at:
             _, fragment, mean, reference, judged = gap
             momentum = "the fragments'" if fragment == ALL else f"fragment {fragment}'s"
             reasons.append(

@@ -32,6 +32,7 @@ BASE = (
     "data.eval_fraction=0.1",
 )  # fmt: skip
 NAMED = re.compile(r"learner (\S+) looks hostile or broken: (.*)")
+UNNAMED = re.compile(r"learner (\S+) no longer looks hostile or broken")
 ASCENT_ID = re.compile(r"ascent learner (\S+) joined")
 
 
@@ -111,7 +112,8 @@ def _ascent_id(log: Path) -> str:
 
 def _outcome(workdir: Path, ascent_ids: list[str]) -> dict[str, Any]:
     """From the run's ledger and coordinator log: each learner's pushes (merged, refused while
-    named, before its first naming), who was named and why, the audit, the held-out loss."""
+    named, before its first naming), who was named and why (and how often un-named), the audit,
+    the held-out loss."""
     from diloco.results import evaluate_loaded, load_model
 
     with sqlite3.connect(f"file:{ledger_path(workdir)}?mode=ro", uri=True) as db:
@@ -139,6 +141,9 @@ def _outcome(workdir: Path, ascent_ids: list[str]) -> dict[str, Any]:
             mine["other_dropped"] += 1
     for worker, n in first_refused.items():
         learners[worker]["pushes_before_refused"] = n
+    for worker in UNNAMED.findall(coordinator_log):  # named, then judged to look like the others
+        if worker in learners:
+            learners[worker]["unnamed"] = learners[worker].get("unnamed", 0) + 1
     report = audit(workdir)
     evaluated = evaluate_loaded(load_model(workdir, None), None, None)
     return {

@@ -37,5 +37,6 @@ def test_a_learner_climbing_the_loss_is_named_and_refused_and_the_run_still_lear
     assert got["audit_ok"], got["audit_violations"]
     assert got["tokens_merged"] >= spec.tokens
     # Learned: honest learners alone end near 2.2 nats, the unigram baseline is 3.07; a climber
-    # that is only named ends the run at 35-60.
-    assert got["eval_loss"] < got["baseline_loss"] - 0.5, got
+    # that is only named ends the run at 35-60 (and one un-named again and again, its pushes merged
+    # between, ended one CI run at 3.03: pusher_watch.RELEASE).
+    assert got["eval_loss"] < got["baseline_loss"] - 0.5, (got["eval_loss"], mine, got)
