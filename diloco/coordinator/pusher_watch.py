@@ -335,15 +335,18 @@ def restored(
     gap_bar: float = SUSPECT_GAP,
     loss_bar: float = SUSPECT_LOSS,
     loss_scale: float | None = None,
+    named: Collection[str] = (),
 ) -> dict[str, PusherWatch]:
     """Each learner's watch as its last pushes left it ((when, norm ratio, alignment, fragment,
-    loss) each, oldest first: the ledger's), judged at `now`: a coordinator's restart neither forgets a learner it
-    named nor gives it MIN_WATCHED more pushes before it is named again."""
+    loss) each, oldest first: the ledger's), judged at `now`: a coordinator's restart neither
+    forgets a learner it named nor gives it MIN_WATCHED more pushes before it is named again.
+    Those `named` when it stopped are judged as named (against RELEASE × each bar)."""
     watches: dict[str, PusherWatch] = {}
     for worker, pushes in history.items():
         watch = watches[worker] = PusherWatch()
         for at, ratio, alignment, fragment, loss in pushes:
             watch.add(at, ratio, alignment, fragment, loss)
+        watch.suspect = "named before the coordinator's restart" if worker in named else ""
     judged = judge(watches, now, live_within_s, ratio_bar, gap_bar, loss_bar, loss_scale)
     for worker, judgement in judged.items():
         watches[worker].take(judgement)

@@ -122,8 +122,9 @@ class ServiceBase:
         # measured on the scale of the run's first round's (set by the first merge with a loss).
         self.loss_scale: float | None = ledger.first_loss()
         self.pusher_watch: dict[str, PusherWatch] = pusher_watch.restored(
-            ledger.recent_watched(pusher_watch.WATCH_PUSHES), self.clock(), *self.watch_bars()
-        )
+            ledger.recent_watched(pusher_watch.WATCH_PUSHES), self.clock(), *self.watch_bars(),
+            named=ledger.last_refused_as(pusher_watch.SUSPECT_REFUSAL),
+        )  # fmt: skip
         for worker_id in pusher_watch.named(self.pusher_watch):
             log.warning("learner %s still looks hostile or broken", loggable(worker_id))
         self.sync_time_s = 0.0  # EMA of merge duration

@@ -100,3 +100,18 @@ def test_a_merged_push_gives_back_its_norm_and_deviation_and_an_older_one_its_no
         assert ledger.recent_norms(0, 16, min_steps=6) == []  # shorter than H: not in the history
     finally:
         ledger.close()
+
+
+def test_the_learners_whose_last_push_was_refused_as_named_are_known_after_a_restart(ledger, clock) -> None:
+    with_train_shard(ledger)
+    for worker in ("named", "back", "fine", "gone"):
+        ledger.join(worker, "compute", "h")
+    prefix = "its learner looks hostile"
+    for i, (worker, reason) in enumerate(
+        [("named", "x"), ("named", prefix + ": y"), ("back", prefix + ": y"), ("back", "other"),
+         ("fine", "too stale"), ("gone", prefix + ": z")]
+    ):  # fmt: skip
+        clock.advance(1.0)
+        ledger.record_push(f"p{i}", worker, 0, 0, 5, TOKENS_PER_ROW, [], [], state="dropped", reason=reason)
+    ledger.leave("gone")
+    assert ledger.last_refused_as(prefix) == {"named"}

@@ -257,6 +257,18 @@ def test_a_named_learner_stays_named_until_it_falls_below_the_release_share_of_t
     assert judged(norms) == {}
 
 
+def test_a_learner_named_when_the_coordinator_stopped_is_restored_named_against_the_release_share() -> None:
+    # Its loss excess between the release share and the bar: a restart that judged it afresh
+    # would un-name it, and merge its pushes until it climbed past the bar again.
+    between = 1.0 + SUSPECT_LOSS * (RELEASE + 1) / 2
+    history = {w: [(90.0, None, None, 0, loss)] * WATCH_PUSHES for w, loss in (("a", 1.0), ("b", between))}
+    assert not any(w.suspect for w in restored(history, 100.0, 60.0, loss_scale=1.0).values())
+    again = restored(history, 100.0, 60.0, loss_scale=1.0, named={"b"})
+    assert not again["a"].suspect and "above %g" % (SUSPECT_LOSS * RELEASE) in again["b"].suspect
+    # Named, but gone quiet: not judged, it stays named until its next push is.
+    assert restored(history, 1000.0, 60.0, loss_scale=1.0, named={"b"})["b"].suspect
+
+
 def test_each_bar_is_the_config_s_and_a_bar_of_zero_turns_its_rule_off() -> None:
     # One learner too large, another pointing the other way: each named by its own rule only.
     watches = {
