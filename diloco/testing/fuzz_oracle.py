@@ -13,7 +13,8 @@ down). The rules, each one line of the README's security section:
 - a delta's norm is at most 10x the fragment's parameter norm per H steps credited, and steps are
   credited only as far as the rows reach: so a norm above 10x the parameter norm times every
   train row's steps over H is refused whatever it claims;
-- a shard's corruption report is taken only from the learner that leased the train shard last;
+- a shard's corruption report is taken only from the learner that leased the train shard last,
+  MAX_SHARD_REPORTS of its reports an hour at most;
 - a chunk's completion only from the data worker that leased that attempt, for the file the lease
   named (the fuzzer's own record of its LeaseChunk replies).
 """
@@ -25,6 +26,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from diloco.coordinator.lease_claims import MAX_SHARD_REPORTS
 
 MAX_DELTA_TO_PARAMS = 10.0  # README: 10x the fragment's parameter norm per H steps
 
@@ -83,6 +86,11 @@ class Facts:
             "WHERE p.state = 'merged' AND q.state = 'merged' LIMIT 1"
         )
         return tuple(twice[0]) if twice else None
+
+    def reports_taken(self, worker: str) -> int:
+        """How many of `worker`'s corruption reports were taken (lease_claims.MAX_SHARD_REPORTS
+        an hour at most)."""
+        return int(self.q("SELECT COUNT(*) FROM shard_reports WHERE worker_id = ?", (worker,))[0][0])
 
     def shard(self, sid: int) -> Any:
         rows = self.q("SELECT id, rows, tokens, split, state, holder FROM shards WHERE id = ?", (sid,))
@@ -201,6 +209,12 @@ def report_verdict(facts: Facts, worker: str, sid: int) -> tuple[Verdict, str]:
         return Verdict.REFUSE, f"a {shard['state']} shard"
     if not facts.ever_leased(sid, worker) or facts.last_holder(sid) != worker:
         return Verdict.REFUSE, "a shard the reporter did not lease last"
+    # A fuzz run is far shorter than the window: every report taken counts.
+    if facts.reports_taken(worker) >= MAX_SHARD_REPORTS:
+        return (
+            Verdict.REFUSE,
+            f"more than {MAX_SHARD_REPORTS} corrupt reports by one learner within the window",
+        )
     return Verdict.HONEST, "its last holder's report"
 
 
