@@ -7,7 +7,8 @@ what each defence saves, side by side and paired by seed.
 Arms (each once per seed, one after the other): `honest` (the two honest learners alone: the
 reference), `named` (the climber beside them, sync.refuse_suspects off: the pusher watch only names
 it, the center clip bounds each push), `refuse` (its pushes refused while named: the default),
-`bare` (no center clip, nothing refused). The climber is user code through diloco.connect
+`bare` (no center clip, nothing refused), `liar` (as `refuse`, the climber reporting the lowest
+loss it has seen: the loss rule sees nothing, the norm and direction rules are left). The climber is user code through diloco.connect
 with a valid identity: finite deltas of about the honest ones' size, pointing up the loss.
 benchmarks/outer_sim.py's hostile learner pushes its delta reversed instead; this one is what a
 flipped sign in a real learner does to a real run. Printed per arm: held-out loss (mean, spread,
@@ -36,6 +37,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "named": {"overrides": ("sync.refuse_suspects=false",)},
     "refuse": {"overrides": ("sync.refuse_suspects=true",)},
     "bare": {"overrides": ("sync.refuse_suspects=false", "sync.center_clip=0")},
+    "liar": {"overrides": ("sync.refuse_suspects=true",), "lie": True},
 }
 
 
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             for arm in arms:
                 spec = HostileRun(
                     ascent=ARMS[arm].get("ascent", 1),
+                    lie=ARMS[arm].get("lie", False),
                     lr_scale=args.lr_scale,
                     tokens=args.tokens,
                     seed=seed,

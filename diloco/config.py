@@ -196,7 +196,7 @@ class SyncConfig:
     # stands above suspect_norm_ratio x the others', whose mean cosine to the outer momentum stands
     # suspect_alignment_gap from the live learners' median, or whose reported training loss stands
     # above the others' by suspect_loss_excess x the run's first loss (0: that rule off). A named
-    # learner stays named until its figures fall below pusher_watch.RELEASE (3/4) of each bar.
+    # learner is judged on its pushes since (6 at least), against pusher_watch.RELEASE (3/4) of each bar.
     suspect_norm_ratio: float = 2.0
     suspect_alignment_gap: float = 0.35
     suspect_loss_excess: float = 0.75

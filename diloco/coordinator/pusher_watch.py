@@ -78,25 +78,30 @@ WATCH_FIGURES = (
 @dataclass
 class FragmentFigures:
     """A learner's last pushes (of every fragment, or of one): each one's norm ratio (over every
-    fragment only) and alignment."""
+    fragment only) and alignment, with the number of the learner's push it came with."""
 
-    ratios: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES))
-    alignments: collections.deque[float] = field(
+    ratios: collections.deque[tuple[int, float]] = field(
         default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES)
     )
-    # Kept as pushes come (None until MIN_WATCHED): every push judges every live learner.
-    median: float | None = None
-    mean: float | None = None
+    alignments: collections.deque[tuple[int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES)
+    )
 
-    def add(self, ratio: float | None, alignment: float | None) -> None:
+    def add(self, push: int, ratio: float | None, alignment: float | None) -> None:
         if ratio is not None and math.isfinite(ratio):
-            self.ratios.append(ratio)
-            if len(self.ratios) >= MIN_WATCHED:
-                self.median = statistics.median(self.ratios)
+            self.ratios.append((push, ratio))
         if alignment is not None and math.isfinite(alignment):
-            self.alignments.append(alignment)
-            if len(self.alignments) >= MIN_WATCHED:
-                self.mean = statistics.fmean(self.alignments)
+            self.alignments.append((push, alignment))
+
+    def median(self, after: int = 0) -> tuple[float, int] | None:
+        """The median norm ratio of its pushes numbered above `after` and how many (None: fewer
+        than MIN_WATCHED)."""
+        kept = [x for n, x in self.ratios if n > after]
+        return (statistics.median(kept), len(kept)) if len(kept) >= MIN_WATCHED else None
+
+    def mean(self, after: int = 0) -> float | None:
+        kept = [x for n, x in self.alignments if n > after]
+        return statistics.fmean(kept) if len(kept) >= MIN_WATCHED else None
 
 
 @dataclass
@@ -112,9 +117,15 @@ class PusherWatch:
     fragments: dict[int, FragmentFigures] = field(default_factory=dict)
     # The training loss each of its last pushes reported (finite ones), over every fragment: each
     # push reports the learner's mean loss over its inner steps.
-    losses: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES))
+    losses: collections.deque[tuple[int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=WATCH_PUSHES)
+    )
     last_at: float = 0.0  # when it last pushed (the service's clock)
     suspect: str = ""  # the reason last decided ("": none); the service logs when it comes and goes
+    pushes: int = 0  # how many it made (numbering each push's figures)
+    # Named, the number of its last push before: it is judged on its pushes after that one only
+    # (judged_after), and stays named until MIN_WATCHED of them can judge it again.
+    named_after: int | None = None
     # The nearest the learner came to each bar in this coordinator's life: how much room an
     # honest one leaves.
     highest_ratio: float | None = None
@@ -131,14 +142,15 @@ class PusherWatch:
         loss: float | None = None,
     ) -> None:
         self.last_at = now
+        self.pushes += 1
         if loss is not None and math.isfinite(loss):
-            self.losses.append(loss)
+            self.losses.append((self.pushes, loss))
         # Norms are judged over all its pushes only (ratio_median): a fragment keeps directions.
-        self.fragments.setdefault(ALL, FragmentFigures()).add(ratio, alignment)
-        self.fragments.setdefault(fragment, FragmentFigures()).add(None, alignment)
-        median = self.fragments[ALL].median
+        self.fragments.setdefault(ALL, FragmentFigures()).add(self.pushes, ratio, alignment)
+        self.fragments.setdefault(fragment, FragmentFigures()).add(self.pushes, None, alignment)
+        median = self.ratio_median()
         if median is not None and ratio is not None:
-            self.highest_ratio = max(self.highest_ratio or 0.0, median)
+            self.highest_ratio = max(self.highest_ratio or 0.0, median[0])
 
     def take(self, judgement: Judgement) -> bool:
         """A judgement of this learner: its reason kept, its gap in the largest so far. True when
@@ -149,23 +161,45 @@ class PusherWatch:
         if judgement.loss_excess is not None:
             self.highest_loss_excess = max(self.highest_loss_excess or 0.0, judgement.loss_excess)
         changed = bool(judgement.reason) != bool(self.suspect)
+        if judgement.reason and not self.suspect:
+            self.named_after = self.pushes
+        elif not judgement.reason:
+            self.named_after = None
         self.suspect = judgement.reason
         return changed
 
-    def ratio_median(self) -> tuple[float, int] | None:
-        """The median norm ratio of its last pushes, over every fragment: (median, pushes). Norms
-        are not judged fragment by fragment: measured, an honest digits CNN learner's smaller
-        fragment stood at 2.19× the others' (results/pusher_watch_loss_honest.json), while over
-        all its pushes honest learners came to 1.35 at most."""
+    def judged_after(self) -> int:
+        """The pushes it is judged on are those numbered above this: all its last ones, or, named,
+        those since. Its pushes merged before took the outer momentum its way, so against that
+        momentum a mix of its old and new deltas looks ordinary. Measured: a learner climbing the
+        loss while reporting a low one, named by one fragment's direction (cosine +0.86 against
+        the others' +0.50) and refused, pushed deltas of cosine -0.1 to +0.3 to the momentum the
+        honest learners then drove; over its last 16 pushes, old and new, it stood within the
+        release bar after 6 refused pushes, was un-named, and 9 more of its pushes took the
+        held-out loss from 2.3 to 14 (benchmarks/hostile_learner.py --arms liar, seed 3). Its new
+        pushes alone still stood apart (mean cosine 0.1 against the others' 0.45)."""
+        return self.named_after or 0
+
+    def unjudged_since_named(self) -> bool:
+        """Named, with too few pushes since to judge it again."""
+        return self.named_after is not None and self.pushes - self.named_after < MIN_WATCHED
+
+    def ratio_median(self, after: int = 0) -> tuple[float, int] | None:
+        """The median norm ratio of its last pushes (numbered above `after`), over every fragment:
+        (median, pushes). Norms are not judged fragment by fragment: measured, an honest digits
+        CNN learner's smaller fragment stood at 2.19× the others'
+        (results/pusher_watch_loss_honest.json), while over all its pushes honest learners came
+        to 1.35 at most."""
         figures = self.fragments.get(ALL)
-        return (figures.median, len(figures.ratios)) if figures and figures.median is not None else None
+        return figures.median(after) if figures is not None else None
 
-    def loss_median(self) -> float | None:
-        return statistics.median(self.losses) if len(self.losses) >= MIN_LOSSES else None
+    def loss_median(self, after: int = 0) -> float | None:
+        kept = [x for n, x in self.losses if n > after]
+        return statistics.median(kept) if len(kept) >= MIN_LOSSES else None
 
-    def alignment_mean(self, fragment: int) -> float | None:
+    def alignment_mean(self, fragment: int, after: int = 0) -> float | None:
         figures = self.fragments.get(fragment)
-        return figures.mean if figures is not None else None
+        return figures.mean(after) if figures is not None else None
 
     def figures(self) -> dict[str, float | None]:
         """For status: the median norm ratio and the mean alignment of its last pushes (None
@@ -254,11 +288,12 @@ def judge(
     `gap_bar` from the median of the live learners' (at least MIN_JUDGED of them); or the median
     training loss its last pushes reported stands above the other live learners' median by more
     than `loss_bar` × `loss_scale` (the run's first round's loss; one other learner is enough: the
-    higher loss is the worse one). A bar of 0 turns its rule off; a learner already named is
-    judged against RELEASE × each bar (it stays named until it clearly no longer stands out)."""
+    higher loss is the worse one). A bar of 0 turns its rule off. A learner already named is
+    judged on its pushes since (PusherWatch.judged_after) against RELEASE × each bar, and stays
+    named until it has MIN_WATCHED of them."""
     live = {w: watch for w, watch in watches.items() if now - watch.last_at <= live_within_s}
     gaps = _direction_gaps(live)
-    losses = {w: m for w, watch in live.items() if (m := watch.loss_median()) is not None}
+    losses = {w: m for w, watch in live.items() if (m := watch.loss_median(watch.judged_after())) is not None}
     out: dict[str, Judgement] = {}
     for worker, watch in live.items():
         reasons = []
@@ -267,7 +302,7 @@ def judge(
         excess, why = _loss_excess(worker, losses, loss_scale)
         if loss_at > 0 and excess is not None and excess > loss_at:
             reasons.append(f"{why} (above {loss_at:g})")
-        ratio = watch.ratio_median()
+        ratio = watch.ratio_median(watch.judged_after())
         if ratio_at > 0 and ratio is not None and ratio[0] > ratio_at:
             reasons.append(
                 f"the median norm of its last {ratio[1]} deltas is {ratio[0]:.1f}× the other "
@@ -281,6 +316,8 @@ def judge(
                 f"its last deltas' mean cosine to {momentum} outer momentum is {mean:+.2f}, "
                 f"the {judged} live learners' median {reference:+.2f}: it does not go their way"
             )
+        if not reasons and watch.suspect and watch.unjudged_since_named():
+            reasons = [watch.suspect]  # too few pushes since it was named to judge it again
         out[worker] = Judgement("; ".join(reasons), gap[0] if gap is not None else None, excess)
     return out
 
@@ -291,7 +328,11 @@ def _direction_gaps(live: Mapping[str, PusherWatch]) -> dict[str, tuple[float, i
     median, how many learners), where MIN_JUDGED or more have one."""
     gaps: dict[str, tuple[float, int, float, float, int]] = {}
     for fragment in sorted({p for watch in live.values() for p in watch.fragments}):
-        means = {w: m for w, watch in live.items() if (m := watch.alignment_mean(fragment)) is not None}
+        means = {
+            w: m
+            for w, watch in live.items()
+            if (m := watch.alignment_mean(fragment, watch.judged_after())) is not None
+        }
         if len(means) < MIN_JUDGED:
             continue
         reference = statistics.median(means.values())
@@ -335,18 +376,23 @@ def restored(
     gap_bar: float = SUSPECT_GAP,
     loss_bar: float = SUSPECT_LOSS,
     loss_scale: float | None = None,
-    named: Collection[str] = (),
+    named: Mapping[str, str] | None = None,
 ) -> dict[str, PusherWatch]:
     """Each learner's watch as its last pushes left it ((when, norm ratio, alignment, fragment,
     loss) each, oldest first: the ledger's), judged at `now`: a coordinator's restart neither
     forgets a learner it named nor gives it MIN_WATCHED more pushes before it is named again.
-    Those `named` when it stopped are judged as named (against RELEASE × each bar)."""
+    Those `named` when it stopped (with the reason their last push was refused for) stay named,
+    judged on their pushes from now on (the ledger does not tell its pushes since it was named
+    from those before)."""
+    named = named or {}
     watches: dict[str, PusherWatch] = {}
     for worker, pushes in history.items():
         watch = watches[worker] = PusherWatch()
         for at, ratio, alignment, fragment, loss in pushes:
             watch.add(at, ratio, alignment, fragment, loss)
-        watch.suspect = "named before the coordinator's restart" if worker in named else ""
+        if worker in named:
+            why = named[worker].removeprefix(SUSPECT_REFUSAL).lstrip(": ")
+            watch.named_after, watch.suspect = watch.pushes, why or "named before the restart"
     judged = judge(watches, now, live_within_s, ratio_bar, gap_bar, loss_bar, loss_scale)
     for worker, judgement in judged.items():
         watches[worker].take(judgement)

@@ -41,6 +41,7 @@ class HostileRun:
     honest: int = 2  # honest learners
     ascent: int = 1  # learners climbing the loss (0: the honest reference)
     lr_scale: float = 1.0  # the climbers' learning rate over the run's
+    lie: bool = False  # the climbers report the lowest loss they have seen (ascent_learner --lie)
     tokens: int = 700_000  # the run's merged-token budget
     seed: int = 1  # train.seed: the model's init
     overrides: tuple[str, ...] = ()  # section.key=value, after BASE
@@ -71,7 +72,7 @@ def run(workdir: Path, dataset: Path, spec: HostileRun) -> dict[str, Any]:
                 climbers.append(
                     subprocess.Popen(
                         [sys.executable, "-m", "diloco.testing.ascent_learner", "--coordinator", address,
-                         "--lr-scale", str(spec.lr_scale), "--step-delay", "0.1"],
+                         "--lr-scale", str(spec.lr_scale), "--step-delay", "0.1", *(["--lie"] if spec.lie else [])],
                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
                     )

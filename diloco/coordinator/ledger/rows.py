@@ -142,15 +142,15 @@ class PushesTable(ClaimsTable):
         value = self._one("SELECT mean_loss FROM rounds WHERE mean_loss > 0 ORDER BY closed LIMIT 1")
         return float(value) if value is not None else None
 
-    def last_refused_as(self, prefix: str) -> set[str]:
+    def last_refused_as(self, prefix: str) -> dict[str, str]:
         """The joined learners whose last push was refused with a reason starting `prefix` (the
-        pusher watch's refusal: named when the coordinator stopped)."""
+        pusher watch's refusal: named when the coordinator stopped), each with that reason."""
         rows = self._q(
             "SELECT p.worker_id, p.reason FROM pushes p JOIN workers w ON w.id = p.worker_id "
             "WHERE w.role = 'compute' AND w.state = 'active' AND p.received = "
             "(SELECT MAX(received) FROM pushes WHERE worker_id = p.worker_id)"
         )
-        return {str(r[0]) for r in rows if (r[1] or "").startswith(prefix)}
+        return {str(r[0]): str(r[1]) for r in rows if (r[1] or "").startswith(prefix)}
 
     def recent_watched(
         self, limit: int

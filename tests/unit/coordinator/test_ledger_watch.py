@@ -114,4 +114,4 @@ def test_the_learners_whose_last_push_was_refused_as_named_are_known_after_a_res
         clock.advance(1.0)
         ledger.record_push(f"p{i}", worker, 0, 0, 5, TOKENS_PER_ROW, [], [], state="dropped", reason=reason)
     ledger.leave("gone")
-    assert ledger.last_refused_as(prefix) == {"named"}
+    assert ledger.last_refused_as(prefix) == {"named": prefix + ": y"}

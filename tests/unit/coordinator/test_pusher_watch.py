@@ -227,46 +227,64 @@ def test_a_judgement_taken_says_when_a_learner_comes_to_look_suspect_and_when_it
     assert watch.take(Judgement("", None)) and watch.suspect == ""
 
 
-def test_a_named_learner_stays_named_until_it_falls_below_the_release_share_of_the_bar() -> None:
+def test_a_named_learner_is_judged_on_its_pushes_since_against_the_release_share_of_the_bar() -> None:
     # Measured: a climber first named just over the loss bar was un-named and named push by push,
-    # its pushes merged between (in CI one such run ended near the unigram baseline). Once named,
-    # a learner is judged against RELEASE x each bar; an honest one named by mistake comes back.
+    # its pushes merged between (in CI one such run ended near the unigram baseline); a liar named
+    # by its direction looked ordinary again over a mix of its pushes before and after (its old
+    # ones had taken the momentum its way). Once named, a learner stays named for MIN_WATCHED
+    # pushes, then is judged on its pushes since against RELEASE x each bar; an honest one named by
+    # mistake comes back. Status keeps showing the figures of all its last pushes.
     def judged(watches: dict[str, PusherWatch]) -> dict[str, str]:
         got = judge(watches, now=100.0, live_within_s=60.0, loss_scale=1.0)
         for worker, judgement in got.items():
             watches[worker].take(judgement)
         return {w: j.reason for w, j in got.items() if j.reason}
 
+    def push(watch: PusherWatch, times: int, ratio: float = 1.0, loss: float | None = None) -> None:
+        for _ in range(times):
+            watch.add(100.0, ratio, 0.6, 0, loss)
+
     between = (RELEASE + 1) / 2  # below the bar, above its release share
     losses = {"a": losing(1.0), "b": losing(1.0 + SUSPECT_LOSS * between)}
     assert judged(losses) == {}  # never named: the bar itself
     losses["b"] = losing(1.0 + SUSPECT_LOSS * 1.05)
-    assert set(judged(losses)) == {"b"}
-    losses["b"].losses.extend([1.0 + SUSPECT_LOSS * between] * WATCH_PUSHES)
-    assert "above %g" % (SUSPECT_LOSS * RELEASE) in judged(losses)["b"]  # still named
-    losses["b"].losses.extend([1.0 + SUSPECT_LOSS * RELEASE * 0.9] * WATCH_PUSHES)
+    reason = judged(losses)["b"]
+    push(losses["b"], MIN_WATCHED - 1, loss=1.0)  # looking fine, but too few pushes to tell
+    assert judged(losses) == {"b": reason}
+    assert losses["b"].figures()["loss_excess"] == 0.0  # its pushes since, as judged
+    push(losses["b"], 1, loss=1.0)
+    assert judged(losses) == {} and not losses["b"].suspect  # its 6 since look like the others'
+    losses["b"] = losing(1.0 + SUSPECT_LOSS * 1.05)
+    judged(losses)
+    push(losses["b"], MIN_WATCHED, loss=1.0 + SUSPECT_LOSS * between)
+    assert "above %g" % (SUSPECT_LOSS * RELEASE) in judged(losses)["b"]  # still named, judged again
+    push(losses["b"], WATCH_PUSHES, loss=1.0 + SUSPECT_LOSS * RELEASE * 0.9)
     assert judged(losses) == {} and not losses["b"].suspect  # back
-    # The same for norms (and directions): between the release share and the bar, named stays named.
+    # Norms (and directions) alike; status shows the median of all its last pushes meanwhile.
     norms = {"a": watched(1.0, 0.6), "b": watched(1.0, 0.6), "big": watched(SUSPECT_RATIO * 1.1, 0.6)}
     assert set(judged(norms)) == {"big"}
-    for _ in range(WATCH_PUSHES):
-        norms["big"].add(100.0, SUSPECT_RATIO * between, 0.6)
+    push(norms["big"], MIN_WATCHED, ratio=SUSPECT_RATIO * between)
     assert set(judged(norms)) == {"big"}
-    for _ in range(WATCH_PUSHES):
-        norms["big"].add(100.0, SUSPECT_RATIO * RELEASE * 0.9, 0.6)
+    assert norms["big"].figures()["delta_norm_ratio"] == pytest.approx(SUSPECT_RATIO * 1.1)
+    push(norms["big"], WATCH_PUSHES, ratio=SUSPECT_RATIO * RELEASE * 0.9)
     assert judged(norms) == {}
 
 
-def test_a_learner_named_when_the_coordinator_stopped_is_restored_named_against_the_release_share() -> None:
-    # Its loss excess between the release share and the bar: a restart that judged it afresh
-    # would un-name it, and merge its pushes until it climbed past the bar again.
+def test_a_learner_named_when_the_coordinator_stopped_stays_named_and_is_judged_on_its_next_pushes() -> None:
+    # Its loss excess between the release share and the bar: a restart that judged it afresh at
+    # the bar would un-name it, and merge its pushes until it climbed past the bar again.
     between = 1.0 + SUSPECT_LOSS * (RELEASE + 1) / 2
     history = {w: [(90.0, None, None, 0, loss)] * WATCH_PUSHES for w, loss in (("a", 1.0), ("b", between))}
     assert not any(w.suspect for w in restored(history, 100.0, 60.0, loss_scale=1.0).values())
-    again = restored(history, 100.0, 60.0, loss_scale=1.0, named={"b"})
-    assert not again["a"].suspect and "above %g" % (SUSPECT_LOSS * RELEASE) in again["b"].suspect
+    refusal = "its learner looks hostile or broken (sync.refuse_suspects): its training loss ..."
+    again = restored(history, 100.0, 60.0, loss_scale=1.0, named={"b": refusal})
+    assert not again["a"].suspect and again["b"].suspect == "its training loss ..."
+    for _ in range(MIN_WATCHED):
+        again["b"].add(100.0, None, None, 0, between)
+    got = judge(again, 100.0, 60.0, loss_scale=1.0)
+    assert "above %g" % (SUSPECT_LOSS * RELEASE) in got["b"].reason
     # Named, but gone quiet: not judged, it stays named until its next push is.
-    assert restored(history, 1000.0, 60.0, loss_scale=1.0, named={"b"})["b"].suspect
+    assert restored(history, 1000.0, 60.0, loss_scale=1.0, named={"b": refusal})["b"].suspect
 
 
 def test_each_bar_is_the_config_s_and_a_bar_of_zero_turns_its_rule_off() -> None:
