@@ -130,7 +130,8 @@ def _outcome(workdir: Path, ascent_ids: list[str]) -> dict[str, Any]:
     first_refused: dict[str, int] = {}
     for worker, state, reason, _ in pushes:
         mine = learners.setdefault(
-            worker, {"merged": 0, "merged_after_refused": 0, "refused_named": 0, "other_dropped": 0}
+            worker,
+            {"merged": 0, "merged_after_refused": 0, "refused_named": 0, "other_dropped": 0, "unnamed": 0},
         )
         if state == "merged":
             mine["merged"] += 1
@@ -144,7 +145,7 @@ def _outcome(workdir: Path, ascent_ids: list[str]) -> dict[str, Any]:
         learners[worker]["pushes_before_refused"] = n
     for worker in UNNAMED.findall(coordinator_log):  # named, then judged to look like the others
         if worker in learners:
-            learners[worker]["unnamed"] = learners[worker].get("unnamed", 0) + 1
+            learners[worker]["unnamed"] += 1
     report = audit(workdir)
     evaluated = evaluate_loaded(load_model(workdir, None), None, None)
     return {

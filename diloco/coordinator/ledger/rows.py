@@ -145,10 +145,9 @@ class PushesTable(ClaimsTable):
     def last_refused_as(self, prefix: str) -> dict[str, str]:
         """The joined learners whose last push was refused with a reason starting `prefix` (the
         pusher watch's refusal: named when the coordinator stopped), each with that reason."""
-        rows = self._q(
-            "SELECT p.worker_id, p.reason FROM pushes p JOIN workers w ON w.id = p.worker_id "
-            "WHERE w.role = 'compute' AND w.state = 'active' AND p.received = "
-            "(SELECT MAX(received) FROM pushes WHERE worker_id = p.worker_id)"
+        rows = self._q(  # each learner's last push: one step down pushes_by_worker
+            "SELECT w.id, (SELECT reason FROM pushes WHERE worker_id = w.id ORDER BY received DESC "
+            "LIMIT 1) FROM workers w WHERE w.role = 'compute' AND w.state = 'active'"
         )
         return {str(r[0]): str(r[1]) for r in rows if (r[1] or "").startswith(prefix)}
 

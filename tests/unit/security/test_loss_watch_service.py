@@ -11,12 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.client import CoordinatorClient
 from diloco.coordinator.pusher_watch import SUSPECT_REFUSAL
-from diloco.v1 import coordinator_pb2 as pb
-from tests.support import start_coordinator_here, tiny_coordinator
+from tests.support import tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
-from tests.unit.security.test_pusher_watch_service import OVERRIDES, all_merged, joined, samples
+from tests.unit.security.test_pusher_watch_service import OVERRIDES, all_merged, joined, restarted, samples
 
 ROUNDS = 8
 LOSSES = (3.0, 12.0)  # the honest learner's, the climber's
@@ -69,13 +67,7 @@ def test_a_learner_reporting_a_loss_far_above_the_others_is_named_and_refused_an
                 learner.close()
             config = running.service.config
             running.stop()
-    again = start_coordinator_here(config, str(tmp_path), "127.0.0.1")
-    back = [CoordinatorClient(f"127.0.0.1:{again.port}", pb.ROLE_COMPUTE, worker_id=w) for w in ids]
-    try:
+    with restarted(config, tmp_path, ids) as (again, back):
         assert again.service.loss_scale == scale
         assert list(again.service.status_detail()["suspect_learners"]) == [ids[1]]
         assert push_rounds(again, back, init, shards, range(ROUNDS, ROUNDS + 1)) == [ROUNDS]
-    finally:
-        for learner in back:
-            learner.close()
-        again.stop()

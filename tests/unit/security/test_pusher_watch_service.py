@@ -6,9 +6,12 @@ every learner (quorum 0) no longer waits for it; a restart of the coordinator ke
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,6 +70,20 @@ def joined(running, first: CoordinatorClient, more: int) -> tuple[list[Coordinat
         learner.join()
     learners = [first, *others]
     return learners, [learner.lease_shard().shard_id for learner in learners]
+
+
+@contextlib.contextmanager
+def restarted(config, workdir: Path, ids: list[str]) -> Iterator[tuple[Any, list[CoordinatorClient]]]:
+    """The coordinator started again on `workdir` with `config`, and the learners `ids` connected
+    to it again; both closed after."""
+    again = start_coordinator_here(config, str(workdir), "127.0.0.1")
+    back = [CoordinatorClient(f"127.0.0.1:{again.port}", pb.ROLE_COMPUTE, worker_id=w) for w in ids]
+    try:
+        yield again, back
+    finally:
+        for learner in back:
+            learner.close()
+        again.stop()
 
 
 def samples(running, family_name: str, label: str) -> dict[str, float]:
@@ -136,9 +153,7 @@ def test_a_restarted_coordinator_still_names_and_refuses_the_learner(
                 learner.close()
             config = running.service.config
             running.stop()
-    again = start_coordinator_here(config, str(tmp_path), "127.0.0.1")
-    back = [CoordinatorClient(f"127.0.0.1:{again.port}", pb.ROLE_COMPUTE, worker_id=w) for w in ids]
-    try:
+    with restarted(config, tmp_path, ids) as (again, back):
         detail = again.service.status_detail()
         assert list(detail["suspect_learners"]) == [ids[2]], detail["suspect_learners"]
         shown = {w["worker_id"]: w for w in detail["workers"]}
@@ -146,7 +161,3 @@ def test_a_restarted_coordinator_still_names_and_refuses_the_learner(
             assert shown[w]["delta_alignment"] == before[w]["delta_alignment"]
         # Its very next push is refused; the honest learners' are taken.
         assert push_rounds(again, back, init, shards, range(ROUNDS, ROUNDS + 1)) == [ROUNDS]
-    finally:
-        for learner in back:
-            learner.close()
-        again.stop()
