@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ddp_baseline import build_rows  # noqa: E402
 from diloco.config import parse_assignments  # noqa: E402
-from diloco.coordinator import centered_clip, limits, merging, pusher_watch  # noqa: E402
+from diloco.coordinator import centered_clip, delta_sample, limits, merging, pusher_watch  # noqa: E402
 from diloco.coordinator.service.state import NORM_HISTORY  # noqa: E402
 from diloco.evaluate import eval_loss  # noqa: E402
 from diloco.fragments import assign_fragments  # noqa: E402
@@ -142,7 +142,7 @@ def screened(
     history = (tuple(f.norms), tuple(map(str, f.norm_by)), str(m))
     reference = limits.norm_reference(*history)
     ratio = norm / reference[0] if reference is not None and reference[0] > 0 else None
-    suspect = watched.add(tick, m, ratio, pusher_watch.alignment(delta, f.momentum), args.hostile, fragment)
+    suspect = watched.add(tick, m, ratio, delta_sample.alignment(delta, f.momentum), args.hostile, fragment)
     if suspect and refuse_suspects:
         return None
     if args.norm_rule == "refuse":

@@ -39,7 +39,12 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.loss_replay import replay  # noqa: E402
 from benchmarks.norm_ratios import push_ratios, summary  # noqa: E402
 from diloco.config import RunConfig  # noqa: E402
-from diloco.coordinator.pusher_watch import SUSPECT_GAP, SUSPECT_LOSS, SUSPECT_RATIO  # noqa: E402
+from diloco.coordinator.pusher_watch import (  # noqa: E402
+    SUSPECT_DISAGREEMENT,
+    SUSPECT_GAP,
+    SUSPECT_LOSS,
+    SUSPECT_RATIO,
+)
 
 GPT = ["--set", "train.inner_steps=10"]
 HONEST: dict[str, list[str]] = {
@@ -106,6 +111,9 @@ def honest_run(
         "highest_ratio": max((d.get("delta_norm_ratio_highest") or 0.0 for d in detail), default=0.0),
         "largest_gap": max((d.get("delta_alignment_gap_largest") or 0.0 for d in detail), default=0.0),
         "highest_loss_excess": max((d.get("loss_excess_highest") or 0.0 for d in detail), default=0.0),
+        "largest_disagreement": max(
+            (d.get("delta_disagreement_largest") or 0.0 for d in detail), default=0.0
+        ),
         # The loss rule's figure replayed from the ledger both ways (benchmarks/loss_replay.py).
         "loss_excess_replayed": replay(workdir),
         "alignments": [d.get("delta_alignment") for d in detail],
@@ -154,7 +162,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     clips = [float(c) for c in args.center_clips.split(",")]
     results: dict[str, Any] = {
-        "bars": {"ratio": SUSPECT_RATIO, "gap": SUSPECT_GAP, "loss_excess": SUSPECT_LOSS},
+        "bars": {
+            "ratio": SUSPECT_RATIO,
+            "gap": SUSPECT_GAP,
+            "loss_excess": SUSPECT_LOSS,
+            "disagreement": SUSPECT_DISAGREEMENT,
+        },
         "refuse_suspects": args.refuse_suspects,
         "center_clips": clips,
         "honest": {},
@@ -175,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                 name, flags, Path(tmp) / key.replace("/", "_"), images, args.refuse_suspects, clip
             )
             print(f"honest {key}: eval {got['eval_loss']:.4f}, highest ratio {got['highest_ratio']:.2f}, "
-                  f"largest gap {got['largest_gap']:.3f}, highest loss excess {got['highest_loss_excess']:.3f} (replayed {got['loss_excess_replayed']}), named {list(got['named']) or 'nobody'}, "
+                  f"largest gap {got['largest_gap']:.3f}, largest disagreement {got['largest_disagreement']:.3f}, highest loss excess {got['highest_loss_excess']:.3f} (replayed {got['loss_excess_replayed']}), named {list(got['named']) or 'nobody'}, "
                   f"clipped {got['pushes_center_clipped']}, deviation ratios {got['deviation_ratios']}",
                   flush=True)  # fmt: skip
         for scale in (float(s) for s in args.scales.split(",") if s):
@@ -192,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     if honest:
         print(f"honest maxima: ratio {max(h['highest_ratio'] for h in honest):.2f} (bar {SUSPECT_RATIO:g}), "
               f"gap {max(h['largest_gap'] for h in honest):.3f} (bar {SUSPECT_GAP:g}), "
-              f"loss excess {max(h['highest_loss_excess'] for h in honest):.3f} (bar {SUSPECT_LOSS:g})")  # fmt: skip
+              f"loss excess {max(h['highest_loss_excess'] for h in honest):.3f} (bar {SUSPECT_LOSS:g}), "
+              f"disagreement {max(h['largest_disagreement'] for h in honest):.3f} (bar {SUSPECT_DISAGREEMENT:g})")  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
 

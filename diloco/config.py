@@ -200,6 +200,9 @@ class SyncConfig:
     suspect_norm_ratio: float = 2.0
     suspect_alignment_gap: float = 0.35
     suspect_loss_excess: float = 0.75
+    # ... or whose recent deltas' median cosine to the other learners' own directions stands this
+    # far below their median cosine to one another (coordinator/agreement.py; 0: that rule off).
+    suspect_disagreement: float = 0.7
     # Refuse a named learner's pushes (its rows left to train) until it no longer looks hostile or
     # broken: still watched while refused, so an honest learner named by mistake comes back. On:
     # only named, a learner climbing the loss took eval 2.18 to 35-60 (benchmarks/hostile_learner.py).

@@ -71,6 +71,7 @@ def check_limits(cfg: RunConfig) -> None:
         "sync.suspect_norm_ratio": (s.suspect_norm_ratio, 0, " (0: no learner named by its norm)"),
         "sync.suspect_alignment_gap": (s.suspect_alignment_gap, 0, " (0: none by its direction)"),
         "sync.suspect_loss_excess": (s.suspect_loss_excess, 0, " (0: none by its loss)"),
+        "sync.suspect_disagreement": (s.suspect_disagreement, 0, " (0: none against the others)"),
         "sync.center_clip": (s.center_clip, 0, " (0: no clipping)"),
         "coordinator.stream_chunk_bytes": (c.stream_chunk_bytes, 1, ""),
         "coordinator.max_push_bytes": (c.max_push_bytes, 1, ""),

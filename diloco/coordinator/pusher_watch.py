@@ -15,20 +15,20 @@ pushes more than the others takes the momentum with it, and then the honest lear
 the ones that point against it (measured: benchmarks/outer_sim.py --hostile). What stands out is
 the learner whose cosine is not the others': far from the median of every live learner's (its own
 included, so that with three learners one odd one cannot move it). With fewer than three nothing
-says which is the odd one, and no direction is judged.
+says which is the odd one, and no direction is judged. Nor against the momentum only: each
+learner's direction is also compared with the other learners' own (agreement.py), which a learner
+that took the momentum its way cannot shape.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-import random
 import statistics
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
+from diloco.coordinator.agreement import AGAINST, RESTORED, Agreement, told, verdicts
 
 WATCH_PUSHES = 16  # a learner's last pushes the figures are over (of all fragments, and of each)
 ALL = -1  # the figures over every fragment's pushes together
@@ -50,6 +50,12 @@ SUSPECT_GAP = 0.35  # its mean cosine to the momentum this far from the live lea
 # and more with every push it climbs (results/pusher_watch_release.json, hostile_learner*.json).
 SUSPECT_LOSS = 0.75
 MIN_LOSSES = 3  # a push's loss is a mean over its inner steps: a few tell a learner apart
+# A learner's direction against the other learners' own (agreement.py): its median cosine to theirs
+# this far below their median cosine to one another. Honest learners came to 0.41 at most over 14
+# runs (the configurations above, two seeds each), a 3x slower one to 0.48; a learner climbing the
+# loss and lying about it stood 0.90-1.48 apart at its 2nd or 3rd push, in six runs of six
+# (results/pusher_watch_agreement.json, hostile_learner_agreement.json).
+SUSPECT_DISAGREEMENT = 0.7
 # A named learner is judged against this share of each bar until it no longer looks hostile or
 # broken: a learner whose figure stands near a bar is not named and un-named push by push, its
 # pushes merged between. Measured: a climber first named at a loss excess of 1.01-1.10 (the bar then
@@ -57,11 +63,6 @@ MIN_LOSSES = 3  # a push's loss is a mean over its inner steps: a few tell a lea
 # ended at 3.03, near the unigram baseline. Honest learners' highest figures stand below 3/4 of
 # every bar (above), so one named by mistake still comes back.
 RELEASE = 0.75
-# The cosine's sample (alignment): tensors up to SAMPLE_ALL entries whole, larger ones in
-# SAMPLE_BLOCKS blocks that together hold 1/SAMPLE_SHARE of them.
-SAMPLE_ALL = 1 << 16
-SAMPLE_BLOCKS = 4
-SAMPLE_SHARE = 8
 # How a push is refused while its learner is named (sync.refuse_suspects), before the reason.
 SUSPECT_REFUSAL = "its learner looks hostile or broken (sync.refuse_suspects)"
 # A learner's figures in status (PusherWatch.figures) that a run's summary keeps.
@@ -70,6 +71,7 @@ WATCH_FIGURES = (
     "delta_alignment",
     "delta_norm_ratio_highest",
     "delta_alignment_gap_largest",
+    "delta_disagreement_largest",
     "loss_excess",
     "loss_excess_highest",
 )
@@ -130,6 +132,8 @@ class PusherWatch:
     # honest one leaves.
     highest_ratio: float | None = None
     largest_gap: float | None = None
+    largest_disagreement: float | None = None  # the most it went against the others (agreement.py)
+    against: Mapping[int, str] = field(default_factory=dict)  # its last verdicts there, by fragment
     loss_excess: float | None = None  # as last judged
     highest_loss_excess: float | None = None
 
@@ -157,7 +161,10 @@ class PusherWatch:
         it came to look hostile or broken, or no longer does (its figures move push by push)."""
         if judgement.gap is not None:
             self.largest_gap = max(self.largest_gap or 0.0, abs(judgement.gap))
+        if judgement.agreement_gap is not None:
+            self.largest_disagreement = max(self.largest_disagreement or 0.0, -judgement.agreement_gap)
         self.loss_excess = judgement.loss_excess
+        self.against = judgement.against
         if judgement.loss_excess is not None:
             self.highest_loss_excess = max(self.highest_loss_excess or 0.0, judgement.loss_excess)
         changed = bool(judgement.reason) != bool(self.suspect)
@@ -215,54 +222,10 @@ class PusherWatch:
             "delta_alignment": rounded(self.alignment_mean(ALL)),
             "delta_norm_ratio_highest": rounded(self.highest_ratio),
             "delta_alignment_gap_largest": rounded(self.largest_gap),
+            "delta_disagreement_largest": rounded(self.largest_disagreement),
             "loss_excess": rounded(self.loss_excess),
             "loss_excess_highest": rounded(self.highest_loss_excess),
         }
-
-
-def alignment(
-    delta: Mapping[str, torch.Tensor],
-    momentum: Mapping[str, torch.Tensor],
-    skip: Collection[str] = (),
-    rng: random.Random | None = None,
-) -> float | None:
-    """The cosine between a delta and the fragment's outer momentum, over the tensors of both but
-    `skip` (running statistics come as values); None while the momentum is zero (no merge yet).
-
-    Over a sample: of each tensor larger than SAMPLE_ALL entries, SAMPLE_BLOCKS contiguous blocks
-    of 1/(SAMPLE_BLOCKS · SAMPLE_SHARE) of it at offsets `rng` draws per push (a pusher cannot
-    know which), so the watch reads an eighth of the delta and of the momentum. Over every entry it
-    cost 12% of the coordinator's CPU per pushed MB (benchmarks/ingest.py: +0.23 ms/MB on 1.9);
-    the sample 0.03 ms/MB (a 49 MB fragment in 1.5 ms), within 0.01 of the whole cosine."""
-    rng = rng or random.Random()
-    along = delta_sq = momentum_sq = 0.0
-    with np.errstate(over="ignore", invalid="ignore"):
-        for name in (n for n in delta if n in momentum and n not in skip):
-            d, m = flat_values(delta[name]), flat_values(momentum[name])
-            for start, stop in sampled(d.size, rng):
-                x, y = d[start:stop], m[start:stop]
-                along += float(np.dot(x, y))
-                delta_sq += float(np.dot(x, x))
-                momentum_sq += float(np.dot(y, y))
-    if not (0 < delta_sq < math.inf and 0 < momentum_sq < math.inf and math.isfinite(along)):
-        return None
-    return along / math.sqrt(delta_sq * momentum_sq)
-
-
-def flat_values(t: torch.Tensor) -> np.ndarray:
-    """A tensor's entries as one flat fp32 array (a view where it already is one). numpy, as
-    wire.tensors.sq_norm: torch's reductions start an OpenMP team per gRPC handler thread."""
-    flat = t.detach().reshape(-1)
-    return (flat if flat.dtype == torch.float32 else flat.float()).numpy()
-
-
-def sampled(size: int, rng: random.Random) -> list[tuple[int, int]]:
-    """The [start, stop) spans of a flat tensor the cosine reads: all of a small one, else
-    SAMPLE_BLOCKS blocks at random offsets."""
-    if size <= SAMPLE_ALL:
-        return [(0, size)]
-    block = size // (SAMPLE_BLOCKS * SAMPLE_SHARE)
-    return [(s, s + block) for s in (rng.randrange(size - block + 1) for _ in range(SAMPLE_BLOCKS))]
 
 
 @dataclass(frozen=True)
@@ -271,6 +234,10 @@ class Judgement:
     gap: float | None  # its mean alignment less the other learners' median (None: not judged)
     # Its median loss less the other learners', over the run's first round's loss (None: not judged).
     loss_excess: float | None = None
+    # Its median cosine to the other learners' directions less theirs to one another (agreement.py),
+    # furthest against them where that can be told; and its verdict per fragment.
+    agreement_gap: float | None = None
+    against: Mapping[int, str] = field(default_factory=dict)
 
 
 def judge(
@@ -281,6 +248,9 @@ def judge(
     gap_bar: float = SUSPECT_GAP,
     loss_bar: float = SUSPECT_LOSS,
     loss_scale: float | None = None,
+    disagreement_bar: float = SUSPECT_DISAGREEMENT,
+    *,
+    agreement: Agreement | None = None,
 ) -> dict[str, Judgement]:
     """Whether each learner that pushed within `live_within_s` of `now` looks hostile or broken,
     and why: the median norm of its last pushes stands above `ratio_bar` × the others'; the mean
@@ -288,11 +258,14 @@ def judge(
     `gap_bar` from the median of the live learners' (at least MIN_JUDGED of them); or the median
     training loss its last pushes reported stands above the other live learners' median by more
     than `loss_bar` × `loss_scale` (the run's first round's loss; one other learner is enough: the
-    higher loss is the worse one). A bar of 0 turns its rule off. A learner already named is
+    higher loss is the worse one); or its direction's median cosine to the other live learners'
+    stands more than `disagreement_bar` below theirs to one another (`agreement`, at least
+    agreement.MIN_LEARNERS of them). A bar of 0 turns its rule off. A learner already named is
     judged on its pushes since (PusherWatch.judged_after) against RELEASE × each bar, and stays
     named until it has MIN_WATCHED of them."""
     live = {w: watch for w, watch in watches.items() if now - watch.last_at <= live_within_s}
     gaps = _direction_gaps(live)
+    directions = agreement.gaps(live) if agreement is not None else {}
     losses = {w: m for w, watch in live.items() if (m := watch.loss_median(watch.judged_after())) is not None}
     out: dict[str, Judgement] = {}
     for worker, watch in live.items():
@@ -316,9 +289,19 @@ def judge(
                 f"its last deltas' mean cosine to {momentum} outer momentum is {mean:+.2f}, "
                 f"the {judged} live learners' median {reference:+.2f}: it does not go their way"
             )
+        mine = directions.get(worker, {})
+        against = verdicts(mine, watch.against, disagreement_bar)  # its own way of letting go
+        reasons.extend(why for why in against.values() if why)
+        odd = told(mine)
         if not reasons and watch.suspect and watch.unjudged_since_named():
             reasons = [watch.suspect]  # too few pushes since it was named to judge it again
-        out[worker] = Judgement("; ".join(reasons), gap[0] if gap is not None else None, excess)
+        out[worker] = Judgement(
+            "; ".join(reasons),
+            gap[0] if gap is not None else None,
+            excess,
+            odd.gap if odd is not None else None,
+            against,
+        )
     return out
 
 
@@ -376,6 +359,7 @@ def restored(
     gap_bar: float = SUSPECT_GAP,
     loss_bar: float = SUSPECT_LOSS,
     loss_scale: float | None = None,
+    disagreement_bar: float = SUSPECT_DISAGREEMENT,
     named: Mapping[str, str] | None = None,
 ) -> dict[str, PusherWatch]:
     """Each learner's watch as its last pushes left it ((when, norm ratio, alignment, fragment,
@@ -393,7 +377,9 @@ def restored(
         if worker in named:
             why = named[worker].removeprefix(SUSPECT_REFUSAL).lstrip(": ")
             watch.named_after, watch.suspect = watch.pushes, why or "named before the restart"
-    judged = judge(watches, now, live_within_s, ratio_bar, gap_bar, loss_bar, loss_scale)
+            if AGAINST in why:  # its direction is built again from its next pushes
+                watch.against = {RESTORED: why}
+    judged = judge(watches, now, live_within_s, ratio_bar, gap_bar, loss_bar, loss_scale, disagreement_bar)
     for worker, judgement in judged.items():
         watches[worker].take(judgement)
     return watches

@@ -15,6 +15,7 @@ import torch
 
 from diloco.config import RunConfig
 from diloco.coordinator import checkpoint, lifecycle, merging, pusher_watch, syncer
+from diloco.coordinator.agreement import Agreement
 from diloco.coordinator.callers import (
     HEARTBEAT_BURST,
     Callers,
@@ -24,6 +25,7 @@ from diloco.coordinator.callers import (
     heartbeat_rate,
     peer_host,
 )
+from diloco.coordinator.delta_sample import Sketcher
 from diloco.coordinator.held_out import no_eval_split_warning
 from diloco.coordinator.init_check import RunModel
 from diloco.coordinator.ledger import Ledger
@@ -125,6 +127,8 @@ class ServiceBase:
             ledger.recent_watched(pusher_watch.WATCH_PUSHES), self.clock(), *self.watch_bars(),
             named=ledger.last_refused_as(pusher_watch.SUSPECT_REFUSAL),
         )  # fmt: skip
+        # Each learner's direction against the others' (in memory: built again after a restart).
+        self.sketcher, self.agreement = Sketcher(), Agreement()
         for worker_id in pusher_watch.named(self.pusher_watch):
             log.warning("learner %s still looks hostile or broken", loggable(worker_id))
         self.sync_time_s = 0.0  # EMA of merge duration
@@ -138,12 +142,12 @@ class ServiceBase:
 
     # -- life cycle -----------------------------------------------------------------------------
 
-    def watch_bars(self) -> tuple[float, float, float, float, float | None]:
+    def watch_bars(self) -> tuple[float, float, float, float, float | None, float]:
         """What the pusher watch judges with: how long a learner counts as live, its bars, and the
         scale of losses."""
         s = self.config.sync
         return (self.config.coordinator.lease_ttl_s, s.suspect_norm_ratio, s.suspect_alignment_gap,
-                s.suspect_loss_excess, self.loss_scale)  # fmt: skip
+                s.suspect_loss_excess, self.loss_scale, s.suspect_disagreement)  # fmt: skip
 
     def status_detail(self) -> dict:
         raise NotImplementedError  # StatusRPCs

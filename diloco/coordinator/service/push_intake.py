@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from diloco.coordinator import centered_clip, limits, pusher_watch
+from diloco.coordinator import centered_clip, delta_sample, limits, pusher_watch
 from diloco.coordinator.log_text import loggable
 from diloco.coordinator.service.base import ServiceBase
 from diloco.coordinator.service.state import FragmentState, log
@@ -137,8 +137,11 @@ class PushIntake(ServiceBase):
         ratio = norm_per_h / reference[0] if reference is not None and reference[0] > 0 else None
         if ratio is not None:
             self.metrics.push_norm_ratio.observe(ratio)
-        aligned = pusher_watch.alignment(tensors, momentum, self.averaged)
+        aligned = delta_sample.alignment(tensors, momentum, self.averaged)
         loss = header.mean_loss if 0 < header.mean_loss < math.inf else None
+        self.agreement.add(
+            header.worker_id, header.fragment, self.sketcher.sketch(header.fragment, tensors, self.averaged)
+        )
         suspect = self._watch_pusher(header.worker_id, ratio, aligned, header.fragment, loss)
         outlier = limits.norm_outlier(
             norm_per_h, recent, self.config.sync.max_delta_norm_ratio, by, header.worker_id
@@ -175,7 +178,7 @@ class PushIntake(ServiceBase):
             now = self.clock()
             watch = self.pusher_watch.setdefault(worker_id, pusher_watch.PusherWatch())
             watch.add(now, ratio, alignment, fragment, loss)
-            judged = pusher_watch.judge(self.pusher_watch, now, *self.watch_bars())
+            judged = pusher_watch.judge(self.pusher_watch, now, *self.watch_bars(), agreement=self.agreement)
             changed = [(w, j.reason) for w, j in judged.items() if self.pusher_watch[w].take(j)]
             reason = watch.suspect
         then = (

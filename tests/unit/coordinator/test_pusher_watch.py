@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from diloco.coordinator.delta_sample import alignment
 from diloco.coordinator.pusher_watch import (
     MIN_LOSSES,
     MIN_WATCHED,
@@ -17,7 +18,6 @@ from diloco.coordinator.pusher_watch import (
     WATCH_PUSHES,
     Judgement,
     PusherWatch,
-    alignment,
     judge,
     restored,
 )

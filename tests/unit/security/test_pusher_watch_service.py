@@ -22,13 +22,26 @@ from diloco.v1 import coordinator_pb2 as pb
 from tests.support import start_coordinator_here, tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
 
-# H = 10 steps at the fixture's batch of 1: each push's 10 rows are a full H.
-OVERRIDES = {"sync.max_staleness": 1000, "data.epochs": 4, "train.inner_steps": 10, "sync.overlap_steps": 0}
+# H = 10 steps at the fixture's batch of 1: each push's 10 rows are a full H. The rule of each
+# learner's direction against the others' own off (it names the hostile at its 2nd push: the last
+# test): the tests before are of the cosine to the momentum, and of what naming does.
+OVERRIDES = {
+    "sync.max_staleness": 1000,
+    "data.epochs": 4,
+    "train.inner_steps": 10,
+    "sync.overlap_steps": 0,
+    "sync.suspect_disagreement": 0,
+}
 ROUNDS = 8
 
 
 def push_rounds(
-    running, learners: list[CoordinatorClient], init: dict, shards: list[int], rounds: range
+    running,
+    learners: list[CoordinatorClient],
+    init: dict,
+    shards: list[int],
+    rounds: range,
+    why: str = "does not go",
 ) -> list[int]:
     """Each learner pushes once a round, the last one (the hostile) its delta against the others'
     way at their size (no norm rule names it); the rounds in which its push was refused."""
@@ -43,7 +56,7 @@ def push_rounds(
             h.version = running.service.fragments[0].version
             reply = learner.push(h, delta)
             if k == len(learners) - 1 and not reply.accepted:
-                assert reply.reason.startswith(SUSPECT_REFUSAL) and "does not go" in reply.reason
+                assert reply.reason.startswith(SUSPECT_REFUSAL) and why in reply.reason, reply.reason
                 refused.append(i)
             else:
                 assert reply.accepted, reply
@@ -161,3 +174,30 @@ def test_a_restarted_coordinator_still_names_and_refuses_the_learner(
             assert shown[w]["delta_alignment"] == before[w]["delta_alignment"]
         # Its very next push is refused; the honest learners' are taken.
         assert push_rounds(again, back, init, shards, range(ROUNDS, ROUNDS + 1)) == [ROUNDS]
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_going_against_the_others_own_directions_is_refused_from_its_second_push(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    # Each learner's direction its own (coordinator/agreement.py): no momentum needed, so the
+    # hostile is named as soon as every learner has MIN_PUSHES (2) pushes.
+    overrides = {k: v for k, v in OVERRIDES.items() if k != "sync.suspect_disagreement"}  # its default
+    overrides["sync.refuse_suspects"] = True
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
+        learners, shards = joined(running, first, 2)
+        try:
+            why = "go against the other learners'"
+            assert push_rounds(running, learners, init, shards, range(4), why) == [1, 2, 3]
+            all_merged(running, 3 * 4 - 3)
+            detail = running.service.status_detail()
+            hostile = learners[2].worker_id
+            assert (
+                list(detail["suspect_learners"]) == [hostile] and why in detail["suspect_learners"][hostile]
+            )
+            shown = {w["worker_id"]: w for w in detail["workers"]}
+            assert shown[hostile]["delta_disagreement_largest"] > 1.5  # -0.9 against +0.9 or so
+            assert all(shown[w.worker_id]["delta_disagreement_largest"] in (None, 0.0) for w in learners[:2])
+        finally:
+            for learner in learners[1:]:
+                learner.close()
