@@ -3,6 +3,7 @@ what each defence saves, side by side and paired by seed.
 
     python benchmarks/hostile_learner.py --seeds 1,2,3 --out benchmarks/results/hostile_learner.json
     python benchmarks/hostile_learner.py --arms honest,refuse --seeds 1 --lr-scale 0.5
+    python benchmarks/hostile_learner.py --arms honest,liar --honest 4 --seeds 1,2    # among four honest
 
 Arms (each once per seed, one after the other): `honest` (the two honest learners alone: the
 reference), `named` (the climber beside them, sync.refuse_suspects off: the pusher watch only names
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--tokens", type=int, default=HostileRun.tokens, help="the merged-token budget")
     p.add_argument("--lr-scale", type=float, default=1.0, help="the climber's learning rate over the run's")
+    p.add_argument("--honest", type=int, default=HostileRun.honest, help="honest learners beside the climber")
     p.add_argument("--set", action="append", default=[], help="section.key=value for every arm")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
                 spec = HostileRun(
                     ascent=ARMS[arm].get("ascent", 1),
                     lie=ARMS[arm].get("lie", False),
+                    honest=args.honest,
                     lr_scale=args.lr_scale,
                     tokens=args.tokens,
                     seed=seed,
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
               f"honest named in {line['honest_named']} runs; audits {'ok' if line['audits_ok'] else 'FAILED'}")  # fmt: skip
     if args.out:
         result = {"command": " ".join(["python benchmarks/hostile_learner.py", *(argv or sys.argv[1:])]),
-                  "lr_scale": args.lr_scale, "tokens": args.tokens, "summary": summary,
+                  "lr_scale": args.lr_scale, "tokens": args.tokens, "honest": args.honest, "summary": summary,
                   "runs": {a: {str(s): r for s, r in by.items()} for a, by in runs.items()}}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
