@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from diloco.client import CoordinatorClient
-from diloco.coordinator.pusher_watch import SUSPECT_REFUSAL
+from diloco.coordinator.pusher_watch import MIN_WATCHED, SUSPECT_REFUSAL
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import start_coordinator_here, tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
@@ -42,11 +42,13 @@ def push_rounds(
     shards: list[int],
     rounds: range,
     why: str = "does not go",
+    shared: float = 1.0,
 ) -> list[int]:
     """Each learner pushes once a round, the last one (the hostile) its delta against the others'
-    way at their size (no norm rule names it); the rounds in which its push was refused."""
+    way at their size (no norm rule names it); the rounds in which its push was refused. With
+    `shared` 0 every delta is noise alone: no learner can be told apart."""
     g = torch.Generator().manual_seed(0)
-    way = {n: torch.randn(t.shape, generator=g) * 1e-4 for n, t in init.items()}  # the data's way
+    way = {n: torch.randn(t.shape, generator=g) * 1e-4 * shared for n, t in init.items()}  # the data's way
     refused = []
     for i in rounds:
         for k, learner in enumerate(learners):
@@ -201,3 +203,29 @@ def test_a_learner_going_against_the_others_own_directions_is_refused_from_its_s
         finally:
             for learner in learners[1:]:
                 learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_named_for_its_direction_stays_named_after_a_restart_while_nothing_tells(
+    tiny_corpus: Path, tmp_path: Path
+) -> None:
+    # Directions live in memory: after a restart they are built again. Where the learners' deltas
+    # are noise alone, nothing tells them apart, and the naming from before the restart stands.
+    overrides = {k: v for k, v in OVERRIDES.items() if k != "sync.suspect_disagreement"}
+    overrides["sync.refuse_suspects"] = True
+    why = "go against the other learners'"
+    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
+        learners, shards = joined(running, first, 2)
+        ids = [learner.worker_id for learner in learners]
+        try:
+            assert push_rounds(running, learners, init, shards, range(3), why) == [1, 2]
+            all_merged(running, 3 * 3 - 2)
+        finally:
+            for learner in learners:
+                learner.close()
+            config = running.service.config
+            running.stop()
+    with restarted(config, tmp_path, ids) as (again, back):
+        assert list(again.service.status_detail()["suspect_learners"]) == [ids[2]]
+        rounds = range(3, 3 + MIN_WATCHED + 2)  # past the pushes a restored naming is carried for
+        assert push_rounds(again, back, init, shards, rounds, why, shared=0.0) == list(rounds)
