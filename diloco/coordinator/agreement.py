@@ -38,6 +38,12 @@ MAX_LEARNERS = 512  # directions kept per fragment: the least recently pushed ar
 # climbing the loss then stands near 0 to them as they do to one another. There a learner is
 # neither named nor let go by its direction: its fragment's last verdict stands.
 MIN_REFERENCE = 0.3
+# ... and its median cosine to them must be below this: it points against them. Honest learners'
+# cosines to the others stood at -0.03 at the lowest where their agreement could be told (a learner
+# killed and resumed under chaos), a learner climbing the loss at -0.30 to -0.57 when it was named
+# (twelve runs):
+# a second guard, so that an honest learner must stand in both tails to be named.
+AGAINST_BELOW = -0.15
 # A learner named by its direction is let go where its median cosine to the other learners comes to
 # this share of theirs to one another (where that can be told). Not a share of the bar: a learner
 # climbing the loss and refused stands near 0 to the others as their own agreement falls through
@@ -119,7 +125,8 @@ class Agreement:
 def verdicts(gaps: Mapping[int, AgreementGap], carried: Mapping[int, str], bar: float) -> dict[int, str]:
     """A learner's verdict per fragment: why it goes against the other learners ("": it does not).
     Where the others agree enough to tell (MIN_REFERENCE): named where its gap stands more than
-    `bar` below theirs, and, named (`carried`), until its cosine comes to LET_GO × theirs;
+    `bar` below theirs and its cosine below AGAINST_BELOW, and, named (`carried`), until its
+    cosine comes to LET_GO × theirs;
     elsewhere as last judged. A bar of 0: no verdicts."""
     if bar <= 0:
         return {}
@@ -129,7 +136,7 @@ def verdicts(gaps: Mapping[int, AgreementGap], carried: Mapping[int, str], bar: 
         named = carried.get(fragment, "") or (carried.get(RESTORED, "") if not told_now else "")
         if g.reference < MIN_REFERENCE:
             out[fragment] = carried.get(fragment, "")
-        elif (named and g.cosine < LET_GO * g.reference) or -g.gap > bar:
+        elif (named and g.cosine < LET_GO * g.reference) or (-g.gap > bar and g.cosine < AGAINST_BELOW):
             out[fragment] = (
                 f"its recent deltas of fragment {fragment} {AGAINST}: median cosine {g.cosine:+.2f} "
                 f"to theirs, theirs to one another {g.reference:+.2f} ({g.learners} live learners; "

@@ -51,10 +51,11 @@ SUSPECT_GAP = 0.35  # its mean cosine to the momentum this far from the live lea
 SUSPECT_LOSS = 0.75
 MIN_LOSSES = 3  # a push's loss is a mean over its inner steps: a few tell a learner apart
 # A learner's direction against the other learners' own (agreement.py): its median cosine to theirs
-# this far below their median cosine to one another. Honest learners came to 0.41 at most over 14
-# runs (the configurations above, two seeds each), a 3x slower one to 0.48; a learner climbing the
-# loss and lying about it stood 0.90-1.48 apart at its 2nd or 3rd push, in six runs of six
-# (results/pusher_watch_agreement.json, hostile_learner_agreement.json).
+# this far below their median cosine to one another (and below agreement.AGAINST_BELOW itself).
+# Honest learners came to 0.56 at most over 18 runs (the configurations above, two seeds each; the
+# 3x slower learner and chaos two more); a learner climbing the loss and lying about it stood
+# 0.98-1.11 apart at its 3rd push, in six runs of six (results/pusher_watch_agreement*.json,
+# hostile_learner_agreement.json).
 SUSPECT_DISAGREEMENT = 0.7
 # A named learner is judged against this share of each bar until it no longer looks hostile or
 # broken: a learner whose figure stands near a bar is not named and un-named push by push, its

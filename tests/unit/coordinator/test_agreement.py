@@ -9,6 +9,7 @@ import torch
 
 from diloco.coordinator import agreement
 from diloco.coordinator.agreement import (
+    AGAINST_BELOW,
     LET_GO,
     MIN_PUSHES,
     MIN_REFERENCE,
@@ -136,6 +137,8 @@ def test_where_the_others_do_not_agree_enough_to_tell_a_fragments_last_verdict_s
     quiet = AgreementGap(-0.1, 0, 0.0, MIN_REFERENCE / 2, 3)
     assert verdicts({0: quiet}, {0: "named before"}, bar=0.7) == {0: "named before"}
     assert verdicts({0: quiet}, {}, bar=0.7) == {0: ""}
+    # Far below the others but still their way (a slower learner's older start): not named.
+    assert verdicts({0: AgreementGap(-0.8, 0, AGAINST_BELOW + 0.2, 0.9, 3)}, {}, bar=0.7) == {0: ""}
     agrees = AgreementGap(-0.1, 0, 0.5, 0.6, 3)  # told, and like the others: let go
     assert verdicts({0: agrees}, {0: "named before"}, bar=0.7) == {0: ""}
     # A fragment not compared now keeps its verdict; a bar of 0 gives none.
