@@ -66,7 +66,6 @@ class Direction:
 @dataclass(frozen=True)
 class AgreementGap:
     gap: float  # its median cosine to the others less theirs to one another (negative: against them)
-    fragment: int
     cosine: float  # its median cosine to the other learners' directions
     reference: float  # theirs to one another
     learners: int  # how many live learners' directions were compared
@@ -90,7 +89,7 @@ class Agreement:
             ways = self.ways.setdefault(fragment, collections.OrderedDict())
             cosines = self.cosines.setdefault(fragment, {})
             mine = ways.pop(worker, None)
-            if mine is None or mine.way.shape != sketch.shape:
+            if mine is None:
                 mine = Direction(sketch.astype(np.float32, copy=True))
             else:
                 mine.way = KEEP * mine.way + (1.0 - KEEP) * sketch
@@ -102,7 +101,7 @@ class Agreement:
                     del cosines[pair]
             norm = float(np.linalg.norm(mine.way))
             for other, theirs in ways.items():
-                if other == worker or theirs.way.shape != mine.way.shape:
+                if other == worker:
                     continue
                 denominator = norm * float(np.linalg.norm(theirs.way))
                 cosine = float(np.dot(mine.way, theirs.way)) / denominator if denominator > 0 else 0.0
@@ -117,7 +116,7 @@ class Agreement:
                 judged = sorted(w for w, d in ways.items() if w in live and d.pushes >= MIN_PUSHES)
                 if len(judged) < MIN_LEARNERS:
                     continue
-                for worker, gap in _fragment_gaps(judged, self.cosines[fragment], fragment).items():
+                for worker, gap in _fragment_gaps(judged, self.cosines[fragment]).items():
                     found.setdefault(worker, {})[fragment] = gap
             return found
 
@@ -133,9 +132,9 @@ def verdicts(gaps: Mapping[int, AgreementGap], carried: Mapping[int, str], bar: 
     told_now = any(g.reference >= MIN_REFERENCE for g in gaps.values())
     out = {f: why for f, why in carried.items() if f not in gaps and not (f == RESTORED and told_now)}
     for fragment, g in gaps.items():
-        named = carried.get(fragment, "") or (carried.get(RESTORED, "") if not told_now else "")
+        named = carried.get(fragment, "")
         if g.reference < MIN_REFERENCE:
-            out[fragment] = carried.get(fragment, "")
+            out[fragment] = named
         elif (named and g.cosine < LET_GO * g.reference) or (-g.gap > bar and g.cosine < AGAINST_BELOW):
             out[fragment] = (
                 f"its recent deltas of fragment {fragment} {AGAINST}: median cosine {g.cosine:+.2f} "
@@ -156,9 +155,7 @@ def _pair(a: str, b: str) -> tuple[str, str]:
     return (a, b) if a < b else (b, a)
 
 
-def _fragment_gaps(
-    judged: list[str], cosines: dict[tuple[str, str], float], fragment: int
-) -> dict[str, AgreementGap]:
+def _fragment_gaps(judged: list[str], cosines: dict[tuple[str, str], float]) -> dict[str, AgreementGap]:
     """For each learner: its median cosine to the others beside the median over the pairs it is
     not in."""
     n = len(judged)
@@ -170,5 +167,5 @@ def _fragment_gaps(
     for i, worker in enumerate(judged):
         mine = (rows == i) | (cols == i)
         cosine, reference = float(np.median(values[mine])), float(np.median(values[~mine]))
-        out[worker] = AgreementGap(cosine - reference, fragment, cosine, reference, n)
+        out[worker] = AgreementGap(cosine - reference, cosine, reference, n)
     return out

@@ -14,7 +14,14 @@ import torch
 from diloco.coordinator.pusher_watch import SUSPECT_REFUSAL
 from tests.support import tiny_coordinator
 from tests.unit.security.test_merge_attacks import header
-from tests.unit.security.test_pusher_watch_service import OVERRIDES, all_merged, joined, restarted, samples
+from tests.unit.security.test_pusher_watch_service import (
+    OVERRIDES,
+    all_merged,
+    joined,
+    restarted,
+    samples,
+    stopped,
+)
 
 ROUNDS = 8
 LOSSES = (3.0, 12.0)  # the honest learner's, the climber's
@@ -63,10 +70,7 @@ def test_a_learner_reporting_a_loss_far_above_the_others_is_named_and_refused_an
             assert shown[ids[1]]["loss_excess"] == pytest.approx((12.0 - 3.0) / scale, abs=1e-3)
             assert samples(running, "diloco_learner_loss_excess", "worker")[ids[0]] < 0
         finally:
-            for learner in learners:
-                learner.close()
-            config = running.service.config
-            running.stop()
+            config = stopped(running, learners)
     with restarted(config, tmp_path, ids) as (again, back):
         assert again.service.loss_scale == scale
         assert list(again.service.status_detail()["suspect_learners"]) == [ids[1]]

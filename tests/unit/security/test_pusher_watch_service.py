@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from diloco.client import CoordinatorClient
+from diloco.coordinator.agreement import AGAINST
 from diloco.coordinator.pusher_watch import MIN_WATCHED, SUSPECT_REFUSAL
 from diloco.v1 import coordinator_pb2 as pb
 from tests.support import start_coordinator_here, tiny_coordinator
@@ -31,6 +32,11 @@ OVERRIDES = {
     "train.inner_steps": 10,
     "sync.overlap_steps": 0,
     "sync.suspect_disagreement": 0,
+}
+# The last tests': every rule at its default, named pushes refused.
+DIRECTIONS = {
+    **{k: v for k, v in OVERRIDES.items() if k != "sync.suspect_disagreement"},
+    "sync.refuse_suspects": True,
 }
 ROUNDS = 8
 
@@ -85,6 +91,15 @@ def joined(running, first: CoordinatorClient, more: int) -> tuple[list[Coordinat
         learner.join()
     learners = [first, *others]
     return learners, [learner.lease_shard().shard_id for learner in learners]
+
+
+def stopped(running, learners: list[CoordinatorClient]) -> Any:
+    """The learners closed and the coordinator stopped; its config, to start it again with."""
+    for learner in learners:
+        learner.close()
+    config = running.service.config
+    running.stop()
+    return config
 
 
 @contextlib.contextmanager
@@ -164,10 +179,7 @@ def test_a_restarted_coordinator_still_names_and_refuses_the_learner(
             all_merged(running, 3 * ROUNDS - 2)
             before = {w["worker_id"]: w for w in running.service.status_detail()["workers"]}
         finally:
-            for learner in learners:
-                learner.close()
-            config = running.service.config
-            running.stop()
+            config = stopped(running, learners)
     with restarted(config, tmp_path, ids) as (again, back):
         detail = again.service.status_detail()
         assert list(detail["suspect_learners"]) == [ids[2]], detail["suspect_learners"]
@@ -184,12 +196,10 @@ def test_a_learner_going_against_the_others_own_directions_is_refused_from_its_s
 ) -> None:
     # Each learner's direction its own (coordinator/agreement.py): no momentum needed, so the
     # hostile is named as soon as every learner has MIN_PUSHES (2) pushes.
-    overrides = {k: v for k, v in OVERRIDES.items() if k != "sync.suspect_disagreement"}  # its default
-    overrides["sync.refuse_suspects"] = True
-    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
+    with tiny_coordinator(tiny_corpus, tmp_path, DIRECTIONS) as (running, first, init):
         learners, shards = joined(running, first, 2)
         try:
-            why = "go against the other learners'"
+            why = AGAINST
             assert push_rounds(running, learners, init, shards, range(4), why) == [1, 2, 3]
             all_merged(running, 3 * 4 - 3)
             detail = running.service.status_detail()
@@ -211,20 +221,15 @@ def test_a_learner_named_for_its_direction_stays_named_after_a_restart_while_not
 ) -> None:
     # Directions live in memory: after a restart they are built again. Where the learners' deltas
     # are noise alone, nothing tells them apart, and the naming from before the restart stands.
-    overrides = {k: v for k, v in OVERRIDES.items() if k != "sync.suspect_disagreement"}
-    overrides["sync.refuse_suspects"] = True
-    why = "go against the other learners'"
-    with tiny_coordinator(tiny_corpus, tmp_path, overrides) as (running, first, init):
+    why = AGAINST
+    with tiny_coordinator(tiny_corpus, tmp_path, DIRECTIONS) as (running, first, init):
         learners, shards = joined(running, first, 2)
         ids = [learner.worker_id for learner in learners]
         try:
             assert push_rounds(running, learners, init, shards, range(3), why) == [1, 2]
             all_merged(running, 3 * 3 - 2)
         finally:
-            for learner in learners:
-                learner.close()
-            config = running.service.config
-            running.stop()
+            config = stopped(running, learners)
     with restarted(config, tmp_path, ids) as (again, back):
         assert list(again.service.status_detail()["suspect_learners"]) == [ids[2]]
         rounds = range(3, 3 + MIN_WATCHED + 2)  # past the pushes a restored naming is carried for
