@@ -52,7 +52,8 @@ AGAINST_BELOW = -0.15
 # let go in that one only; honest learners 0.51 at least, a 3x slower one 0.09 to 1.0).
 LET_GO = 0.5
 # The verdict of a learner named for its direction before the coordinator restarted (directions
-# live in memory only): it stands until one of its fragments' can be told again.
+# live in memory only): it stands until one of its fragments' can be told again, and is judged there
+# as a named learner's (let go at LET_GO).
 RESTORED = -1
 AGAINST = "go against the other learners'"  # in every verdict's reason
 
@@ -132,7 +133,7 @@ def verdicts(gaps: Mapping[int, AgreementGap], carried: Mapping[int, str], bar: 
     told_now = any(g.reference >= MIN_REFERENCE for g in gaps.values())
     out = {f: why for f, why in carried.items() if f not in gaps and not (f == RESTORED and told_now)}
     for fragment, g in gaps.items():
-        named = carried.get(fragment, "")
+        named = carried.get(fragment, "") or carried.get(RESTORED, "")  # named before a restart: still
         if g.reference < MIN_REFERENCE:
             out[fragment] = named
         elif (named and g.cosine < LET_GO * g.reference) or (-g.gap > bar and g.cosine < AGAINST_BELOW):

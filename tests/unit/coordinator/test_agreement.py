@@ -158,5 +158,8 @@ def test_a_learner_named_for_its_direction_before_a_restart_stays_named_until_it
         for _ in range(MIN_WATCHED):
             watch.add(100.0, 1.0, 0.5)
     assert judge(watches, 100.0, 60.0, agreement=Agreement())["l2"].reason == why  # nothing told yet
+    # Told, and near 0 to the others (less apart than the bar): judged as named, not afresh.
+    lukewarm = directions(pushes=4, against=0, honest=2, noise=1)
+    assert "go against" in judge(watches, 100.0, 60.0, agreement=lukewarm)["l2"].reason
     got = judge(watches, 100.0, 60.0, agreement=directions(pushes=4, against=0, honest=3))
     assert got["l2"].reason == "" and got["l2"].against == {0: ""}  # told, and like the others
